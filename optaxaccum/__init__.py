@@ -1,0 +1,46 @@
+"""optaxaccum: gradient accumulation for JAX as composable optax transforms.
+
+Users import :mod:`optaxaccum` (and :mod:`optaxaccum.flax` for the Flax
+integration); everything under ``optaxaccum._src`` is private.
+"""
+
+from optaxaccum._src.accumulate import AccumulateState, accumulate, has_updated
+from optaxaccum._src.agc import agc, unitwise_norm
+from optaxaccum._src.base import GatedTransformation, GateResult, is_gate
+from optaxaccum._src.chain import apply_gradients, chain, flush
+from optaxaccum._src.loss_scale import (
+    DynamicLossScaleState,
+    StaticLossScaleState,
+    dynamic_loss_scale,
+    loss_scale,
+    scaled_value_and_grad,
+    static_loss_scale,
+)
+from optaxaccum._src.microbatch import (
+    microbatched_value_and_grad,
+    plan_microbatches,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulateState",
+    "DynamicLossScaleState",
+    "GateResult",
+    "GatedTransformation",
+    "StaticLossScaleState",
+    "accumulate",
+    "agc",
+    "apply_gradients",
+    "chain",
+    "dynamic_loss_scale",
+    "flush",
+    "has_updated",
+    "is_gate",
+    "loss_scale",
+    "microbatched_value_and_grad",
+    "plan_microbatches",
+    "scaled_value_and_grad",
+    "static_loss_scale",
+    "unitwise_norm",
+]

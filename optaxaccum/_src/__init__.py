@@ -1,0 +1,1 @@
+"""Private implementation of optaxaccum; import from ``optaxaccum`` instead."""

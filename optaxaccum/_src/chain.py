@@ -1,0 +1,264 @@
+"""``oa.chain``: ``optax.chain`` with gates, the fused step and ``flush``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from optaxaccum._src import base
+
+__all__ = ["chain", "apply_gradients", "flush"]
+
+
+def chain(
+    *transforms: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
+    """Chains transformations like :func:`optax.chain`, honouring gates.
+
+    Elements before the first gate (:func:`accumulate`,
+    :func:`dynamic_loss_scale`, or any :class:`GatedTransformation`) run on
+    every call. The gate then decides whether the elements after it run: when
+    it stays closed, their states are returned bit-for-bit unchanged and the
+    chain emits zeros with the structure, shapes and dtypes that the update
+    would have had. Elements after the gate may contain further gates. A chain
+    that contains a gate is itself a gate, so chains nest.
+
+    Extra keyword arguments of ``update`` (e.g. ``accum_weight``) reach every
+    element; elements that do not take extra arguments are wrapped with
+    :func:`optax.with_extra_args_support`.
+
+    Args:
+      *transforms: optax gradient transformations, gates among them.
+
+    Returns:
+      A :class:`optax.GradientTransformationExtraArgs` whose state is the tuple
+      of the elements' states, in order. It is a :class:`GatedTransformation`
+      when one of the elements is a gate.
+
+    Raises:
+      TypeError: if an element is not an optax gradient transformation.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
+      >>> params = jnp.zeros(3)
+      >>> state = tx.init(params)
+      >>> u, state = tx.update(jnp.ones(3), state, params)  # Adam not run
+      >>> u
+      Array([0., 0., 0.], dtype=float32)
+      >>> u, state = tx.update(jnp.ones(3), state, params)  # window closes
+      >>> u
+      Array([-0.1, -0.1, -0.1], dtype=float32)
+
+    .. warning::
+      Stock :func:`optax.chain` cannot gate: a stateful optimizer placed after
+      :func:`accumulate` inside ``optax.chain`` steps on every call. Put the
+      gate and its followers in an ``oa.chain`` (which may itself sit inside
+      ``optax.chain``).
+    """
+    for i, tx in enumerate(transforms):
+        if not isinstance(tx, optax.GradientTransformation):
+            raise TypeError(
+                "Every element of oa.chain must be an optax "
+                f"GradientTransformation; element {i} is {tx!r} of type "
+                f"{type(tx).__name__}"
+            )
+    txs = tuple(
+        tx if base.is_gate(tx) else optax.with_extra_args_support(tx)
+        for tx in transforms
+    )
+
+    def init_fn(params):
+        return tuple(tx.init(params) for tx in txs)
+
+    def check_state(state):
+        if not isinstance(state, tuple) or len(state) != len(txs):
+            raise ValueError(
+                f"oa.chain of {len(txs)} transformations expects a tuple of "
+                f"{len(txs)} states, got {type(state).__name__} "
+                f"{jax.tree.structure(state)}"
+            )
+
+    gate_at = next((i for i, tx in enumerate(txs) if base.is_gate(tx)), None)
+    if gate_at is None:
+
+        def update_fn(updates, state, params=None, **extra_args):
+            check_state(state)
+            new_state = []
+            for tx, s in zip(txs, state):
+                updates, s = tx.update(updates, s, params, **extra_args)
+                new_state.append(s)
+            return updates, tuple(new_state)
+
+        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+    def gate_update_fn(updates, state, params=None, **extra_args):
+        check_state(state)
+        head = []
+        for tx, s in zip(txs[:gate_at], state[:gate_at]):
+            updates, s = tx.update(updates, s, params, **extra_args)
+            head.append(s)
+        res = txs[gate_at].gate_update(
+            updates, state[gate_at], params, **extra_args
+        )
+        return _follow(
+            res, tuple(head), state[gate_at + 1 :], followers(gate_at),
+            params, extra_args,
+        )
+
+    # The first element that can close a window early (``flush``); the
+    # elements before it have no gradient to process and are left alone.
+    flush_at = next(
+        (
+            i
+            for i, tx in enumerate(txs)
+            if base.is_gate(tx) and tx.gate_flush is not None
+        ),
+        None,
+    )
+
+    def gate_flush_fn(state, params, **extra_args):
+        check_state(state)
+        res = txs[flush_at].gate_flush(state[flush_at], params, **extra_args)
+        return _follow(
+            res, state[:flush_at], state[flush_at + 1 :], followers(flush_at),
+            params, extra_args,
+        )
+
+    def followers(i):
+        rest = txs[i + 1 :]
+        return chain(*rest) if rest else None
+
+    return base.GatedTransformation(
+        init_fn, gate_update_fn, gate_flush_fn if flush_at is not None else None
+    )
+
+
+def _follow(res, head, tail_state, rest, params, extra_args):
+    """Extends a gate's result with the elements that follow it."""
+
+    def emit():
+        updates, gate_state, opened = res.emit()
+        if rest is None:
+            return updates, (*head, gate_state), opened
+
+        def run():
+            return rest.update(updates, tail_state, params, **extra_args)
+
+        def skip():
+            return base.zeros_of(jax.eval_shape(run)[0]), tail_state
+
+        updates, tail = base.cond_or_call(opened, run, skip)
+        return updates, (*head, gate_state, *tail), opened
+
+    return base.GateResult((*head, res.state, *tail_state), res.may_open, emit)
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    **extra_args: Any,
+) -> tuple[optax.Params, optax.OptState]:
+    """One fused optimizer step: ``update`` then ``optax.apply_updates``.
+
+    Gives the same result as::
+
+      updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+      params = optax.apply_updates(params, updates)
+
+    but when ``tx`` is a gate (e.g. an :func:`chain` holding an
+    :func:`accumulate`) that stays closed, ``params`` are returned untouched
+    and no tree of zero updates is built. Jitted with ``params`` and
+    ``opt_state`` donated, a micro-step that does not close the window then
+    costs a single pass over the accumulator (read gradient, read accumulator,
+    write accumulator) and allocates no tree-sized temporary.
+
+    Args:
+      tx: any optax transformation; the fast path needs a gate.
+      grads: the gradients of this micro-batch.
+      opt_state: ``tx``'s state.
+      params: the current parameters.
+      **extra_args: passed to ``tx.update`` (e.g. ``accum_weight``).
+
+    Returns:
+      ``(params, opt_state)`` after the step.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> tx = oa.chain(oa.accumulate(2), optax.sgd(0.5))
+      >>> params = jnp.ones(2)
+      >>> state = tx.init(params)
+      >>> step = jax.jit(lambda g, s, p: oa.apply_gradients(tx, g, s, p),
+      ...                donate_argnums=(1, 2))
+      >>> params, state = step(jnp.ones(2), state, params)
+      >>> params, state = step(3 * jnp.ones(2), state, params)
+      >>> params
+      Array([0., 0.], dtype=float32)
+    """
+    if not base.is_gate(tx):
+        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+        return optax.apply_updates(params, updates), opt_state
+    return _apply(tx.gate_update(grads, opt_state, params, **extra_args), params)
+
+
+def _apply(res: base.GateResult, params):
+    def opened():
+        updates, state, _ = res.emit()
+        return optax.apply_updates(params, updates), state
+
+    return base.cond_or_call(res.may_open, opened, lambda: (params, res.state))
+
+
+def flush(
+    tx: optax.GradientTransformation,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    **extra_args: Any,
+) -> tuple[optax.Updates, optax.OptState]:
+    """Closes the current, partial accumulation window now (end of an epoch).
+
+    Exactly as if the window's closing micro-batch had just arrived: the
+    window emits the (weighted) mean or sum over the micro-batches actually
+    seen, in the params' dtypes, and the elements after the accumulation run
+    once. With an empty window it emits zeros and changes nothing. Elements
+    before the accumulation (e.g. :func:`agc`) do not run: there is no new
+    gradient.
+
+    Args:
+      tx: an :func:`accumulate`, or an :func:`chain` containing one.
+      opt_state: ``tx``'s state.
+      params: the current parameters (they give the emitted dtypes).
+      **extra_args: passed to the elements after the accumulation.
+
+    Returns:
+      ``(updates, opt_state)``, to be applied with
+      :func:`optax.apply_updates`.
+
+    Raises:
+      ValueError: if ``tx`` holds no :func:`accumulate`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> tx = oa.chain(oa.accumulate(4), optax.sgd(1.0))
+      >>> params = jnp.zeros(1)
+      >>> state = tx.init(params)
+      >>> for g in (1.0, 2.0, 6.0):   # 3 of 4 micro-batches: last of epoch
+      ...   _, state = tx.update(jnp.array([g]), state, params)
+      >>> updates, state = oa.flush(tx, state, params)
+      >>> updates   # minus the mean of the three, not divided by 4
+      Array([-3.], dtype=float32)
+    """
+    gate_flush = getattr(tx, "gate_flush", None) if base.is_gate(tx) else None
+    if gate_flush is None:
+        raise ValueError(
+            "oa.flush needs an oa.accumulate, or an oa.chain that contains "
+            f"one; got {tx!r}"
+        )
+    return base.resolve(gate_flush(opt_state, params, **extra_args))
