@@ -1,0 +1,387 @@
+"""Tests of ``oa.accumulate`` inside ``oa.chain``: numerics against the
+big-batch update and ``optax.MultiSteps``, windows, weights, flush."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxaccum as oa
+
+JIT_OR_NOT = [lambda f: f, jax.jit]
+
+# Tolerances by gradient dtype (params stay float32).
+TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-6), jnp.bfloat16: dict(rtol=3e-2, atol=3e-3)}
+
+
+def _problem(seed=0, n=96, din=5, dout=3):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(n, din)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(n, dout)), jnp.float32)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(din, dout)) * 0.3, jnp.float32),
+        "b": jnp.zeros((dout,), jnp.float32),
+    }
+    return params, x, y
+
+
+def _loss(params, x, y):
+    pred = x @ params["w"] + params["b"][None, :]
+    return jnp.mean((pred - y) ** 2)
+
+
+_grad = jax.jit(jax.grad(_loss))
+
+
+def _optimizers():
+    schedule = optax.linear_schedule(0.1, 0.01, transition_steps=3)
+    mask = {"w": True, "b": False}
+    return {
+        "sgd": optax.sgd(0.1),
+        "sgd_momentum": optax.sgd(0.05, momentum=0.9),
+        "adamw_masked": optax.adamw(0.05, weight_decay=0.1, mask=mask),
+        "clip_adam": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.05)),
+        "adam_schedule": optax.adam(schedule),
+    }
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("opt_name", list(_optimizers()))
+def test_accumulate_equals_big_batch(opt_name, k, dtype):
+    """K micro-batches through accumulate(K) == one step on the big batch."""
+    opt = _optimizers()[opt_name]
+    params, x, y = _problem()
+    windows, batch = 3, 32
+    tx = oa.chain(oa.accumulate(k), opt)
+    state = tx.init(params)
+    ref_params, ref_state = params, opt.init(params)
+    update = jax.jit(tx.update)
+    for w in range(windows):
+        xs = x[w * batch : (w + 1) * batch]
+        ys = y[w * batch : (w + 1) * batch]
+        g = jax.tree.map(lambda t: t.astype(dtype), _grad(ref_params, xs, ys))
+        u, ref_state = jax.jit(opt.update)(g, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, u)
+        for i in range(k):
+            sl = slice(i * batch // k, (i + 1) * batch // k)
+            g = _grad(params, xs[sl], ys[sl])
+            g = jax.tree.map(lambda t: t.astype(dtype), g)
+            u, state = update(g, state, params)
+            params = optax.apply_updates(params, u)
+        chex.assert_trees_all_close(params, ref_params, **TOL[dtype])
+    # The optimizer stepped once per window: its count (if any) is `windows`.
+    counts = [c for c in jax.tree.leaves(state[1:]) if c.dtype == jnp.int32]
+    for c in counts:
+        assert int(c) == windows
+
+
+def test_schedule_advances_once_per_window():
+    def schedule(count):
+        return 0.1 * (count + 1)
+
+    tx = oa.chain(oa.accumulate(3), optax.sgd(schedule))
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    lrs = []
+    for _ in range(9):
+        u, state = update(jnp.ones(2), state, params)
+        if bool(oa.has_updated(state)):
+            lrs.append(-float(u[0]))
+    np.testing.assert_allclose(lrs, [0.1, 0.2, 0.3], rtol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_accumulate_equals_multisteps(k):
+    params, x, y = _problem(1)
+    opt = optax.adam(0.05)
+    ours = oa.chain(oa.accumulate(k), opt)
+    theirs = optax.MultiSteps(opt, k)
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    p_ours = p_theirs = params
+    ours_update, theirs_update = jax.jit(ours.update), jax.jit(theirs.update)
+    for step in range(3 * k):
+        xs, ys = x[step * 8 : (step + 1) * 8], y[step * 8 : (step + 1) * 8]
+        g = _grad(p_ours, xs, ys)
+        inner_before = s_ours[1]
+        u_ours, s_ours = ours_update(g, s_ours, p_ours)
+        u_theirs, s_theirs = theirs_update(g, s_theirs, p_theirs)
+        chex.assert_trees_all_close(u_ours, u_theirs, rtol=1e-5, atol=1e-7)
+        if not bool(oa.has_updated(s_ours)):
+            # The follower's state is untouched on a non-closing micro-step.
+            chex.assert_trees_all_equal(s_ours[1], inner_before)
+        assert bool(oa.has_updated(s_ours)) == bool(theirs.has_updated(s_theirs))
+        p_ours = optax.apply_updates(p_ours, u_ours)
+        p_theirs = optax.apply_updates(p_theirs, u_theirs)
+    chex.assert_trees_all_close(
+        s_ours[1], s_theirs.inner_opt_state, rtol=1e-5, atol=1e-7
+    )
+
+
+@pytest.mark.parametrize("transform", JIT_OR_NOT)
+def test_weights_give_exact_per_example_mean(transform):
+    """Unequal micro-batch sizes weighted by their sizes give the big-batch
+    per-example mean, not the mean of means (transformers #34191)."""
+    params, x, y = _problem(2, n=16)
+    sizes = [3, 5, 8]
+    tx = oa.chain(oa.accumulate(len(sizes)), optax.sgd(1.0))
+    state = tx.init(params)
+    update = transform(tx.update)
+    start = 0
+    for n in sizes:
+        g = _grad(params, x[start : start + n], y[start : start + n])
+        u, state = update(g, state, params, accum_weight=n)
+        start += n
+    want = jax.tree.map(lambda t: -t, _grad(params, x, y))
+    chex.assert_trees_all_close(u, want, rtol=1e-5, atol=1e-7)
+    # The unweighted mean of means differs: the weights matter here.
+    mean_of_means = jax.tree.map(
+        lambda *gs: -sum(gs) / 3,
+        *[_grad(params, x[a:b], y[a:b]) for a, b in [(0, 3), (3, 8), (8, 16)]],
+    )
+    assert not np.allclose(u["w"], mean_of_means["w"], rtol=1e-3)
+
+
+def test_sum_reduction_weighted():
+    tx = oa.chain(oa.accumulate(2, reduction="sum"), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    _, state = tx.update(jnp.array([1.0, 2.0]), state, params, accum_weight=2.0)
+    u, state = tx.update(jnp.array([3.0, 5.0]), state, params, accum_weight=0.5)
+    np.testing.assert_allclose(u, -np.array([2 * 1 + 0.5 * 3, 2 * 2 + 0.5 * 5]))
+
+
+def test_zero_weight_window_does_not_step():
+    tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
+    params = jnp.ones(2)
+    state = tx.init(params)
+    inner = state[1]
+    for _ in range(2):
+        u, state = tx.update(jnp.ones(2), state, params, accum_weight=0.0)
+    chex.assert_trees_all_equal(u, jnp.zeros(2))
+    chex.assert_trees_all_equal(state[1], inner)
+    assert not bool(oa.has_updated(state))
+    assert int(state[0].gradient_step) == 1 and int(state[0].mini_step) == 0
+
+
+def test_has_updated_bare_and_chain():
+    bare = oa.accumulate(2)
+    s = bare.init(jnp.zeros(1))
+    flags = []
+    for _ in range(4):
+        _, s = bare.update(jnp.ones(1), s)
+        flags.append(bool(oa.has_updated(s)))
+    assert flags == [False, True, False, True]
+    with pytest.raises(ValueError, match="AccumulateState"):
+        oa.has_updated(optax.sgd(1.0).init(jnp.zeros(1)))
+
+
+@pytest.mark.parametrize("transform", JIT_OR_NOT)
+def test_flush_partial_window_uses_true_divisor(transform):
+    """Lightning #19987: the last partial window is the mean of what it saw."""
+    tx = oa.chain(oa.accumulate(4), optax.sgd(1.0))
+    params = {"a": jnp.zeros(2, jnp.bfloat16), "b": jnp.zeros(())}
+    state = tx.init(params)
+    update = transform(tx.update)
+    for v in (1.0, 2.0, 6.0):
+        g = {"a": jnp.full(2, v, jnp.bfloat16), "b": jnp.asarray(v)}
+        _, state = update(g, state, params)
+    u, state = transform(lambda s, p: oa.flush(tx, s, p))(state, params)
+    chex.assert_trees_all_equal_dtypes(u, params)
+    chex.assert_trees_all_close(
+        u, {"a": jnp.full(2, -3.0, jnp.bfloat16), "b": jnp.asarray(-3.0)}
+    )
+    assert bool(oa.has_updated(state))
+    assert int(state[0].mini_step) == 0 and int(state[0].gradient_step) == 1
+    # An empty window: zeros, nothing changes.
+    u, state2 = oa.flush(tx, state, params)
+    chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
+    chex.assert_trees_all_equal(state2, state)
+
+
+def test_flush_bare_accumulate_and_errors():
+    acc = oa.accumulate(3, reduction="sum")
+    s = acc.init(jnp.zeros(2))
+    _, s = acc.update(jnp.ones(2), s)
+    _, s = acc.update(jnp.ones(2), s)
+    u, s = oa.flush(acc, s, jnp.zeros(2))
+    np.testing.assert_allclose(u, [2.0, 2.0])
+    with pytest.raises(ValueError, match="oa.flush needs"):
+        oa.flush(optax.sgd(1.0), (), jnp.zeros(2))
+    with pytest.raises(ValueError, match="oa.flush needs"):
+        oa.flush(oa.chain(optax.sgd(1.0)), ((),), jnp.zeros(2))
+
+
+def test_flush_skips_elements_before_accumulate():
+    tx = oa.chain(optax.scale(2.0), oa.accumulate(3), optax.sgd(1.0))
+    params = jnp.zeros(1)
+    s = tx.init(params)
+    _, s = tx.update(jnp.ones(1), s, params)
+    u, s = oa.flush(tx, s, params)
+    np.testing.assert_allclose(u, [-2.0])
+
+
+def test_skip_nonfinite_drops_micro_batch():
+    tx = oa.chain(oa.accumulate(2, skip_nonfinite=True), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    s = tx.init(params)
+    _, s = tx.update(jnp.array([1.0, 1.0]), s, params)
+    before = s
+    u, s = tx.update(jnp.array([jnp.nan, 1.0]), s, params)
+    chex.assert_trees_all_equal(u, jnp.zeros(2))
+    chex.assert_trees_all_equal(s[0].mini_step, before[0].mini_step)
+    chex.assert_trees_all_equal(s[0].acc, before[0].acc)
+    u, s = tx.update(jnp.array([3.0, 5.0]), s, params)
+    np.testing.assert_allclose(u, [-2.0, -3.0])
+
+
+def test_nonfinite_accumulated_without_skip():
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    s = tx.init(params)
+    _, s = tx.update(jnp.array([jnp.inf, 1.0]), s, params)
+    u, s = tx.update(jnp.array([1.0, 1.0]), s, params)
+    assert np.isinf(u[0]) and u[1] == -1.0
+    # The next window starts clean: the stale accumulator is overwritten.
+    _, s = tx.update(jnp.array([1.0, 1.0]), s, params)
+    u, s = tx.update(jnp.array([1.0, 3.0]), s, params)
+    np.testing.assert_allclose(u, [-1.0, -2.0])
+
+
+def test_schedule_every_k():
+    every_k = lambda step: jnp.where(step < 2, 2, 3)  # noqa: E731
+    tx = oa.chain(oa.accumulate(every_k), optax.sgd(1.0))
+    params = jnp.zeros(1)
+    s = tx.init(params)
+    update = jax.jit(tx.update)
+    closed = []
+    for i in range(10):
+        _, s = update(jnp.ones(1), s, params)
+        if bool(oa.has_updated(s)):
+            closed.append(i + 1)
+    assert closed == [2, 4, 7, 10]
+
+
+def test_nested_inside_stock_optax_chain():
+    params, x, y = _problem(3)
+    clip = optax.clip_by_global_norm(0.5)
+    nested = optax.chain(clip, oa.chain(oa.accumulate(2), optax.adam(0.1)))
+    flat = oa.chain(clip, oa.accumulate(2), optax.adam(0.1))
+    s_n, s_f = nested.init(params), flat.init(params)
+    nested_update, flat_update = jax.jit(nested.update), jax.jit(flat.update)
+    for i in range(4):
+        g = _grad(params, x[i * 4 : i * 4 + 4], y[i * 4 : i * 4 + 4])
+        u_n, s_n = nested_update(g, s_n, params)
+        u_f, s_f = flat_update(g, s_f, params)
+        chex.assert_trees_all_close(u_n, u_f, rtol=1e-6)
+    assert bool(oa.has_updated(s_n))
+
+
+def test_bare_accumulate_in_optax_chain_with_stateless_follower():
+    tx = optax.chain(oa.accumulate(2), optax.scale(-0.5))
+    s = tx.init(jnp.zeros(1))
+    u1, s = tx.update(jnp.array([2.0]), s)
+    u2, s = tx.update(jnp.array([4.0]), s)
+    np.testing.assert_allclose([u1[0], u2[0]], [0.0, -1.5])
+
+
+def test_jit_donated_no_retrace():
+    tx = oa.chain(oa.accumulate(3), optax.adam(0.1))
+    params = {"a": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    state = tx.init(params)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def _step(g, s, p):
+        return oa.apply_gradients(tx, g, s, p)
+
+    step = jax.jit(_step, donate_argnums=(1, 2))
+    g = jax.tree.map(jnp.ones_like, params)
+    for _ in range(7):
+        params, state = step(g, state, params)
+    assert int(state[0].gradient_step) == 2
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_accumulator_dtype_and_emitted_dtype(grad_dtype):
+    acc = oa.accumulate(2)
+    params = jnp.zeros(3, grad_dtype)
+    s = acc.init(params)
+    assert s.acc.dtype == jnp.float32 and s.weight.dtype == jnp.float32
+    g = jnp.full(3, 0.1, grad_dtype)
+    with jax.numpy_dtype_promotion("strict"):
+        u, s2 = acc.update(g, s)
+        u, s2 = acc.update(g, s2)
+    assert u.dtype == grad_dtype
+    chex.assert_trees_all_equal_dtypes(s, s2)
+    chex.assert_trees_all_equal_shapes(s, s2)
+    s16 = oa.accumulate(2, accumulator_dtype=jnp.bfloat16).init(params)
+    assert s16.acc.dtype == jnp.bfloat16
+
+
+def test_apply_gradients_matches_plain_protocol():
+    params, x, y = _problem(4)
+    tx = oa.chain(optax.clip_by_global_norm(1.0), oa.accumulate(3), optax.adamw(0.1))
+    s_fused = s_plain = tx.init(params)
+    p_fused = p_plain = params
+    fused = jax.jit(lambda g, s, p: oa.apply_gradients(tx, g, s, p))
+    plain = jax.jit(tx.update)
+    for i in range(7):
+        g = _grad(p_plain, x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8])
+        p_fused, s_fused = fused(g, s_fused, p_fused)
+        u, s_plain = plain(g, s_plain, p_plain)
+        p_plain = optax.apply_updates(p_plain, u)
+        # jit and eager round differently: float32 tolerances.
+        chex.assert_trees_all_close(p_fused, p_plain, rtol=1e-6, atol=1e-7)
+        chex.assert_trees_all_close(s_fused, s_plain, rtol=1e-6, atol=1e-7)
+    # Non-gate transformations take the ordinary path.
+    p, s = oa.apply_gradients(optax.sgd(1.0), jnp.ones(1), (optax.EmptyState(),) * 2, jnp.zeros(1))
+    np.testing.assert_allclose(p, [-1.0])
+
+
+def test_gradient_step_saturates_not_wraps():
+    acc = oa.accumulate(1)
+    s = acc.init(jnp.zeros(1))
+    s = s._replace(gradient_step=jnp.asarray(np.iinfo(np.int32).max, jnp.int32))
+    _, s = acc.update(jnp.ones(1), s)
+    assert int(s.gradient_step) == np.iinfo(np.int32).max
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(every_k=0), ValueError, "every_k"),
+        (dict(every_k=-1), ValueError, "every_k"),
+        (dict(every_k=2.5), TypeError, "every_k=2.5"),
+        (dict(every_k=True), TypeError, "every_k=True"),
+        (dict(every_k="4"), TypeError, "every_k"),
+        (dict(every_k=2, reduction="avg"), ValueError, "reduction='avg'"),
+        (dict(every_k=2, accumulator_dtype=jnp.int32), ValueError, "accumulator_dtype"),
+        (dict(every_k=2, accumulator_dtype="nonsense"), TypeError, "accumulator_dtype"),
+        (dict(every_k=2, skip_nonfinite=1), TypeError, "skip_nonfinite"),
+        (dict(every_k=2, axis_name=["d"]), TypeError, "axis_name"),
+    ],
+)
+def test_accumulate_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        oa.accumulate(**kwargs)
+
+
+def test_mismatched_gradient_structure_names_both():
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    s = tx.init({"a": jnp.zeros(2), "b": jnp.zeros(1)})
+    with pytest.raises(ValueError, match=r"(?s)gradients.*'a'.*'c'.*accumulator.*'b'"):
+        tx.update({"a": jnp.zeros(2), "c": jnp.zeros(1)}, s)
+    with pytest.raises(ValueError, match="accum_weight must be a scalar"):
+        tx.update({"a": jnp.zeros(2), "b": jnp.zeros(1)}, s, accum_weight=jnp.ones(2))
+
+
+def test_chain_rejects_non_transformations():
+    with pytest.raises(TypeError, match="element 1"):
+        oa.chain(optax.sgd(1.0), lambda g: g)
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    with pytest.raises(ValueError, match="expects a tuple of 2 states"):
+        tx.update(jnp.zeros(1), (tx.init(jnp.zeros(1))[0],))
