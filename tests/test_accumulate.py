@@ -298,10 +298,10 @@ def test_jit_donated_no_retrace():
     def _step(g, s, p):
         return oa.apply_gradients(tx, g, s, p)
 
-    step = jax.jit(_step, donate_argnums=(1, 2))
+    step = jax.jit(lambda p, s, g: _step(g, s, p), donate_argnums=(0, 1))
     g = jax.tree.map(jnp.ones_like, params)
     for _ in range(7):
-        params, state = step(g, state, params)
+        params, state = step(params, state, g)
     assert int(state[0].gradient_step) == 2
 
 

@@ -178,6 +178,12 @@ def apply_gradients(
     costs a single pass over the accumulator (read gradient, read accumulator,
     write accumulator) and allocates no tree-sized temporary.
 
+    JAX pairs donated input buffers with outputs of the same shape in order,
+    so give the jitted step its donated arguments in the order it returns
+    them, ``step(params, opt_state, grads) -> (params, opt_state)`` with
+    ``donate_argnums=(0, 1)``; another order makes XLA copy the buffers the
+    closed gate passes through.
+
     Args:
       tx: any optax transformation; the fast path needs a gate.
       grads: the gradients of this micro-batch.
@@ -194,10 +200,10 @@ def apply_gradients(
       >>> tx = oa.chain(oa.accumulate(2), optax.sgd(0.5))
       >>> params = jnp.ones(2)
       >>> state = tx.init(params)
-      >>> step = jax.jit(lambda g, s, p: oa.apply_gradients(tx, g, s, p),
-      ...                donate_argnums=(1, 2))
-      >>> params, state = step(jnp.ones(2), state, params)
-      >>> params, state = step(3 * jnp.ones(2), state, params)
+      >>> step = jax.jit(lambda p, s, g: oa.apply_gradients(tx, g, s, p),
+      ...                donate_argnums=(0, 1))
+      >>> params, state = step(params, state, jnp.ones(2))
+      >>> params, state = step(params, state, 3 * jnp.ones(2))
       >>> params
       Array([0., 0.], dtype=float32)
     """

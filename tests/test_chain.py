@@ -1,0 +1,170 @@
+"""Tests of the gating ``oa.chain`` and the fused ``oa.apply_gradients``."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxaccum as oa
+from tests import _hlo
+
+
+def _only_positive_gate():
+    """A custom gate: lets updates through only when their sum is > 0."""
+
+    def init(params):
+        del params
+        return jnp.zeros([], jnp.int32)  # how many times it opened
+
+    def gate_update(updates, state, params=None, **extra_args):
+        del params, extra_args
+        ok = sum(jnp.sum(x) for x in jax.tree.leaves(updates)) > 0
+        new = jnp.where(ok, state + 1, state)
+        return oa.GateResult(new, ok, lambda: (updates, new, True))
+
+    return oa.GatedTransformation(init, gate_update)
+
+
+def test_custom_gate_plugs_in_without_touching_chain():
+    tx = oa.chain(_only_positive_gate(), optax.adam(0.1))
+    params = jnp.zeros(2)
+    s = tx.init(params)
+    update = jax.jit(tx.update)
+    u, s1 = update(jnp.array([-1.0, -1.0]), s, params)
+    chex.assert_trees_all_equal(u, jnp.zeros(2))
+    chex.assert_trees_all_equal(s1[1], s[1])  # Adam untouched
+    u, s2 = update(jnp.array([1.0, 1.0]), s1, params)
+    np.testing.assert_allclose(u, [-0.1, -0.1], rtol=1e-5)
+    assert int(s2[0]) == 1 and int(s2[1][0].count) == 1
+    assert oa.is_gate(tx) and not oa.is_gate(optax.adam(0.1))
+
+
+def test_chain_without_gate_equals_optax_chain():
+    parts = (optax.clip_by_global_norm(1.0), optax.adam(0.1))
+    ours, theirs = oa.chain(*parts), optax.chain(*parts)
+    params = {"a": jnp.ones(3)}
+    s1, s2 = ours.init(params), theirs.init(params)
+    for g in (jnp.arange(3.0), -jnp.arange(3.0)):
+        u1, s1 = ours.update({"a": g}, s1, params)
+        u2, s2 = theirs.update({"a": g}, s2, params)
+        chex.assert_trees_all_close(u1, u2)
+    assert not oa.is_gate(ours)
+
+
+def test_two_gates_in_one_chain():
+    """accumulate(2) then a gate that drops negative windows."""
+    tx = oa.chain(oa.accumulate(2), _only_positive_gate(), optax.sgd(1.0))
+    params = jnp.zeros(1)
+    s = tx.init(params)
+    update = jax.jit(tx.update)
+    out = []
+    for g in (1.0, 1.0, -1.0, -3.0, 2.0, 4.0):
+        u, s = update(jnp.array([g]), s, params)
+        out.append(float(u[0]))
+    assert out == [0.0, -1.0, 0.0, 0.0, 0.0, -3.0]
+    assert int(s[1]) == 2
+
+
+def test_closed_gate_zeros_have_open_dtypes():
+    """Adam emits float32 updates for bf16 grads with float32 params; so do
+    the zeros of a closed gate."""
+    tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
+    params = jnp.zeros(3, jnp.float32)
+    s = tx.init(params)
+    g = jnp.ones(3, jnp.bfloat16)
+    u_closed, s = tx.update(g, s, params)
+    u_open, s = tx.update(g, s, params)
+    assert u_closed.dtype == u_open.dtype == jnp.float32
+
+
+def test_extra_args_reach_every_element():
+    seen = {}
+
+    def spy_update(updates, state, params=None, **extra_args):
+        seen.update(extra_args)
+        return updates, state
+
+    spy = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), spy_update)
+    tx = oa.chain(spy, oa.accumulate(1), spy, optax.sgd(1.0))
+    s = tx.init(jnp.zeros(1))
+    tx.update(jnp.ones(1), s, jnp.zeros(1), accum_weight=2.0, foo=3)
+    assert seen == {"accum_weight": 2.0, "foo": 3}
+
+
+def test_nested_chains_are_gates():
+    inner = oa.chain(oa.accumulate(2), optax.adam(0.1))
+    outer = oa.chain(optax.scale(2.0), inner)
+    assert oa.is_gate(outer)
+    params = jnp.zeros(2)
+    s = outer.init(params)
+    fused = jax.jit(lambda g, s, p: oa.apply_gradients(outer, g, s, p))
+    p, s = fused(jnp.ones(2), s, params)
+    chex.assert_trees_all_equal(p, params)
+    p, s = fused(jnp.ones(2), s, p)
+    np.testing.assert_allclose(p, [-0.1, -0.1], rtol=1e-5)
+    assert bool(oa.has_updated(s))
+
+
+def _split_hlo(tx, params):
+    state = tx.init(params)
+    text = jax.jit(tx.update).lower(params, state, params).compile().as_text()
+    return _hlo.split(text)
+
+
+def test_hlo_non_closing_step_skips_follower():
+    """Adam's square root runs only inside the conditional's branch; optax's
+    MultiSteps computes it on every micro-step (optax #472)."""
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
+    always, branch = _split_hlo(oa.chain(oa.accumulate(4), optax.adam(1e-3)), params)
+    assert _hlo.count(always, "sqrt") == 0
+    assert _hlo.count(branch, "sqrt") >= 1
+    assert _hlo.count(always, "divide") == 0  # no mean on non-closing steps
+    ms_always, _ = _split_hlo(optax.MultiSteps(optax.adam(1e-3), 4), params)
+    assert _hlo.count(ms_always, "sqrt") >= 1
+
+
+def test_hlo_fused_non_closing_step_is_one_pass():
+    """With params and state donated (in the order they are returned), the
+    fused step's unconditional work on the tree is the accumulator update: one
+    fusion writing one tree, and no copy of params or optimizer state."""
+    params = {"w": jnp.zeros((256, 256))}
+    tx = oa.chain(oa.accumulate(4), optax.adam(1e-3))
+    state = tx.init(params)
+    step = jax.jit(
+        lambda p, s, g: oa.apply_gradients(tx, g, s, p), donate_argnums=(0, 1)
+    )
+    text = step.lower(params, state, params).compile().as_text()
+    comps, entry = _hlo.computations(text)
+    always, branch = _hlo.split(text)
+    tree_sized = [
+        line for line in comps[entry]
+        if "f32[256,256]" in line.split("=", 1)[1].split("(")[0]
+        and " parameter(" not in line and " get-tuple-element(" not in line
+        and " tuple(" not in line
+    ]
+    assert len(tree_sized) == 1 and " fusion(" in tree_sized[0], tree_sized
+    assert _hlo.count(always, "copy") == sum(
+        " copy(" in line and "s32[]" in line for line in always
+    )
+    assert _hlo.count(branch, "sqrt") >= 1
+
+
+def test_apply_gradients_extra_args_and_non_gate():
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.zeros(1)
+    s = tx.init(params)
+    params, s = oa.apply_gradients(tx, jnp.array([4.0]), s, params, accum_weight=3.0)
+    params, s = oa.apply_gradients(tx, jnp.array([0.0]), s, params, accum_weight=1.0)
+    np.testing.assert_allclose(params, [-3.0])
+    p2, _ = oa.apply_gradients(optax.sgd(0.5), jnp.ones(1), optax.sgd(0.5).init(params), params)
+    np.testing.assert_allclose(p2, [-3.5])
+
+
+def test_apply_gradients_casts_to_param_dtype():
+    tx = oa.chain(oa.accumulate(1), optax.adam(0.1))
+    params = jnp.zeros(2, jnp.bfloat16)
+    s = tx.init(params)
+    p, _ = oa.apply_gradients(tx, jnp.ones(2, jnp.bfloat16), s, params)
+    assert p.dtype == jnp.bfloat16
