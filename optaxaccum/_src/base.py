@@ -111,7 +111,7 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
       >>> tx = oa.chain(only_finite, optax.sgd(1.0))
       >>> state = tx.init(jnp.zeros(2))
       >>> tx.update(jnp.array([1.0, jnp.nan]), state)[0]
-      Array([-0., -0.], dtype=float32)
+      Array([0., 0.], dtype=float32)
     """
 
     gate_update: GateUpdateFn

@@ -50,7 +50,7 @@ def chain(
       >>> u
       Array([0., 0., 0.], dtype=float32)
       >>> u, state = tx.update(jnp.ones(3), state, params)  # window closes
-      >>> u
+      >>> u.round(4)
       Array([-0.1, -0.1, -0.1], dtype=float32)
 
     .. warning::

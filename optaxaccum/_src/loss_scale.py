@@ -1,8 +1,412 @@
-"""Placeholder: being written (issue 3)."""
-from typing import NamedTuple
-class DynamicLossScaleState(NamedTuple): pass
-class StaticLossScaleState(NamedTuple): pass
-def dynamic_loss_scale(*a, **k): raise NotImplementedError
-def static_loss_scale(*a, **k): raise NotImplementedError
-def loss_scale(*a, **k): raise NotImplementedError
-def scaled_value_and_grad(*a, **k): raise NotImplementedError
+"""Loss scaling for low-precision training: dynamic (a gate) and static."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from optaxaccum._src import base
+
+__all__ = [
+    "DynamicLossScaleState",
+    "StaticLossScaleState",
+    "dynamic_loss_scale",
+    "loss_scale",
+    "scaled_value_and_grad",
+    "static_loss_scale",
+]
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+class DynamicLossScaleState(NamedTuple):
+    """State of :func:`dynamic_loss_scale`.
+
+    Every field is an array leaf, so the whole configuration survives pytree
+    flattening, ``jit``, ``pmap`` and checkpointing, and ``update`` reads the
+    schedule from the state (not from the factory's arguments).
+
+    Attributes:
+      scale: the current loss scale; ``shape=(), float32``.
+      counter: finite steps since the scale last changed, modulo ``period``
+        (as in :class:`jmp.DynamicLossScale`); ``shape=(), int32``.
+      period: finite steps after which the scale grows; ``shape=(), int32``.
+      factor: the scale's growth and shrink factor; ``shape=(), float32``.
+      min_scale: the scale never falls below it; ``shape=(), float32``.
+    """
+
+    scale: jax.Array  # shape=(), float32
+    counter: jax.Array  # shape=(), int32
+    period: jax.Array  # shape=(), int32
+    factor: jax.Array  # shape=(), float32
+    min_scale: jax.Array  # shape=(), float32
+
+
+class StaticLossScaleState(NamedTuple):
+    """State of :func:`static_loss_scale`.
+
+    Attributes:
+      scale: the constant loss scale; ``shape=(), float32``.
+    """
+
+    scale: jax.Array  # shape=(), float32
+
+
+def _check_float32(
+    name: str, value: Any, *, lower: float | None, strict: bool = True
+) -> np.float32:
+    """``value`` as a finite float32 (``> lower``, or ``>= lower``)."""
+    x = base.check_real(name, value)
+    with np.errstate(over="ignore"):
+        x32 = np.float32(x)
+    if not (math.isfinite(x) and np.isfinite(x32)):
+        raise ValueError(
+            f"{name} must be finite (in float32), got {name}={value!r}"
+        )
+    if lower is not None:
+        ok = x32 > lower if strict else x32 >= lower
+        if not ok:
+            op = ">" if strict else ">="
+            raise ValueError(
+                f"{name} must be {op} {lower} (in float32), got {name}={value!r}"
+            )
+    return x32
+
+
+def _at_least_float32(dtype: Any) -> np.dtype:
+    """``dtype`` if it has at least 32 bits of float, else float32 (without
+    relying on implicit promotion, which strict mode forbids)."""
+    dtype = jnp.dtype(dtype)
+    return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
+
+
+def _unscale(updates: optax.Updates, scale: jax.Array) -> optax.Updates:
+    """``updates / scale``, computed in (at least) float32, in each leaf's
+    dtype."""
+    inv = 1 / scale.astype(jnp.float32)
+
+    def one(g):
+        g = jnp.asarray(g)
+        if not jnp.issubdtype(g.dtype, jnp.inexact):
+            return g
+        wide = _at_least_float32(g.dtype)
+        return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
+
+    return jax.tree.map(one, updates)
+
+
+def dynamic_loss_scale(
+    init_scale: float = 2.0**15,
+    *,
+    period: int = 2000,
+    factor: float = 2.0,
+    min_scale: float = 1.0,
+    axis_name: Hashable | None = None,
+) -> base.GatedTransformation:
+    r"""Dynamic loss scaling: unscales gradients and skips overflowing steps.
+
+    The incoming gradients are those of ``loss * scale`` (see
+    :func:`scaled_value_and_grad`); they are unscaled,
+    :math:`g = \tilde g / s`, in float32 and cast back to each gradient's
+    dtype. Then, as in :class:`jmp.DynamicLossScale`:
+
+    * if every unscaled gradient is finite, it is passed on to the elements
+      that follow, and after ``period`` consecutive finite steps the scale
+      grows, :math:`s \leftarrow f s` (kept unchanged if :math:`f s`
+      overflows float32);
+    * if any is not finite, the elements that follow do not run (their
+      states stay bit-for-bit unchanged), zero updates are emitted and
+      :math:`s \leftarrow \max(s_{\min}, s / f)`.
+
+    In both cases the counter of consecutive finite steps is advanced or
+    reset exactly as jmp's ``adjust`` does, so the scale follows the same
+    trajectory. It is a gate of :func:`chain`: place it first, e.g.
+    ``oa.chain(oa.dynamic_loss_scale(), oa.agc(), oa.accumulate(k),
+    optax.adam(lr))`` unscales each micro-batch gradient *before* clipping
+    it, clips per micro-batch and steps Adam once per window. A micro-batch
+    whose gradients overflow never reaches the :func:`accumulate`, so it does
+    not count toward the window: the window still closes after ``k`` finite
+    micro-batches and emits their mean.
+
+    Args:
+      init_scale: the initial loss scale, finite and ``> 0``.
+      period: number of consecutive finite steps after which the scale is
+        multiplied by ``factor``; an int ``>= 1``.
+      factor: growth and shrink factor, finite and ``> 1``.
+      min_scale: lower bound of the scale, ``0 < min_scale <= init_scale``.
+      axis_name: inside ``pmap``/``shard_map``, the mapped axis over which
+        devices agree on finiteness: one device's overflow makes every
+        device skip the step and shrink its scale, so replicas stay equal.
+
+    Returns:
+      A :class:`GatedTransformation` (an
+      :class:`optax.GradientTransformationExtraArgs`) whose state is a
+      :class:`DynamicLossScaleState`.
+
+    Raises:
+      TypeError: if an argument has the wrong type (e.g. a non-int
+        ``period`` or a bool).
+      ValueError: if an argument is out of range.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> tx = oa.chain(oa.dynamic_loss_scale(1024.0), optax.sgd(1.0))
+      >>> params = jnp.zeros(2)
+      >>> state = tx.init(params)
+      >>> # grads of loss * 1024
+      >>> u, state = tx.update(jnp.array([1024.0, 2048.0]), state, params)
+      >>> u
+      Array([-1., -2.], dtype=float32)
+      >>> u, state = tx.update(jnp.array([1.0, jnp.inf]), state, params)
+      >>> u   # overflow: sgd not run, scale halved
+      Array([0., 0.], dtype=float32)
+      >>> oa.loss_scale(state)
+      Array(512., dtype=float32)
+
+    References:
+      Micikevicius et al., `Mixed Precision Training
+      <https://arxiv.org/abs/1710.03740>`_, 2018.
+
+    .. note::
+      The state holds ``period``, ``factor`` and ``min_scale`` as array
+      leaves and ``update`` uses those, so all of them survive flattening,
+      ``jit``, ``pmap`` and checkpoints (jmp's pytree drops
+      ``min_loss_scale``).
+
+    .. warning::
+      Inside stock :func:`optax.chain` this cannot gate: the elements after
+      it run on every call, so a stateful optimizer would step (with zero
+      gradients) on overflowing steps. Put it, and the optimizer, in an
+      :func:`chain`.
+    """
+    init32 = _check_float32("init_scale", init_scale, lower=0.0)
+    period = base.check_positive_int("period", period)
+    if period > _INT32_MAX:
+        raise ValueError(
+            f"period must fit in int32 (<= {_INT32_MAX}), got {period=}"
+        )
+    factor32 = _check_float32("factor", factor, lower=1.0)
+    min32 = _check_float32("min_scale", min_scale, lower=0.0)
+    if min32 > init32:
+        raise ValueError(
+            "min_scale must be <= init_scale, got "
+            f"min_scale={min_scale!r} and init_scale={init_scale!r}"
+        )
+    if axis_name is not None and not isinstance(axis_name, Hashable):
+        raise TypeError(f"axis_name must be hashable, got {axis_name=!r}")
+
+    def init_fn(params):
+        del params
+        return DynamicLossScaleState(
+            scale=jnp.asarray(init32, jnp.float32),
+            counter=jnp.zeros([], jnp.int32),
+            period=jnp.asarray(period, jnp.int32),
+            factor=jnp.asarray(factor32, jnp.float32),
+            min_scale=jnp.asarray(min32, jnp.float32),
+        )
+
+    def gate_update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        if not isinstance(state, DynamicLossScaleState):
+            raise TypeError(
+                "oa.dynamic_loss_scale expects a DynamicLossScaleState, got "
+                f"{type(state).__name__}"
+            )
+        unscaled = _unscale(updates, state.scale)
+        finite = base.all_finite(unscaled)
+        if axis_name is not None:
+            finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+        new_state = _adjust(state, finite)
+        return base.GateResult(
+            new_state, finite, lambda: (unscaled, new_state, True)
+        )
+
+    return base.GatedTransformation(init_fn, gate_update_fn, None)
+
+
+def _adjust(state: DynamicLossScaleState, finite: jax.Array):
+    """The next state; the schedule of ``jmp.DynamicLossScale.adjust``."""
+    grown = state.scale * state.factor
+    grown = jnp.where(jnp.isfinite(grown), grown, state.scale)
+    if_finite = jnp.where(state.counter == state.period - 1, grown, state.scale)
+    if_not = jnp.maximum(state.min_scale, state.scale / state.factor)
+    scale = jnp.where(finite, if_finite, if_not).astype(jnp.float32)
+    counter = jnp.where(finite, (state.counter + 1) % state.period, 0)
+    return state._replace(scale=scale, counter=counter.astype(jnp.int32))
+
+
+def static_loss_scale(scale: float) -> optax.GradientTransformationExtraArgs:
+    """Unscales gradients by a constant loss scale.
+
+    The incoming gradients are those of ``loss * scale``; it emits
+    ``grads / scale``, computed in float32 and cast back to each gradient's
+    dtype. Non-finite gradients are passed on (use
+    :func:`dynamic_loss_scale` to skip them).
+
+    Args:
+      scale: the loss scale, finite and ``> 0``.
+
+    Returns:
+      An :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`StaticLossScaleState`.
+
+    Raises:
+      TypeError: if ``scale`` is not a real number.
+      ValueError: if ``scale`` is not finite and positive.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> tx = oa.chain(oa.static_loss_scale(128.0), optax.sgd(1.0))
+      >>> state = tx.init(jnp.zeros(2))
+      >>> tx.update(jnp.array([128.0, 64.0]), state)[0]
+      Array([-1. , -0.5], dtype=float32)
+      >>> oa.loss_scale(state)
+      Array(128., dtype=float32)
+    """
+    scale32 = _check_float32("scale", scale, lower=0.0)
+
+    def init_fn(params):
+        del params
+        return StaticLossScaleState(scale=jnp.asarray(scale32, jnp.float32))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        return _unscale(updates, state.scale), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+_SCALE_STATES = (DynamicLossScaleState, StaticLossScaleState)
+
+
+def loss_scale(opt_state: optax.OptState) -> jax.Array:
+    """The current loss scale held in an optimizer state.
+
+    Args:
+      opt_state: the state of a (possibly nested) chain. The first
+        (outermost, leftmost) :class:`DynamicLossScaleState` or
+        :class:`StaticLossScaleState` found in it is used.
+
+    Returns:
+      The scale as a float32 scalar array; ``1.0`` when ``opt_state`` holds
+      no loss scale.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> tx = optax.chain(optax.clip(1.0), oa.chain(
+      ...     oa.dynamic_loss_scale(64.0), oa.accumulate(2), optax.sgd(0.1)))
+      >>> oa.loss_scale(tx.init(jnp.zeros(3)))
+      Array(64., dtype=float32)
+      >>> oa.loss_scale(optax.sgd(0.1).init(jnp.zeros(3)))
+      Array(1., dtype=float32)
+    """
+    for s in jax.tree.leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, _SCALE_STATES)
+    ):
+        if isinstance(s, _SCALE_STATES):
+            return jnp.asarray(s.scale).astype(jnp.float32)
+    return jnp.ones([], jnp.float32)
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    opt_state_or_scale: optax.OptState | jax.typing.ArrayLike,
+    *,
+    has_aux: bool = False,
+    argnums: int | Sequence[int] = 0,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like :func:`jax.value_and_grad`, differentiating ``fun * scale``.
+
+    The returned function computes the loss ``fun(*args)`` and the gradients
+    of ``loss * scale``: the *scaled* gradients, which a chain starting with
+    :func:`dynamic_loss_scale` (or :func:`static_loss_scale`) expects and
+    unscales. The loss it returns is the *unscaled* one, ready for logging.
+    The product ``loss * scale`` is computed in float32 (or wider, if the
+    loss is), so for a float16 loss the scaling itself cannot overflow; the
+    gradients flow back in the dtypes of the computation (the cotangent is
+    cast back to float16 where the loss was float16, so too large a scale
+    shows up as non-finite gradients, which the dynamic loss scale detects).
+
+    Args:
+      fun: the loss function; returns a real scalar, or ``(loss, aux)``
+        with ``has_aux=True``.
+      opt_state_or_scale: the current optimizer state (the scale is read
+        with :func:`loss_scale`; ``1.0`` if it holds none) or the scale
+        itself, a real scalar.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      argnums: which positional argument(s) to differentiate, as in
+        :func:`jax.value_and_grad`.
+
+    Returns:
+      A function with ``fun``'s arguments returning ``(loss, grads)``, or
+      ``((loss, aux), grads)`` with ``has_aux=True``, where ``loss`` is the
+      unscaled loss and ``grads`` those of ``loss * scale``.
+
+    Raises:
+      ValueError: if ``opt_state_or_scale`` is a Python number that is not
+        finite and positive.
+
+    Examples:
+      The one obvious way: build it from the current state in each step.
+
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> def loss_fn(params, x):
+      ...   return jnp.sum((params * x) ** 2)
+      >>> tx = oa.chain(oa.dynamic_loss_scale(256.0), optax.sgd(0.1))
+      >>> params = jnp.ones(2)
+      >>> opt_state = tx.init(params)
+      >>> @jax.jit
+      ... def step(params, opt_state, x):
+      ...   loss, grads = oa.scaled_value_and_grad(loss_fn, opt_state)(
+      ...       params, x)
+      ...   params, opt_state = oa.apply_gradients(tx, grads, opt_state, params)
+      ...   return params, opt_state, loss
+      >>> params, opt_state, loss = step(params, opt_state, jnp.ones(2))
+      >>> loss   # unscaled
+      Array(2., dtype=float32)
+      >>> params   # 1 - 0.1 * 2
+      Array([0.8, 0.8], dtype=float32)
+
+    .. warning::
+      Two easy mistakes: logging the *scaled* loss (``loss * scale``, off by
+      a factor that changes during training), and feeding the chain the
+      gradients of the *unscaled* loss (:func:`jax.grad` of ``fun``), which
+      the loss scale then divides by ``scale`` a second time.
+    """
+    if isinstance(opt_state_or_scale, (int, float, np.number)) or (
+        isinstance(opt_state_or_scale, (jax.Array, np.ndarray))
+        and jnp.ndim(opt_state_or_scale) == 0
+    ):
+        if isinstance(opt_state_or_scale, (int, float, np.number)):
+            _check_float32("scale", opt_state_or_scale, lower=0.0)
+        scale = jnp.asarray(opt_state_or_scale)
+    else:
+        scale = loss_scale(opt_state_or_scale)
+
+    def scaled_fun(*args, **kwargs):
+        out = fun(*args, **kwargs)
+        loss, aux = out if has_aux else (out, None)
+        loss = jnp.asarray(loss)
+        wide = _at_least_float32(loss.dtype)
+        return loss.astype(wide) * scale.astype(wide), (loss, aux)
+
+    value_and_grad = jax.value_and_grad(
+        scaled_fun, argnums=argnums, has_aux=True
+    )
+
+    def wrapped(*args, **kwargs):
+        (_, (loss, aux)), grads = value_and_grad(*args, **kwargs)
+        return ((loss, aux), grads) if has_aux else (loss, grads)
+
+    return wrapped

@@ -1,0 +1,156 @@
+"""The contract battery every public transformation of optaxaccum goes through.
+
+A new transformation joins by adding one entry to ``TRANSFORMS``: a factory,
+and (for gates) a function turning ordinary gradients into gradients on which
+the gate stays closed on the first call.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxaccum as oa
+
+
+def _inf(grads):
+    return jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grads)
+
+
+def _same(grads):
+    return grads
+
+
+# name -> (factory, grads on which the gate stays closed, or None if no gate)
+TRANSFORMS = {
+    "accumulate": (lambda: oa.accumulate(3), _same),
+    "accumulate_sum_skip": (
+        lambda: oa.accumulate(2, reduction="sum", skip_nonfinite=True),
+        _inf,
+    ),
+    "chain_accumulate_adam": (
+        lambda: oa.chain(oa.accumulate(2), optax.adam(1e-2)),
+        _same,
+    ),
+    "agc": (lambda: oa.agc(0.01), None),
+    "dynamic_loss_scale": (lambda: oa.dynamic_loss_scale(2.0**4, period=2), _inf),
+    "static_loss_scale": (lambda: oa.static_loss_scale(8.0), None),
+    "full_chain": (
+        lambda: oa.chain(
+            oa.dynamic_loss_scale(2.0**4, period=2),
+            oa.agc(0.05),
+            oa.accumulate(2),
+            optax.adamw(1e-2, weight_decay=1e-3),
+        ),
+        _inf,
+    ),
+}
+NAMES = list(TRANSFORMS)
+
+
+def _params(dtype):
+    rng = np.random.default_rng(0)
+    return {
+        "dense": {
+            "kernel": jnp.asarray(rng.normal(size=(4, 3)), dtype),
+            "bias": jnp.asarray(rng.normal(size=(3,)), dtype),
+        },
+        "conv1d": jnp.asarray(rng.normal(size=(3, 2, 5)), dtype),
+        "scalar": jnp.asarray(rng.normal(), dtype),
+    }
+
+
+def _grads(params, seed):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_contract_jit_matches_eager(name):
+    tx = TRANSFORMS[name][0]()
+    params = _params(jnp.float32)
+    s_eager = s_jit = tx.init(params)
+    update = jax.jit(tx.update)
+    for i in range(4):
+        g = _grads(params, i)
+        u_eager, s_eager = tx.update(g, s_eager, params)
+        u_jit, s_jit = update(g, s_jit, params)
+        chex.assert_trees_all_close(u_eager, u_jit, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(s_eager, s_jit, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_contract_no_retrace(name):
+    chex.clear_trace_counter()  # the counter is shared by parametrized cases
+    tx = TRANSFORMS[name][0]()
+    params = _params(jnp.float32)
+    state = tx.init(params)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def update(g, s, p):
+        return tx.update(g, s, p)
+
+    for i in range(5):  # covers closing and non-closing calls
+        _, state = update(_grads(params, i), state, params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", NAMES)
+def test_contract_dtypes_and_state_stable(name, dtype):
+    """Updates keep the gradients' dtype; the state keeps its structure,
+    shapes and dtypes across update."""
+    tx = TRANSFORMS[name][0]()
+    params = _params(dtype)
+    state0 = tx.init(params)
+    state = state0
+    update = jax.jit(tx.update)
+    for i in range(3):
+        u, state = update(_grads(params, i), state, params)
+        chex.assert_trees_all_equal_dtypes(u, params)
+        chex.assert_trees_all_equal_shapes(u, params)
+        chex.assert_trees_all_equal_structs(state, state0)
+        chex.assert_trees_all_equal_shapes_and_dtypes(state, state0)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if TRANSFORMS[n][1]])
+def test_contract_closed_gate_leaves_followers_untouched(name):
+    factory, closing = TRANSFORMS[name]
+    tx = oa.chain(factory(), optax.adam(1e-2))
+    params = _params(jnp.float32)
+    state = tx.init(params)
+    u, new_state = jax.jit(tx.update)(closing(_grads(params, 0)), state, params)
+    chex.assert_trees_all_equal(new_state[1], state[1])
+    chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_contract_fused_step_equals_plain_protocol(name):
+    tx = TRANSFORMS[name][0]()
+    params = _params(jnp.float32)
+    s_plain = s_fused = tx.init(params)
+    p_plain = p_fused = params
+    fused = jax.jit(lambda p, s, g: oa.apply_gradients(tx, g, s, p))
+    plain = jax.jit(tx.update)
+    for i in range(4):
+        g = _grads(params, i)
+        p_fused, s_fused = fused(p_fused, s_fused, g)
+        u, s_plain = plain(g, s_plain, p_plain)
+        p_plain = optax.apply_updates(p_plain, u)
+    chex.assert_trees_all_close(p_fused, p_plain, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(s_fused, s_plain, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_contract_state_is_a_pytree_of_arrays(name):
+    """The state flattens to arrays only and round-trips through
+    flatten/unflatten (checkpointing, pmap)."""
+    tx = TRANSFORMS[name][0]()
+    state = tx.init(_params(jnp.float32))
+    leaves, treedef = jax.tree.flatten(state)
+    assert all(isinstance(x, jax.Array) for x in leaves)
+    chex.assert_trees_all_equal(jax.tree.unflatten(treedef, leaves), state)
