@@ -36,7 +36,7 @@ class DynamicLossScaleState(NamedTuple):
     Attributes:
       scale: the current loss scale; ``shape=(), float32``.
       counter: finite steps since the scale last changed, modulo ``period``
-        (as in :class:`jmp.DynamicLossScale`); ``shape=(), int32``.
+        (as in ``jmp.DynamicLossScale``); ``shape=(), int32``.
       period: finite steps after which the scale grows; ``shape=(), int32``.
       factor: the scale's growth and shrink factor; ``shape=(), float32``.
       min_scale: the scale never falls below it; ``shape=(), float32``.
@@ -59,10 +59,9 @@ class StaticLossScaleState(NamedTuple):
     scale: jax.Array  # shape=(), float32
 
 
-def _check_float32(
-    name: str, value: Any, *, lower: float | None, strict: bool = True
-) -> np.float32:
-    """``value`` as a finite float32 (``> lower``, or ``>= lower``)."""
+def _check_float32(name: str, value: Any, *, lower: float) -> np.float32:
+    """``value`` as a float32 if it is real, finite (in float32) and
+    ``> lower``."""
     x = base.check_real(name, value)
     with np.errstate(over="ignore"):
         x32 = np.float32(x)
@@ -70,13 +69,8 @@ def _check_float32(
         raise ValueError(
             f"{name} must be finite (in float32), got {name}={value!r}"
         )
-    if lower is not None:
-        ok = x32 > lower if strict else x32 >= lower
-        if not ok:
-            op = ">" if strict else ">="
-            raise ValueError(
-                f"{name} must be {op} {lower} (in float32), got {name}={value!r}"
-            )
+    if not x32 > lower:
+        raise ValueError(f"{name} must be > {lower}, got {name}={value!r}")
     return x32
 
 
@@ -115,7 +109,7 @@ def dynamic_loss_scale(
     The incoming gradients are those of ``loss * scale`` (see
     :func:`scaled_value_and_grad`); they are unscaled,
     :math:`g = \tilde g / s`, in float32 and cast back to each gradient's
-    dtype. Then, as in :class:`jmp.DynamicLossScale`:
+    dtype. Then, as in ``jmp.DynamicLossScale``:
 
     * if every unscaled gradient is finite, it is passed on to the elements
       that follow, and after ``period`` consecutive finite steps the scale
@@ -353,6 +347,7 @@ def scaled_value_and_grad(
       unscaled loss and ``grads`` those of ``loss * scale``.
 
     Raises:
+      TypeError: if ``opt_state_or_scale`` is a bool.
       ValueError: if ``opt_state_or_scale`` is a Python number that is not
         finite and positive.
 
