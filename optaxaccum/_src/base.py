@@ -143,10 +143,14 @@ def zeros_of(shapes: Any) -> Any:
 
 
 def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable):
-    """``lax.cond(pred, true_fn, false_fn)``; just ``true_fn()`` if ``pred is
-    True`` (a static decision needs no conditional)."""
+    """``lax.cond(pred, true_fn, false_fn)``, or a plain call when ``pred`` is
+    known now (the literal ``True``, or a concrete array outside any trace):
+    then no conditional is built, which spares eager callers a compilation of
+    both branches on every call."""
     if pred is True:
         return true_fn()
+    if not isinstance(pred, jax.core.Tracer):
+        return true_fn() if bool(pred) else false_fn()
     return lax.cond(pred, true_fn, false_fn)
 
 
