@@ -149,9 +149,11 @@ def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable):
     both branches on every call."""
     if pred is True:
         return true_fn()
-    if not isinstance(pred, jax.core.Tracer):
-        return true_fn() if bool(pred) else false_fn()
-    return lax.cond(pred, true_fn, false_fn)
+    try:
+        concrete = bool(pred)
+    except jax.errors.ConcretizationTypeError:  # traced: decide at run time
+        return lax.cond(pred, true_fn, false_fn)
+    return true_fn() if concrete else false_fn()
 
 
 def resolve(res: GateResult) -> tuple[optax.Updates, optax.OptState]:
