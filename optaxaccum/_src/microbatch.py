@@ -122,8 +122,14 @@ def _check_divisible(batch_size: int, num_microbatches: int) -> None:
 
 
 def _acc_dtype(dtype: Any) -> jnp.dtype:
-    """float32, or the wider of float32 and ``dtype``."""
-    return jnp.promote_types(jnp.float32, dtype)
+    """float32, or the wider of float32 and ``dtype`` (complex stays
+    complex). Not ``jnp.promote_types``: it raises under strict promotion."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return dtype if dtype.itemsize >= 8 else jnp.dtype(jnp.complex64)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4:
+        return dtype
+    return jnp.dtype(jnp.float32)
 
 
 def _strong(x: Any) -> jax.Array:
@@ -169,6 +175,7 @@ def microbatched_value_and_grad(
     batch_argnums: _Argnums = 1,
     weight_fn: Callable[[Any], Any] | None = None,
     state_argnums: _Argnums | None = None,
+    interleave: bool = False,
 ) -> Callable[..., Any]:
     r"""Like :func:`jax.value_and_grad`, one micro-batch at a time.
 
@@ -239,6 +246,9 @@ def microbatched_value_and_grad(
         micro-batch :math:`i - 1`, and the function returns the last one (not
         stacked) in place of ``aux``: ``((loss, new_state), grads)``, or
         ``((loss, (new_state, aux)), grads)`` with ``has_aux``.
+      interleave: if false (default), micro-batch :math:`i` is the
+        consecutive slice ``i`` of axis 0; if true, it is ``x[i::n]`` (for
+        batches sharded along axis 0; see the note below).
 
     Returns:
       A function of the same positional arguments as ``loss_fn`` returning
@@ -315,19 +325,24 @@ def microbatched_value_and_grad(
       loss no mean of per-example terms). A stock ``nn.BatchNorm`` would
       also update its running averages once per micro-batch; with
       ``optaxaccum.flax.AccumBatchNorm(..., accum_steps=num_microbatches)``
-      they are updated once per step with the pooled statistics of the
-      whole batch, as ``nn.BatchNorm`` on the whole batch would.
+      its window coincides with the step, so they are updated once per step
+      with the pooled statistics of the whole batch, as ``nn.BatchNorm`` on
+      the whole batch would update them.
 
     .. note::
-      **Which examples form a micro-batch.** Micro-batch :math:`i` holds the
-      examples ``i, i + n, i + 2n, ...`` (``x[i::n]`` for ``n =
-      num_microbatches``): each leaf is reshaped, without a copy, to
-      ``(batch_size // n, n, ...)`` and the scan takes column ``i``. Unlike
-      consecutive slices, this keeps a batch that is sharded along axis 0
-      (``jax.jit`` with a ``NamedSharding``, explicit or automatic) local to
-      every device: no gather of the batch. A stacked per-example ``aux`` of
-      shape ``(n, batch_size // n, ...)`` goes back to the batch order with
-      ``aux.swapaxes(0, 1).reshape(batch_size, ...)``.
+      **Which examples form a micro-batch.** By default micro-batch :math:`i`
+      is the consecutive slice ``x[i * m:(i + 1) * m]`` (``m = batch_size //
+      n``): each leaf is reshaped, without a copy, to ``(n, m, ...)``. With
+      ``interleave=True`` it holds the examples ``i, i + n, i + 2n, ...``
+      (``x[i::n]``; a reshape to ``(m, n, ...)``). Use ``interleave=True``
+      when the batch is sharded along axis 0 under ``jax.jit`` (a
+      ``NamedSharding``, explicit or automatic): each micro-batch then takes
+      rows local to every device, where consecutive slices would make XLA
+      gather the batch (or, with explicit sharding, refuse the reshape). For
+      mean-reduced losses both give the same result; a stacked per-example
+      ``aux`` of shape ``(n, m, ...)`` goes back to the batch order with
+      ``aux.reshape(batch_size, ...)`` (consecutive) or
+      ``aux.swapaxes(0, 1).reshape(batch_size, ...)`` (interleaved).
 
     .. note::
       **Data parallelism.** Under ``jax.jit`` with a batch sharded over
@@ -357,6 +372,12 @@ def microbatched_value_and_grad(
     n = base.check_positive_int("num_microbatches", num_microbatches)
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, got has_aux={has_aux!r}")
+    if not isinstance(interleave, bool):
+        raise TypeError(
+            f"interleave must be a bool, got interleave={interleave!r}"
+        )
+    split_shape = (lambda m: (m, n)) if interleave else (lambda m: (n, m))
+    split_axis = 1 if interleave else 0
     argnums, diff_idx = _check_argnums("argnums", argnums)
     batch_argnums, batch_idx = _check_argnums("batch_argnums", batch_argnums)
     state_argnums, state_idx = _check_argnums(
@@ -404,13 +425,15 @@ def microbatched_value_and_grad(
             {"argnums": d_idx, "batch_argnums": b_idx, "state_argnums": s_idx}
         )
         batches = tuple(args[i] for i in b_idx)
-        batch_size = _batch_size(batches)
+        batch_size = _batch_size(
+            batches if isinstance(batch_argnums, tuple) else batches[0]
+        )
         _check_divisible(batch_size, n)
         m = batch_size // n
-        # Micro-batch i is x[i::n] = reshaped[:, i]: a reshape (no copy) that
-        # keeps a batch sharded along axis 0 local to each device.
+        # A reshape, no copy: micro-batch i is reshaped[i] (consecutive) or
+        # reshaped[:, i] = x[i::n] (interleaved, local to sharded rows).
         xs = jax.tree.map(
-            lambda x: jnp.reshape(x, (m, n) + np.shape(x)[1:]), batches
+            lambda x: jnp.reshape(x, split_shape(m) + np.shape(x)[1:]), batches
         )
 
         diff_args = tuple(args[i] for i in d_idx)
@@ -424,7 +447,7 @@ def microbatched_value_and_grad(
             acc, state = carry
             mb = jax.tree.map(
                 lambda x: lax.dynamic_index_in_dim(
-                    x, i, axis=1, keepdims=False
+                    x, i, axis=split_axis, keepdims=False
                 ),
                 xs,
             )
@@ -566,7 +589,7 @@ def plan_microbatches(
     ``argument + output - alias + temp``
 
     bytes of ``jax.jit(step).lower(*args).compile().memory_analysis()``
-    (:func:`microbatched_step_memory`). Nothing is run and nothing is
+    (what ``microbatched_step_memory`` returns). Nothing is run and nothing is
     allocated beyond the arguments given, which may be
     :class:`jax.ShapeDtypeStruct` s: each candidate is only compiled, on the
     backend (device) that would run it.
@@ -616,9 +639,12 @@ def plan_microbatches(
             f"memory_budget must be a positive, finite number of bytes, got "
             f"memory_budget={memory_budget!r}"
         )
-    _, batch_idx = _check_argnums("batch_argnums", batch_argnums)
+    batch_argnums, batch_idx = _check_argnums("batch_argnums", batch_argnums)
     b_idx = _normalize(batch_idx, len(args), "batch_argnums")
-    batch_size = _batch_size(tuple(args[i] for i in b_idx))
+    batches = tuple(args[i] for i in b_idx)
+    batch_size = _batch_size(
+        batches if isinstance(batch_argnums, tuple) else batches[0]
+    )
     if candidates is None:
         tries = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
     else:
