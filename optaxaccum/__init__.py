@@ -17,6 +17,7 @@ from optaxaccum._src.loss_scale import (
     static_loss_scale,
 )
 from optaxaccum._src.microbatch import (
+    microbatched_step_memory,
     microbatched_value_and_grad,
     plan_microbatches,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "has_updated",
     "is_gate",
     "loss_scale",
+    "microbatched_step_memory",
     "microbatched_value_and_grad",
     "plan_microbatches",
     "scaled_value_and_grad",
