@@ -132,7 +132,7 @@ def accumulate(
         return AccumulateState(
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=jnp.zeros([], jnp.int32),
-            acc=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), acc_dtype), params),
+            acc=jax.tree.map(lambda p: jnp.zeros_like(p, acc_dtype), params),
             weight=jnp.zeros([], acc_dtype),
             updated=jnp.zeros([], bool),
         )
@@ -156,7 +156,9 @@ def accumulate(
                 scale = jnp.where(opened, 1 / jnp.where(opened, weight, 1), 0)
                 acc = optax.tree.scale(scale, acc)
             updates = jax.tree.map(lambda a, d: a.astype(d), acc, out_dtypes)
-            return updates, state._replace(updated=opened), opened
+            # Same type (e.g. device-varying) as the flag of the closed branch.
+            updated = jnp.zeros_like(state.updated) | opened
+            return updates, state._replace(updated=updated), opened
 
         return emit
 
@@ -205,7 +207,7 @@ def accumulate(
             ),
             acc=acc,
             weight=weight,
-            updated=jnp.zeros([], bool),
+            updated=jnp.zeros_like(state.updated),
         )
         out_dtypes = jax.tree.map(lambda g: jnp.asarray(g).dtype, updates)
         return base.GateResult(new_state, closing, emit_fn(new_state, out_dtypes))

@@ -139,7 +139,9 @@ def is_gate(tx: Any) -> bool:
 
 def zeros_of(shapes: Any) -> Any:
     """Zeros with the shapes and dtypes of a tree of ``ShapeDtypeStruct``."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    # zeros_like keeps the sharding and the device-varying type of each
+    # ShapeDtypeStruct, so both branches of a lax.cond agree on them.
+    return jax.tree.map(jnp.zeros_like, shapes)
 
 
 def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable):
