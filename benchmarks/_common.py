@@ -1,0 +1,195 @@
+"""Shared helpers of the benchmark scripts: timing, memory, tables.
+
+Timing discipline (the machine running these may be shared and noisy):
+every variant is warmed up first (compilation and first-call effects stay out
+of the figures), then timed in interleaved rounds (one call of each variant
+per round, in a fresh random order each round) so that a burst of outside
+load hits all variants alike and no variant always follows the same one;
+each variant's figure is the median of its rounds and is reported as a ratio
+to a reference variant.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+__all__ = [
+    "Timed",
+    "format_bytes",
+    "machine_info",
+    "markdown_table",
+    "memory_stats",
+    "target",
+    "targets_table",
+    "time_interleaved",
+    "today",
+    "versions",
+]
+
+
+class Timed:
+    """One benchmark variant: an untimed ``prepare`` and a timed ``call``.
+
+    Args:
+      call: the function to time; its result is waited for with
+        ``jax.block_until_ready``.
+      prepare: run before every timed call, outside the timing; returns the
+        positional arguments of ``call`` (e.g. re-creating donated buffers).
+      after: receives ``call``'s result, outside the timing (e.g. to keep
+        donated outputs as the next call's inputs).
+    """
+
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        prepare: Callable[[], Sequence[Any]],
+        after: Callable[[Any], None] = lambda out: None,
+    ):
+        self.call = call
+        self.prepare = prepare
+        self.after = after
+
+    def run_once(self) -> float:
+        """Seconds taken by one ``call`` (``prepare``/``after`` excluded)."""
+        args = jax.block_until_ready(self.prepare())
+        start = time.perf_counter()
+        out = jax.block_until_ready(self.call(*args))
+        elapsed = time.perf_counter() - start
+        self.after(out)
+        return elapsed
+
+
+def time_interleaved(
+    variants: Mapping[str, Timed],
+    *,
+    rounds: int,
+    warmup: int = 2,
+    settle_s: float = 0.0,
+) -> dict[str, float]:
+    """Median seconds per call of each variant, timed in interleaved rounds.
+
+    Args:
+      variants: name -> :class:`Timed`.
+      rounds: timed rounds; each round calls every variant once, in a
+        random (seeded) order.
+      warmup: untimed calls of each variant before the first round.
+      settle_s: seconds to sleep after each timed call, so that work the
+        previous call left behind (freeing large buffers) is not charged to
+        the next one.
+
+    Returns:
+      name -> median seconds of one call.
+    """
+    names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            variants[name].run_once()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        # A fresh order each round: no variant always follows the same one
+        # (a heavy predecessor's deferred frees would bias its successor).
+        order = rng.sample(names, len(names))
+        for name in order:
+            samples[name].append(variants[name].run_once())
+            time.sleep(settle_s)
+    return {name: _median(s) for name, s in samples.items()}
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def memory_stats(compiled: Any) -> dict[str, int]:
+    """Argument, output, alias and temp bytes of a compiled computation.
+
+    ``temp`` is reported separately: on CPU, ``peak_memory_in_bytes`` leaves
+    the temporaries out.
+    """
+    ma = compiled.memory_analysis()
+    return {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+    }
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in MiB (or B/KiB for small numbers), for tables."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    if abs(n) < 1024**2:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / 1024**2:.1f} MiB"
+
+
+def markdown_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]]
+) -> str:
+    """A GitHub-markdown table, aligned so that it also reads in a terminal."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row):
+        cells = (c.ljust(w) for c, w in zip(row, widths, strict=True))
+        return "| " + " | ".join(cells) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def target(what: str, value: Any, met: bool, suffix: str = "x") -> dict:
+    """One target of a benchmark: what it asks, the measured value, met?"""
+    shown = f"{value:.2f}{suffix}" if isinstance(value, float) else str(value)
+    return {"target": what, "measured": shown, "met": bool(met)}
+
+
+def targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
+    """The targets of a benchmark as a markdown table."""
+    return markdown_table(
+        ["target", "measured", "met"],
+        [[t["target"], t["measured"], "yes" if t["met"] else "NO"]
+         for t in targets],
+    )
+
+
+def machine_info() -> dict[str, str]:
+    """Platform, CPU count, JAX backend and device kind."""
+    dev = jax.devices()[0]
+    return {
+        "platform": platform.platform(),
+        "cpu_count": str(os.cpu_count()),
+        "backend": jax.default_backend(),
+        "device_kind": f"{dev.device_kind} x{jax.device_count()}",
+    }
+
+
+def versions() -> dict[str, str]:
+    """Versions of python, jax, jaxlib and optax."""
+    import jaxlib
+    import optax
+
+    return {
+        "python": sys.version.split()[0],
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "optax": optax.__version__,
+    }
+
+
+def today() -> str:
+    """The current date and time (UTC), ISO format, to the minute."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.strftime("%Y-%m-%d %H:%M UTC")

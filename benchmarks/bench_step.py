@@ -1,0 +1,315 @@
+"""B1: the cost of one optimizer micro-step under gradient accumulation.
+
+On a ~33.6M-parameter float32 tree with Adam and a window of 4 micro-batches,
+params and optimizer state donated to ``jax.jit``, this times side by side:
+
+* ``floor``: a jitted tree add ``acc + g`` with ``acc`` donated (read the
+  gradient, read the accumulator, write the accumulator): the least a
+  non-closing micro-step can cost;
+* ``fused``: ``oa.apply_gradients(oa.chain(oa.accumulate(4), adam), ...)``;
+* ``plain``: the ``tx.update`` + ``optax.apply_updates`` protocol on the same
+  chain, jitted together;
+* ``MultiSteps``: ``optax.MultiSteps(adam, 4)``, the same protocol.
+
+Each of the last three is timed on a *non-closing* micro-step (the state's
+``mini_step`` is 1: mid-window, the accumulator is read and written; at 0 it
+is only overwritten) and on a *closing* one (``mini_step`` is 3), each in its
+own loop fed its own outputs back (donation): between two timed calls,
+outside the timing, the fed-back state's ``mini_step`` is reset to the
+variant's value (a scalar replacement). As a cross-check that does not touch
+the state at all, a whole window of 4 calls is timed too (reported per call).
+The last column counts the ``copy`` instructions of params-sized leaves in
+the optimized HLO (``compiled.as_text()``).
+
+Figures are medians over interleaved rounds (each timed call followed by a
+short pause, so that one call's deferred frees are not charged to the next),
+as ratios to ``floor``. The compiled steps' ``memory_analysis()`` gives
+argument/output/alias/temp bytes (on CPU the peak leaves the temporaries out,
+so they are shown on their own).
+
+Run: ``python benchmarks/bench_step.py [--tiny]``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
+import optaxaccum as oa  # noqa: E402
+
+K = 4
+LEARNING_RATE = 1e-3
+# 4 x 2048 x 4096 = 33,554,432 float32 parameters (128 MiB per tree).
+FULL_SHAPES = {f"w{i}": (2048, 4096) for i in range(4)}
+TINY_SHAPES = {"w0": (64, 128), "w1": (32, 32), "b": (128,)}
+_STATE_TYPES = (oa.AccumulateState, optax.MultiStepsState)
+# Temporary bytes below this are scalars (flags, counters), not tree data.
+SCALARS = 1024
+
+
+def _tree(shapes, seed):
+    keys = jax.random.split(jax.random.key(seed), len(shapes))
+    return {
+        name: 0.01 * jax.random.normal(key, shape, jnp.float32)
+        for key, (name, shape) in zip(keys, sorted(shapes.items()), strict=True)
+    }
+
+
+def _with_mini_step(state, mini_step):
+    """``state`` with the ``mini_step`` of its accumulation state replaced."""
+
+    def fix(s):
+        if isinstance(s, _STATE_TYPES):
+            return s._replace(mini_step=jnp.asarray(mini_step, jnp.int32))
+        return s
+
+    return jax.tree.map(
+        fix, state, is_leaf=lambda s: isinstance(s, _STATE_TYPES)
+    )
+
+
+def _mini_step(state):
+    leaves = jax.tree.leaves(
+        state, is_leaf=lambda s: isinstance(s, _STATE_TYPES)
+    )
+    return int(next(s for s in leaves if isinstance(s, _STATE_TYPES)).mini_step)
+
+
+# The donated arguments come first, in the order of the outputs: JAX pairs
+# each donated input buffer with the first not yet paired output of the same
+# shape and dtype, so ``step(grads, opt_state, params) -> (params, opt_state)``
+# would pair the accumulator's buffers with the new params, Adam's moments
+# with the accumulator, ... and XLA would copy every tree on every call.
+def _fused_step(tx):
+    def step(params, opt_state, grads):
+        return oa.apply_gradients(tx, grads, opt_state, params)
+
+    return step
+
+
+def _plain_step(tx):
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def _tree_copies(compiled, shapes):
+    """How many ``copy`` instructions of a params leaf the program holds."""
+    dims = {",".join(map(str, shape)) for shape in shapes.values()}
+    found = re.findall(r"= f32\[([\d,]*)\]\S* copy\(", compiled.as_text())
+    return sum(d in dims for d in found)
+
+
+def _floor_step(acc, grads):
+    return jax.tree.map(jnp.add, acc, grads)
+
+
+class _Loop:
+    """A donated ``(params, opt_state)`` loop around one compiled step."""
+
+    def __init__(self, compiled, grads, opt_state, params, mini_step):
+        self.compiled = compiled
+        self.grads = grads
+        self.state = opt_state
+        self.params = params
+        self.mini_step = mini_step
+
+    def args(self):
+        return self.params, self.state, self.grads
+
+    def prepare(self):
+        if self.mini_step is not None:
+            self.state = _with_mini_step(self.state, self.mini_step)
+        return self.args()
+
+    def keep(self, out):
+        self.params, self.state = out
+
+    def timed(self):
+        return _common.Timed(self.compiled, self.prepare, self.keep)
+
+    def window(self):
+        """Times ``K`` consecutive calls (one whole window), no resets."""
+
+        def call(params, opt_state, grads):
+            for _ in range(K):
+                params, opt_state = self.compiled(params, opt_state, grads)
+            return params, opt_state
+
+        return _common.Timed(call, self.args, self.keep)
+
+
+def main(tiny: bool = False, rounds: int | None = None) -> dict:
+    """Runs B1; returns the results (see ``run_all.py`` for the format)."""
+    shapes = TINY_SHAPES if tiny else FULL_SHAPES
+    if rounds is None:
+        rounds = 3 if tiny else 15
+    n_params = sum(math.prod(s) for s in shapes.values())
+    tree_bytes = 4 * n_params
+
+    def params():
+        return _tree(shapes, 0)
+
+    grads = _tree(shapes, 1)
+    adam = optax.adam(LEARNING_RATE)
+    ours = oa.chain(oa.accumulate(K), adam)
+    multi = optax.MultiSteps(adam, K)
+
+    def compile_step(fn, *args, donate):
+        return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+
+    p0 = params()
+    floor = compile_step(_floor_step, p0, grads, donate=(0,))
+    compiled = {
+        "fused": compile_step(_fused_step(ours), p0, ours.init(p0), grads,
+                              donate=(0, 1)),
+        "plain": compile_step(_plain_step(ours), p0, ours.init(p0), grads,
+                              donate=(0, 1)),
+        "MultiSteps": compile_step(_plain_step(multi), p0, multi.init(p0),
+                                   grads, donate=(0, 1)),
+    }
+    inits = {"fused": ours.init, "plain": ours.init, "MultiSteps": multi.init}
+    del p0
+
+    variants: dict[str, _common.Timed] = {}
+    floor_acc = {"acc": params()}
+
+    def floor_prepare():
+        return floor_acc["acc"], grads
+
+    def floor_keep(out):
+        floor_acc["acc"] = out
+
+    variants["floor"] = _common.Timed(floor, floor_prepare, floor_keep)
+    loops = {}
+    for kind, comp in compiled.items():
+        for phase, m in (("non-closing", 1), ("closing", K - 1)):
+            p = params()
+            loop = _Loop(comp, grads, _with_mini_step(inits[kind](p), m), p, m)
+            loops[kind, phase] = loop
+            variants[f"{kind} {phase}"] = loop.timed()
+        p = params()
+        loop = _Loop(comp, grads, inits[kind](p), p, None)
+        loops[kind, "window"] = loop
+        variants[f"{kind} window/{K}"] = loop.window()
+
+    # Sanity: each loop does what its name says (one untimed call each).
+    for (kind, phase), loop in loops.items():
+        if phase == "window":
+            continue
+        before = jax.tree.map(lambda x: x.copy(), loop.params)
+        variants[f"{kind} {phase}"].run_once()
+        moved = any(
+            bool(jnp.any(a != b))
+            for a, b in zip(jax.tree.leaves(before),
+                            jax.tree.leaves(loop.params), strict=True)
+        )
+        mini_step = (loop.mini_step + 1) % K
+        if moved != (phase == "closing") or _mini_step(loop.state) != mini_step:
+            raise RuntimeError(f"{kind} {phase}: step did not behave as named")
+        del before
+
+    seconds = _common.time_interleaved(
+        variants, rounds=rounds, warmup=2, settle_s=0.0 if tiny else 0.05
+    )
+    per_call = {
+        name: (t / K if name.endswith(f"window/{K}") else t)
+        for name, t in seconds.items()
+    }
+    t_floor = per_call["floor"]
+    ratios = {name: t / t_floor for name, t in per_call.items()}
+
+    mem = {"floor": _common.memory_stats(floor)}
+    mem.update({k: _common.memory_stats(c) for k, c in compiled.items()})
+    copies = {"floor": _tree_copies(floor, shapes)}
+    copies.update({k: _tree_copies(c, shapes) for k, c in compiled.items()})
+
+    rows = []
+    for name, t in per_call.items():
+        m = mem[name.split()[0]]
+        rows.append([
+            name,
+            f"{1e3 * t:.2f}",
+            f"{ratios[name]:.2f}x",
+            _common.format_bytes(m["argument"]),
+            _common.format_bytes(m["output"]),
+            _common.format_bytes(m["alias"]),
+            _common.format_bytes(m["temp"]),
+            str(copies[name.split()[0]]),
+        ])
+    headers = ["variant", "ms/call", "vs floor", "args", "out", "alias",
+               "temp", "leaf copies in HLO"]
+
+    ms_open = per_call["MultiSteps non-closing"]
+    speedups = {
+        n: ms_open / t for n, t in per_call.items()
+        if n.split()[0] in ("fused", "plain") and "window" not in n
+    }
+    targets = [
+        _common.target("fused non-closing <= 1.2x floor",
+                       ratios["fused non-closing"],
+                       ratios["fused non-closing"] <= 1.2),
+        _common.target("fused step: no tree-sized temporary "
+                       f"(temp < {_common.format_bytes(SCALARS)}: scalars)",
+                       _common.format_bytes(mem["fused"]["temp"]),
+                       mem["fused"]["temp"] < SCALARS),
+        _common.target("fused closing <= 4x floor",
+                       ratios["fused closing"], ratios["fused closing"] <= 4.0),
+        _common.target("plain non-closing <= 8x floor",
+                       ratios["plain non-closing"],
+                       ratios["plain non-closing"] <= 8.0),
+        _common.target("plain step temp <= one tree "
+                       f"({_common.format_bytes(tree_bytes)}) + scalars",
+                       _common.format_bytes(mem["plain"]["temp"]),
+                       mem["plain"]["temp"] < tree_bytes + SCALARS),
+        _common.target("every fused/plain step >= 2.5x faster than "
+                       "MultiSteps non-closing",
+                       ", ".join(f"{n} {v:.2f}x" for n, v in speedups.items()),
+                       min(speedups.values()) >= 2.5),
+    ]
+    return {
+        "name": "B1",
+        "title": (f"B1: micro-step cost, {n_params:,} float32 params, Adam, "
+                  f"k={K}, donated; median of {rounds} interleaved rounds"),
+        "headers": headers,
+        "rows": rows,
+        "ratios": {f"B1 {n}": r for n, r in ratios.items() if n != "floor"},
+        "ratio_label": "time / floor (tree add)",
+        "targets": targets,
+        "seconds": per_call,
+        "memory": mem,
+        "tree_copies": copies,
+        "notes": [
+            "non-closing: mini_step 1 (mid-window); closing: mini_step "
+            f"{K - 1}; window/{K}: {K} consecutive calls from mini_step 0, "
+            "time per call.",
+            "Steps take their donated arguments in the order of their "
+            "outputs, `step(params, opt_state, grads) -> (params, "
+            "opt_state)` with `donate_argnums=(0, 1)`: JAX pairs donated "
+            "buffers with same-shaped outputs in order, and another order "
+            "makes XLA copy every leaf on every call.",
+            "On CPU a tree-sized temporary also costs page faults on every "
+            "call (the allocator hands large buffers back to the system), "
+            "which adds to the time of the steps that have one.",
+        ],
+    }
+
+
+if __name__ == "__main__":
+    res = main(tiny="--tiny" in sys.argv[1:])
+    print(res["title"])
+    print(_common.markdown_table(res["headers"], res["rows"]))
+    print()
+    print(_common.targets_table(res["targets"]))

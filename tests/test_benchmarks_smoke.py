@@ -1,0 +1,119 @@
+"""Smoke tests of the benchmark scripts on toy sizes, so that they never rot.
+
+The figures of a tiny run mean nothing; what is checked is that each
+benchmark runs end to end, that the steps it times are the ones it names
+(their compiled memory shows every donated buffer reused), and that the
+report writer produces its files. The multi-device benchmark is smoke-tested
+in ``test_multidevice.py``.
+"""
+
+import importlib.util
+import pathlib
+
+import jax
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name):
+    path = BENCH_DIR / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_result_format(res):
+    for key in ("name", "title", "headers", "rows", "targets", "ratios",
+                "ratio_label"):
+        assert key in res, key
+    assert all(len(row) == len(res["headers"]) for row in res["rows"])
+    for t in res["targets"]:
+        assert set(t) == {"target", "measured", "met"}
+        assert isinstance(t["met"], bool)
+    assert res["ratios"]
+    assert all(r > 0 for r in res["ratios"].values())
+
+
+def test_bench_step_main_tiny():
+    bench = _load("bench_step")
+    res = bench.main(tiny=True)
+    _check_result_format(res)
+    names = [row[0] for row in res["rows"]]
+    expected = ["floor"] + [
+        f"{kind} {phase}"
+        for kind in ("fused", "plain", "MultiSteps")
+        for phase in ("non-closing", "closing", f"window/{bench.K}")
+    ]
+    assert names == expected
+    # Donation works: every tree-sized input buffer is reused for an output
+    # (params and optimizer state in all three steps; the accumulator in the
+    # floor), so the aliased bytes cover all tree-sized arguments except the
+    # gradients.
+    tree_bytes = 4 * sum(
+        x.size for x in jax.tree.leaves(bench._tree(bench.TINY_SHAPES, 0))
+    )
+    mem = res["memory"]
+    # (Outputs also count the output tuple's table of buffer pointers.)
+    assert mem["floor"]["argument"] == 2 * tree_bytes
+    assert tree_bytes <= mem["floor"]["output"] < tree_bytes + 64
+    assert mem["floor"]["alias"] == tree_bytes
+    assert mem["floor"]["temp"] == 0
+    for kind in ("fused", "plain", "MultiSteps"):
+        # params, accumulator, Adam's mu and nu: 4 trees, plus scalars.
+        assert 4 * tree_bytes <= mem[kind]["alias"] < 4 * tree_bytes + 64
+    # ... and each donated buffer to the output it becomes: with the donated
+    # arguments in another order than the outputs (e.g. a step taking
+    # ``(grads, opt_state, params)``) XLA copies every leaf (21 copies here).
+    assert res["tree_copies"]["floor"] == 0
+    assert res["tree_copies"]["fused"] == 0
+    assert res["tree_copies"]["plain"] == 0
+
+
+def test_bench_microbatch_main_tiny():
+    bench = _load("bench_microbatch")
+    res = bench.main(tiny=True)  # raises if a variant's result is wrong
+    _check_result_format(res)
+    assert set(res["seconds"]) == {
+        "full batch", "optax micro_grad", "oa.microbatched",
+        "lax.scan by hand",
+    }
+    assert list(res["temp_by_num_microbatches"]) == list(bench.SWEEP)
+    assert (
+        res["temp_by_num_microbatches"][bench.NUM_MICROBATCHES]
+        == res["memory"]["oa.microbatched"]["temp"]
+    )
+
+
+def test_run_all_write_report(tmp_path):
+    run_all = _load("run_all")
+    results = [
+        {
+            "name": "Bx",
+            "title": "Bx: a made-up benchmark",
+            "headers": ["variant", "ms"],
+            "rows": [["slow one", "2.00"], ["fast one", "0.50"]],
+            "targets": [{"target": "fast", "measured": "0.25x", "met": True}],
+            "ratios": {"Bx slow one": 4.0, "Bx fast one": 1.0},
+            "ratio_label": "time / fast one",
+            "wall_s": 1.0,
+        }
+    ]
+    md_path, png_path = run_all.write_report(results, str(tmp_path), tiny=True)
+    md = pathlib.Path(md_path).read_text()
+    for text in ("Bx: a made-up benchmark", "| slow one | 2.00 |",
+                 "| fast   | 0.25x    | yes |", "jax " + jax.__version__,
+                 "cpu_count", "device_kind", "load average", "results.png"):
+        assert text in md, text
+    png = pathlib.Path(png_path).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+
+def test_markdown_table_aligns_columns():
+    common = _load("_common")
+    table = common.markdown_table(["a", "bb"], [["xyz", 1]])
+    assert table.splitlines() == [
+        "| a   | bb |",
+        "|-----|----|",
+        "| xyz | 1  |",
+    ]
