@@ -167,6 +167,19 @@ def test_zero_weight_window_does_not_step():
     assert int(state[0].gradient_step) == 1 and int(state[0].mini_step) == 0
 
 
+def test_flush_of_zero_weight_window_closes_it_without_stepping():
+    tx = oa.chain(oa.accumulate(4), optax.adam(0.1))
+    params = jnp.ones(2)
+    state = tx.init(params)
+    inner = state[1]
+    _, state = tx.update(jnp.ones(2), state, params, accum_weight=0.0)
+    u, state = oa.flush(tx, state, params)
+    chex.assert_trees_all_equal(u, jnp.zeros(2))
+    chex.assert_trees_all_equal(state[1], inner)
+    assert not bool(oa.has_updated(state))
+    assert int(state[0].gradient_step) == 1 and int(state[0].mini_step) == 0
+
+
 def test_has_updated_bare_and_chain():
     bare = oa.accumulate(2)
     s = bare.init(jnp.zeros(1))

@@ -151,6 +151,28 @@ def test_hlo_fused_non_closing_step_is_one_pass():
     assert _hlo.count(branch, "sqrt") >= 1
 
 
+def test_fused_step_needs_no_tree_sized_temporaries():
+    """The compiled fused step (params and state donated) allocates no
+    temporary buffer of the tree's size: the accumulator is updated in place
+    and the zero-update tree of the plain protocol is never built."""
+    params = {"w": jnp.zeros((256, 256))}
+    tx = oa.chain(oa.accumulate(4), optax.adam(1e-3))
+    state = tx.init(params)
+    step = jax.jit(
+        lambda p, s, g: oa.apply_gradients(tx, g, s, p), donate_argnums=(0, 1)
+    )
+    mem = step.lower(params, state, params).compile().memory_analysis()
+    tree_bytes = 256 * 256 * 4
+    assert mem.temp_size_in_bytes < tree_bytes // 64, mem.temp_size_in_bytes
+    plain = jax.jit(
+        lambda p, s, g: (lambda u, s2: (optax.apply_updates(p, u), s2))(
+            *tx.update(g, s, p)),
+        donate_argnums=(0, 1),
+    )
+    mem_plain = plain.lower(params, state, params).compile().memory_analysis()
+    assert mem_plain.temp_size_in_bytes >= tree_bytes, mem_plain.temp_size_in_bytes
+
+
 def test_apply_gradients_extra_args_and_non_gate():
     tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
     params = jnp.zeros(1)

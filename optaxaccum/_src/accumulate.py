@@ -140,8 +140,13 @@ def accumulate(
     def window_length(gradient_step):
         return jnp.asarray(window(gradient_step), jnp.int32)
 
-    def emit_fn(state, out_dtypes):
-        """Emits the window's result; called only when a window closes."""
+    def emit_fn(state, out_dtypes, nonzero_weight=False):
+        """Emits the window's result; called only when a window closes.
+
+        ``nonzero_weight=True`` promises that the caller already checked the
+        window's weight, so the emitted flag is the literal ``True`` and the
+        chain needs no second branch on it.
+        """
 
         def emit():
             acc, weight = state.acc, state.weight
@@ -151,7 +156,7 @@ def accumulate(
                     acc = lax.psum(acc, axis_name)
                 else:
                     acc = lax.pmean(acc, axis_name)
-            opened = weight != 0
+            opened = True if nonzero_weight else weight != 0
             if reduction == "mean":
                 scale = jnp.where(opened, 1 / jnp.where(opened, weight, 1), 0)
                 acc = optax.tree.scale(scale, acc)
@@ -210,6 +215,13 @@ def accumulate(
             updated=jnp.zeros_like(state.updated),
         )
         out_dtypes = jax.tree.map(lambda g: jnp.asarray(g).dtype, updates)
+        if axis_name is None:
+            # The weight is local: decide on it here so the chain branches once.
+            return base.GateResult(
+                new_state,
+                closing & (weight != 0),
+                emit_fn(new_state, out_dtypes, nonzero_weight=True),
+            )
         return base.GateResult(new_state, closing, emit_fn(new_state, out_dtypes))
 
     def gate_flush_fn(state, params, **extra_args):
