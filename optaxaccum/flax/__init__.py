@@ -1,0 +1,11 @@
+"""Flax integration: accumulated BatchNorm and a fused ``TrainState``.
+
+``optaxaccum.flax`` needs ``flax`` (``pip install optaxaccum[flax]``); the
+core package ``optaxaccum`` does not import it. The ``flax.nnx`` module lives
+in :mod:`optaxaccum.flax.nnx`.
+"""
+
+from optaxaccum.flax._linen import AccumBatchNorm
+from optaxaccum.flax._train_state import TrainState, flush_batch_stats
+
+__all__ = ["AccumBatchNorm", "TrainState", "flush_batch_stats"]

@@ -1,0 +1,153 @@
+"""``AccumBatchNorm`` for ``flax.linen``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax.linen import module as linen_module
+
+from optaxaccum._src import base
+from optaxaccum.flax import _stats
+
+
+def _canonical_axes(ndim: int, axis: Any) -> tuple[int, ...]:
+    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
+    return tuple(sorted({a % ndim for a in axes}))
+
+
+class AccumBatchNorm(nn.BatchNorm):
+    """``flax.linen.BatchNorm`` whose running statistics see the whole window.
+
+    A drop-in for :class:`flax.linen.BatchNorm`: the same constructor
+    arguments in the same order (``use_running_average``, ``axis``,
+    ``momentum``, ``epsilon``, ``dtype``, ``param_dtype``, ``use_bias``,
+    ``use_scale``, ``bias_init``, ``scale_init``, ``axis_name``,
+    ``axis_index_groups``, ``use_fast_variance``, ...) plus ``accum_steps``,
+    and the same variables (``params``: ``scale``, ``bias``; ``batch_stats``:
+    ``mean``, ``var``), so pretrained ``nn.BatchNorm`` variables load
+    unchanged.
+
+    In training mode each micro-batch is normalized with its own statistics,
+    exactly as ``nn.BatchNorm`` does. The running ``mean``/``var`` are updated
+    once per ``accum_steps`` micro-batches, with the *pooled* statistics of the
+    whole window: per-feature counts, means and sums of squared deviations,
+    merged in float32 with the parallel-variance formula (Chan et al.), so
+    they equal the statistics of ``nn.BatchNorm`` run once on the
+    concatenated window, also when micro-batches differ in size.
+
+    With ``accum_steps > 1`` the window lives in four extra ``batch_stats``
+    entries, ``window_count``, ``window_mean``, ``window_m2`` (float32, one
+    value per feature) and ``window_step`` (int32); they are created by
+    ``init`` and, for variables of a plain ``nn.BatchNorm``, by the first
+    training call (with ``mutable=["batch_stats"]``). They are part of the
+    state to checkpoint. With ``accum_steps=1`` the module *is*
+    ``nn.BatchNorm`` (bit-identical, no extra entries).
+
+    .. math::
+      \\bar x = \\frac{\\sum_b n_b \\bar x_b}{\\sum_b n_b},\\qquad
+      \\sigma^2 = \\frac{\\sum_b \\left(n_b \\sigma_b^2
+        + n_b (\\bar x_b - \\bar x)^2\\right)}{\\sum_b n_b}
+
+    Args:
+      use_running_average: as in ``nn.BatchNorm``.
+      accum_steps: micro-batches per window, an int >= 1 (keyword). Keep it
+        equal to the ``every_k`` of :func:`optaxaccum.accumulate`.
+      **kwargs: every other ``nn.BatchNorm`` field, with its meaning.
+
+    Raises:
+      ValueError, TypeError: if ``accum_steps`` is not a positive int.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from optaxaccum.flax import AccumBatchNorm
+      >>> bn = AccumBatchNorm(use_running_average=False, momentum=0.0,
+      ...                     accum_steps=2)
+      >>> x = jnp.arange(8.0).reshape(4, 2)
+      >>> variables = bn.init(jax.random.key(0), x[:2])
+      >>> stats = variables["batch_stats"]
+      >>> for xb in (x[:2], x[2:]):
+      ...   _, upd = bn.apply({**variables, "batch_stats": stats}, xb,
+      ...                     mutable=["batch_stats"])
+      ...   stats = upd["batch_stats"]
+      >>> stats["mean"], stats["var"]  # of all four rows
+      (Array([3., 4.], dtype=float32), Array([5., 5.], dtype=float32))
+
+    .. note::
+      The extra work over ``nn.BatchNorm`` in training mode is one more
+      reduction over the micro-batch (sums for the window) and, with
+      ``axis_name``, one more ``psum`` of three per-feature vectors.
+    """
+
+    accum_steps: int = 1
+
+    def __post_init__(self):
+        base.check_positive_int("accum_steps", self.accum_steps)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        use_running_average: bool | None = None,
+        *,
+        mask: jax.Array | None = None,
+    ) -> jax.Array:
+        """Normalizes ``x``; see :class:`flax.linen.BatchNorm`.
+
+        Args:
+          x: the input.
+          use_running_average: if true, normalize with the running statistics
+            (evaluation); overrides the field of the same name.
+          mask: optional boolean array broadcastable to ``x``: which elements
+            count toward the statistics.
+
+        Returns:
+          The normalized input, of the same shape.
+        """
+        if self.accum_steps == 1:
+            return super().__call__(x, use_running_average, mask=mask)
+        training = not linen_module.merge_param(
+            "use_running_average", self.use_running_average, use_running_average
+        )
+        feature_axes = _canonical_axes(x.ndim, self.axis)
+        reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+        feature_shape = tuple(x.shape[i] for i in feature_axes)
+        if self.is_initializing() or training:
+            # Created by init, or on the first training call for variables
+            # of a plain nn.BatchNorm.
+            empty = _stats.empty_window(feature_shape)
+            window_vars = [
+                self.variable("batch_stats", key, lambda v=v: v)
+                for key, v in zip(_stats.WINDOW_KEYS, empty)
+            ]
+        if not training or self.is_initializing():
+            return super().__call__(x, use_running_average, mask=mask)
+
+        ra_mean = self.get_variable("batch_stats", "mean")
+        ra_var = self.get_variable("batch_stats", "var")
+        y = super().__call__(x, use_running_average, mask=mask)
+        stats = _stats.micro_batch_stats(
+            x,
+            reduction_axes,
+            mask=mask,
+            axis_name=self.axis_name,
+            axis_index_groups=self.axis_index_groups,
+            use_fast_variance=self.use_fast_variance,
+        )
+        window = _stats.Window(*(v.value for v in window_vars))
+        new_mean, new_var, window = _stats.step(
+            window,
+            ra_mean,
+            ra_var,
+            stats,
+            momentum=self.momentum,
+            accum_steps=self.accum_steps,
+        )
+        # Replace the per-micro-batch update that nn.BatchNorm just made.
+        self.put_variable("batch_stats", "mean", new_mean)
+        self.put_variable("batch_stats", "var", new_var)
+        for var, value in zip(window_vars, window):
+            var.value = value
+        return y

@@ -1,0 +1,161 @@
+"""Pooled BatchNorm statistics over an accumulation window (pure JAX).
+
+Shared by the linen and nnx ``AccumBatchNorm``. A window's statistics are
+kept as per-feature ``count``, ``mean`` and ``m2`` (sum of squared deviations
+from the mean) in float32 and merged micro-batch by micro-batch with the
+parallel-variance formula of Chan, Golub and LeVeque, so the pooled variance is
+exact for micro-batches of any sizes -- not an average of variances.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Names of the extra ``batch_stats`` entries (linen) / attributes (nnx).
+WINDOW_KEYS = ("window_count", "window_mean", "window_m2", "window_step")
+
+
+class Window(NamedTuple):
+    """The statistics of the current, not yet closed window.
+
+    Attributes:
+      count: per-feature number of elements seen, float32.
+      mean: per-feature mean, float32.
+      m2: per-feature sum of squared deviations from ``mean``, float32.
+      step: number of micro-batches in the window, int32 scalar.
+    """
+
+    count: jax.Array
+    mean: jax.Array
+    m2: jax.Array
+    step: jax.Array
+
+
+def empty_window(feature_shape: Sequence[int]) -> Window:
+    zeros = jnp.zeros(tuple(feature_shape), jnp.float32)
+    return Window(zeros, zeros, zeros, jnp.zeros([], jnp.int32))
+
+
+def micro_batch_stats(
+    x: jax.Array,
+    reduction_axes: tuple[int, ...],
+    *,
+    mask: jax.Array | None,
+    axis_name: Any,
+    axis_index_groups: Any,
+    use_fast_variance: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(count, mean, var)`` of one micro-batch, in float32 (or wider).
+
+    Counts are summed over ``axis_name`` (so devices with different numbers of
+    examples are weighted by their size), with one collective for the fast
+    variance and two for the two-pass one.
+    """
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    x = x.astype(dtype)
+    if mask is None:
+        feature_shape = [
+            d for i, d in enumerate(x.shape) if i not in reduction_axes
+        ]
+        n = jnp.full(
+            feature_shape,
+            math.prod(x.shape[i] for i in reduction_axes),
+            dtype,
+        )
+        weight = None
+    else:
+        weight = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).astype(dtype)
+        n = weight.sum(reduction_axes)
+
+    def total(v):
+        return (v if weight is None else v * weight).sum(reduction_axes)
+
+    def psum(*vs):
+        if axis_name is None:
+            return vs
+        out = lax.psum(
+            jnp.stack(vs), axis_name, axis_index_groups=axis_index_groups
+        )
+        return tuple(out)
+
+    if use_fast_variance:
+        n, s1, s2 = psum(n, total(x), total(x * x))
+        mean = s1 / n
+        var = jnp.maximum(0.0, s2 / n - mean * mean)
+    else:
+        n, s1 = psum(n, total(x))
+        mean = s1 / n
+        dev = x - jnp.expand_dims(mean, reduction_axes)
+        (ss,) = psum(total(dev * dev))
+        var = ss / n
+    return n, mean, var
+
+
+def merge(window: Window, n: jax.Array, mean: jax.Array, var: jax.Array) -> Window:
+    """Adds a micro-batch with ``n`` elements, ``mean`` and ``var``."""
+    n, mean, var = (v.astype(jnp.float32) for v in (n, mean, var))
+    total = window.count + n
+    frac = jnp.where(total > 0, n / jnp.where(total > 0, total, 1.0), 0.0)
+    delta = mean - window.mean
+    return Window(
+        count=total,
+        mean=window.mean + delta * frac,
+        m2=window.m2 + var * n + delta * delta * window.count * frac,
+        step=window.step + 1,
+    )
+
+
+def close(
+    window: Window,
+    ra_mean: jax.Array,
+    ra_var: jax.Array,
+    momentum: float,
+    do_close: jax.Array,
+) -> tuple[jax.Array, jax.Array, Window]:
+    """Folds the pooled window into the running averages where ``do_close``.
+
+    A window that saw no element (everything masked) leaves the running
+    averages unchanged. Returns ``(ra_mean, ra_var, window)``; the window is
+    emptied where it closed.
+    """
+    seen = window.count > 0
+    pooled_var = window.m2 / jnp.where(seen, window.count, 1.0)
+    use = do_close & seen
+
+    def ema(ra, stat):
+        new = momentum * ra + (1 - momentum) * stat.astype(ra.dtype)
+        return jnp.where(use, new, ra).astype(ra.dtype)
+
+    new_mean, new_var = ema(ra_mean, window.mean), ema(ra_var, pooled_var)
+    empty = empty_window(window.mean.shape)
+    window = jax.tree.map(
+        lambda e, w: jnp.where(do_close, e, w).astype(w.dtype), empty, window
+    )
+    return new_mean, new_var, window
+
+
+def step(
+    window: Window,
+    ra_mean: jax.Array,
+    ra_var: jax.Array,
+    stats: tuple[jax.Array, jax.Array, jax.Array],
+    *,
+    momentum: float,
+    accum_steps: int,
+) -> tuple[jax.Array, jax.Array, Window]:
+    """One training micro-batch: merge its ``stats``, close a full window."""
+    window = merge(window, *stats)
+    return close(window, ra_mean, ra_var, momentum, window.step >= accum_steps)
+
+
+def flush(
+    window: Window, ra_mean: jax.Array, ra_var: jax.Array, momentum: float
+) -> tuple[jax.Array, jax.Array, Window]:
+    """Closes a partial window (no-op for an empty one)."""
+    return close(window, ra_mean, ra_var, momentum, window.step > 0)

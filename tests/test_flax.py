@@ -1,0 +1,554 @@
+"""Tests for optaxaccum.flax: AccumBatchNorm (linen, nnx), TrainState,
+nnx.Optimizer and orbax checkpoints in the middle of a window.
+
+References are flax's own ``nn.BatchNorm`` / ``nnx.BatchNorm`` run on the
+concatenated window, and the same model trained on the big batch.
+"""
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+from flax.training import train_state as flax_train_state
+
+import optaxaccum as oa
+from optaxaccum.flax import AccumBatchNorm, TrainState, flush_batch_stats
+from optaxaccum.flax import nnx as oa_nnx
+
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+def _data(sizes, shape, dtype=jnp.float32, seed=0):
+    """Micro-batches of the given sizes, not centred, with a feature spread."""
+    keys = jax.random.split(jax.random.key(seed), len(sizes))
+    return [
+        (3.0 + 2.0 * jax.random.normal(k, (n, *shape))).astype(dtype)
+        for k, n in zip(keys, sizes)
+    ]
+
+
+def _run_linen(module, variables, batches, **kw):
+    stats = variables["batch_stats"]
+    outs = []
+    for xb in batches:
+        y, upd = module.apply(
+            {**variables, "batch_stats": stats}, xb, mutable=["batch_stats"], **kw
+        )
+        stats = upd["batch_stats"]
+        outs.append(y)
+    return outs, stats
+
+
+# ---------------------------------------------------------------- linen BN --
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(5,), (4, 4, 3)], ids=["2d", "4d"])
+@pytest.mark.parametrize(
+    "sizes", [(8, 8, 8), (3, 11, 6)], ids=["equal", "unequal"]
+)
+def test_linen_running_stats_equal_batchnorm_on_concatenation(dtype, shape, sizes):
+    k = len(sizes)
+    windows = [_data(sizes, shape, dtype, seed=s) for s in range(3)]
+    ours = AccumBatchNorm(use_running_average=False, momentum=0.8, accum_steps=k)
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.8)
+    variables = ours.init(jax.random.key(0), windows[0][0])
+    ref_stats = ref.init(jax.random.key(0), windows[0][0])["batch_stats"]
+    stats = variables["batch_stats"]
+    for window in windows:
+        # Inside a window the running averages do not move.
+        for i, xb in enumerate(window):
+            before = stats
+            _, stats = _run_linen(ours, {**variables, "batch_stats": stats}, [xb])
+            if i < k - 1:
+                chex.assert_trees_all_equal(stats["mean"], before["mean"])
+                chex.assert_trees_all_equal(stats["var"], before["var"])
+        _, upd = ref.apply(
+            {"params": variables["params"], "batch_stats": ref_stats},
+            jnp.concatenate(window),
+            mutable=["batch_stats"],
+        )
+        ref_stats = upd["batch_stats"]
+        np.testing.assert_allclose(stats["mean"], ref_stats["mean"], **TOL)
+        np.testing.assert_allclose(stats["var"], ref_stats["var"], **TOL)
+        assert int(stats["window_step"]) == 0
+    assert stats["mean"].dtype == ref_stats["mean"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("use_fast_variance", [True, False])
+def test_linen_training_outputs_equal_batchnorm_per_micro_batch(use_fast_variance):
+    batches = _data((6, 10), (4, 4, 3))
+    ours = AccumBatchNorm(
+        use_running_average=False, accum_steps=2, use_fast_variance=use_fast_variance
+    )
+    ref = nn.BatchNorm(use_running_average=False, use_fast_variance=use_fast_variance)
+    variables = ours.init(jax.random.key(0), batches[0])
+    ref_vars = ref.init(jax.random.key(0), batches[0])
+    outs, _ = _run_linen(ours, variables, batches)
+    for xb, y in zip(batches, outs):
+        y_ref, _ = ref.apply(ref_vars, xb, mutable=["batch_stats"])
+        chex.assert_trees_all_equal(y, y_ref)
+
+
+def test_linen_mask_pools_only_unmasked_elements():
+    batches = _data((6, 10), (3,))
+    masks = [jax.random.bernoulli(jax.random.key(i), 0.7, xb.shape) for i, xb in enumerate(batches)]
+    ours = AccumBatchNorm(use_running_average=False, momentum=0.0, accum_steps=2)
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.0)
+    variables = ours.init(jax.random.key(0), batches[0])
+    stats = variables["batch_stats"]
+    for xb, m in zip(batches, masks):
+        _, upd = ours.apply({**variables, "batch_stats": stats}, xb, mask=m, mutable=["batch_stats"])
+        stats = upd["batch_stats"]
+    _, ref_upd = ref.apply(
+        ref.init(jax.random.key(0), batches[0]), jnp.concatenate(batches),
+        mask=jnp.concatenate(masks), mutable=["batch_stats"],
+    )
+    np.testing.assert_allclose(stats["mean"], ref_upd["batch_stats"]["mean"], **TOL)
+    np.testing.assert_allclose(stats["var"], ref_upd["batch_stats"]["var"], **TOL)
+
+
+def test_linen_eval_mode_uses_running_stats():
+    (x,) = _data((8,), (3,))
+    bn = AccumBatchNorm(accum_steps=2)
+    variables = bn.init(jax.random.key(0), x, use_running_average=True)
+    stats = {**variables["batch_stats"], "mean": jnp.array([1.0, 2.0, 3.0]),
+             "var": jnp.array([4.0, 1.0, 0.25])}
+    y = bn.apply({**variables, "batch_stats": stats}, x, use_running_average=True)
+    expected = (x - stats["mean"][None]) / jnp.sqrt(stats["var"][None] + bn.epsilon)
+    np.testing.assert_allclose(y, expected, **TOL)
+
+
+def test_linen_accum_steps_one_is_batchnorm_bit_for_bit():
+    batches = _data((8, 8, 5), (4, 4, 3))
+    ours = AccumBatchNorm(use_running_average=False, momentum=0.9)
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.9)
+    variables = ours.init(jax.random.key(0), batches[0])
+    ref_vars = ref.init(jax.random.key(0), batches[0])
+    chex.assert_trees_all_equal(variables, ref_vars)
+    outs, stats = _run_linen(ours, variables, batches)
+    ref_outs, ref_stats = _run_linen(ref, ref_vars, batches)
+    chex.assert_trees_all_equal((outs, stats), (ref_outs, ref_stats))
+
+
+def test_linen_loads_pretrained_batchnorm_variables():
+    batches = _data((8, 8), (3,))
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.5)
+    ref_vars = ref.init(jax.random.key(0), batches[0])
+    _, ref_vars_trained = _run_linen(ref, ref_vars, batches)
+    ref = nn.BatchNorm(momentum=0.5)
+    pretrained = {"params": {"scale": jnp.array([1.0, 2.0, 0.5]), "bias": jnp.ones(3)},
+                  "batch_stats": ref_vars_trained}
+    ours = AccumBatchNorm(momentum=0.5, accum_steps=2)
+    # Evaluation: same output as nn.BatchNorm, from the same variables.
+    y = ours.apply(pretrained, batches[0], use_running_average=True)
+    y_ref = ref.apply(pretrained, batches[0], use_running_average=True)
+    chex.assert_trees_all_equal(y, y_ref)
+    # Training: the window entries are created on the first call.
+    _, upd = ours.apply(pretrained, batches[0], use_running_average=False,
+                        mutable=["batch_stats"])
+    assert set(upd["batch_stats"]) == {
+        "mean", "var", "window_count", "window_mean", "window_m2", "window_step"}
+    chex.assert_trees_all_equal(upd["batch_stats"]["mean"], ref_vars_trained["mean"])
+
+
+def test_linen_axis_name_pools_across_devices():
+    n_dev = 4
+    per_device = _data((4,) * n_dev * 3, (3,))  # 3 micro-batches per device
+    ours = AccumBatchNorm(use_running_average=False, momentum=0.0, accum_steps=3,
+                          axis_name="batch")
+    variables = ours.init(jax.random.key(0), per_device[0])
+    rep = jax.tree.map(lambda v: jnp.stack([v] * n_dev), variables)
+
+    @functools.partial(jax.pmap, axis_name="batch")
+    def step(v, xb):
+        _, upd = ours.apply(v, xb, mutable=["batch_stats"])
+        return {**v, "batch_stats": upd["batch_stats"]}
+
+    for i in range(3):
+        xb = jnp.stack(per_device[i * n_dev:(i + 1) * n_dev])
+        rep = step(rep, xb)
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.0)
+    _, ref_upd = ref.apply(ref.init(jax.random.key(0), per_device[0]),
+                           jnp.concatenate(per_device), mutable=["batch_stats"])
+    for d in range(n_dev):
+        np.testing.assert_allclose(rep["batch_stats"]["mean"][d], ref_upd["batch_stats"]["mean"], **TOL)
+        np.testing.assert_allclose(rep["batch_stats"]["var"][d], ref_upd["batch_stats"]["var"], **TOL)
+
+
+def test_pooled_variance_versus_tf_package_average_of_variances():
+    """GradientAccumulator (TF) averages per-micro-batch variances; that
+    misses the spread of the micro-batch means and is biased low. Ours is the
+    variance of the whole window. Figures derived here, not hard-coded."""
+    # Micro-batches whose means differ (e.g. a sorted or drifting stream).
+    batches = [jnp.asarray(np.random.default_rng(i).normal(loc=2.0 * i, size=(16, 1)),
+                           jnp.float32) for i in range(4)]
+    full = jnp.concatenate(batches)
+    true_var = jnp.var(full, axis=0)
+    averaged = jnp.mean(jnp.stack([jnp.var(b, axis=0) for b in batches]), axis=0)
+    bn = AccumBatchNorm(use_running_average=False, momentum=0.0, accum_steps=4)
+    variables = bn.init(jax.random.key(0), batches[0])
+    _, stats = _run_linen(bn, variables, batches)
+    np.testing.assert_allclose(stats["var"], true_var, **TOL)
+    # The average of variances falls short by the variance of the means.
+    means = jnp.stack([jnp.mean(b, axis=0) for b in batches])
+    np.testing.assert_allclose(true_var - averaged, jnp.var(means, axis=0), rtol=1e-4)
+    assert float(averaged[0]) < 0.5 * float(true_var[0])
+
+
+@pytest.mark.parametrize(
+    "accum_steps, exc",
+    [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)],
+)
+def test_accum_steps_validated(accum_steps, exc):
+    with pytest.raises(exc, match="accum_steps"):
+        AccumBatchNorm(accum_steps=accum_steps)
+    with pytest.raises(exc, match="accum_steps"):
+        oa_nnx.AccumBatchNorm(3, accum_steps=accum_steps, rngs=nnx.Rngs(0))
+
+
+def test_flush_batch_stats_uses_true_count():
+    batches = _data((5, 7), (3,))
+    bn = AccumBatchNorm(use_running_average=False, momentum=0.5, accum_steps=4)
+    variables = bn.init(jax.random.key(0), batches[0])
+    _, stats = _run_linen(bn, variables, batches)
+    flushed = flush_batch_stats({"bn": stats, "other": {"mean": jnp.ones(1)}}, 0.5)
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.5)
+    _, ref_upd = ref.apply(ref.init(jax.random.key(0), batches[0]),
+                           jnp.concatenate(batches), mutable=["batch_stats"])
+    np.testing.assert_allclose(flushed["bn"]["mean"], ref_upd["batch_stats"]["mean"], **TOL)
+    np.testing.assert_allclose(flushed["bn"]["var"], ref_upd["batch_stats"]["var"], **TOL)
+    assert int(flushed["bn"]["window_step"]) == 0
+    chex.assert_trees_all_equal(flushed["other"], {"mean": jnp.ones(1)})
+    # An empty window: nothing changes.
+    chex.assert_trees_all_equal(flush_batch_stats(flushed, 0.5), flushed)
+    with pytest.raises(TypeError, match="batch_stats"):
+        flush_batch_stats(jnp.ones(1), 0.5)
+
+
+# ------------------------------------------------------------------ nnx BN --
+
+
+@pytest.mark.parametrize("shape", [(5,), (4, 4, 3)], ids=["2d", "4d"])
+@pytest.mark.parametrize("sizes", [(8, 8), (3, 11, 6)], ids=["equal", "unequal"])
+def test_nnx_running_stats_equal_batchnorm_on_concatenation(shape, sizes):
+    k = len(sizes)
+    feats = shape[-1]
+    ours = oa_nnx.AccumBatchNorm(feats, accum_steps=k, momentum=0.8, rngs=nnx.Rngs(0))
+    ref = nnx.BatchNorm(feats, momentum=0.8, rngs=nnx.Rngs(0))
+    for seed in range(2):
+        window = _data(sizes, shape, seed=seed)
+        for i, xb in enumerate(window):
+            before = ours.mean[...]
+            y = ours(xb)
+            y_ref = nnx.BatchNorm(feats, momentum=0.8, rngs=nnx.Rngs(0))(xb)
+            chex.assert_trees_all_equal(y, y_ref)
+            if i < k - 1:
+                chex.assert_trees_all_equal(ours.mean[...], before)
+        ref(jnp.concatenate(window))
+        np.testing.assert_allclose(ours.mean[...], ref.mean[...], **TOL)
+        np.testing.assert_allclose(ours.var[...], ref.var[...], **TOL)
+    # Eval mode uses the running statistics.
+    x = window[0]
+    chex.assert_trees_all_close(
+        ours(x, use_running_average=True), ref(x, use_running_average=True), **TOL)
+
+
+def test_nnx_accum_steps_one_is_batchnorm_and_flush():
+    batches = _data((8, 8, 5), (3,))
+    ours = oa_nnx.AccumBatchNorm(3, rngs=nnx.Rngs(0))
+    ref = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+    for xb in batches:
+        chex.assert_trees_all_equal(ours(xb), ref(xb))
+    chex.assert_trees_all_equal(nnx.state(ours), nnx.state(ref))
+    part = oa_nnx.AccumBatchNorm(3, accum_steps=4, momentum=0.0, rngs=nnx.Rngs(0))
+    model = nnx.Sequential(nnx.Linear(3, 3, rngs=nnx.Rngs(1)), part)
+    for xb in batches[:2]:
+        part(xb)
+    oa_nnx.flush_batch_stats(model)
+    full = jnp.concatenate(batches[:2])
+    np.testing.assert_allclose(part.mean[...], full.mean(0), **TOL)
+    np.testing.assert_allclose(part.var[...], full.var(0), **TOL)
+    assert int(part.window_step[...]) == 0
+
+
+# --------------------------------------------------------- training: linen --
+
+
+class CNN(nn.Module):
+    bn: type = nn.BatchNorm
+    bn_kwargs: tuple = ()
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        # No conv bias: BN removes it, its gradient is rounding noise that
+        # Adam would blow up to full-size steps.
+        x = nn.Conv(8, (3, 3), use_bias=False)(x)
+        # An explicit name keeps the variable paths of both models equal.
+        x = self.bn(use_running_average=not train, momentum=0.9, name="bn",
+                    **dict(self.bn_kwargs))(x)
+        x = nn.relu(x)
+        x = x.mean(axis=(1, 2))
+        return nn.Dense(10)(x)
+
+
+def _images(n, seed):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (n, 8, 8, 1)), jax.random.randint(ky, (n,), 0, 10)
+
+
+def _ce(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _make_step(model):
+    @jax.jit
+    def step(state, x, y, **kw):
+        def loss_fn(params):
+            logits, upd = model.apply(
+                {"params": params, "batch_stats": state.batch_stats}, x, True,
+                mutable=["batch_stats"])
+            return _ce(logits, y), upd["batch_stats"]
+
+        grads, bs = jax.grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, batch_stats=bs, **kw)
+
+    return step
+
+
+def test_trainstate_cnn_accumulate_matches_ghost_batch_reference():
+    """accumulate(4) on micro-batches of 16 with AccumBatchNorm equals, per
+    window, one Adam step on the mean of the 4 micro-batch gradients (each
+    normalized by its own micro-batch, as BN does) with running stats of
+    nn.BatchNorm on the 64 examples -- all computed with stock flax."""
+    k, micro, windows = 4, 16, 3
+    ours = CNN(bn=AccumBatchNorm, bn_kwargs=(("accum_steps", k),))
+    ref = CNN()
+    x0, _ = _images(micro, 0)
+    variables = ours.init(jax.random.key(0), x0, False)
+    state = TrainState.create(
+        apply_fn=ours.apply, params=variables["params"],
+        tx=oa.chain(oa.accumulate(k), optax.adam(1e-2)),
+        batch_stats=variables["batch_stats"])
+    step = _make_step(ours)
+    ref_params = variables["params"]
+    ref_bs = {"bn": {n: variables["batch_stats"]["bn"][n] for n in ("mean", "var")}}
+    adam = optax.adam(1e-2)
+    ref_opt = adam.init(ref_params)
+    for w in range(windows):
+        x, y = _images(k * micro, 100 + w)
+        for i in range(k):
+            sl = slice(i * micro, (i + 1) * micro)
+            state = step(state, x[sl], y[sl])
+        assert bool(oa.has_updated(state.opt_state))
+
+        def micro_loss(p, xb, yb):
+            logits, _ = ref.apply({"params": p, "batch_stats": ref_bs}, xb, True,
+                                  mutable=["batch_stats"])
+            return _ce(logits, yb)
+
+        grads = [jax.grad(micro_loss)(ref_params, x[i * micro:(i + 1) * micro],
+                                      y[i * micro:(i + 1) * micro]) for i in range(k)]
+        g = jax.tree.map(lambda *gs: sum(gs) / k, *grads)
+        _, upd = ref.apply({"params": ref_params, "batch_stats": ref_bs}, x, True,
+                           mutable=["batch_stats"])
+        ref_bs = upd["batch_stats"]
+        u, ref_opt = adam.update(g, ref_opt, ref_params)
+        ref_params = optax.apply_updates(ref_params, u)
+        chex.assert_trees_all_close(state.params, ref_params, rtol=1e-5, atol=1e-6)
+        got = state.batch_stats["bn"]
+        np.testing.assert_allclose(got["mean"], ref_bs["bn"]["mean"], **TOL)
+        np.testing.assert_allclose(got["var"], ref_bs["bn"]["var"], **TOL)
+    assert int(state.step) == k * windows
+
+
+def test_trainstate_cnn_tracks_big_batch_training():
+    """Against the model trained on batches of 64 with nn.BatchNorm: the first
+    window's running stats are equal, and afterwards the two runs stay much
+    closer to each other than either is to its starting point."""
+    k, micro = 4, 16
+    ours = CNN(bn=AccumBatchNorm, bn_kwargs=(("accum_steps", k),))
+    ref = CNN()
+    x0, _ = _images(micro, 0)
+    variables = ours.init(jax.random.key(0), x0, False)
+    p0 = variables["params"]
+    big = flax_train_state.TrainState.create(apply_fn=ref.apply, params=p0, tx=optax.adam(1e-3))
+    big_bs = {"bn": {n: variables["batch_stats"]["bn"][n] for n in ("mean", "var")}}
+    state = TrainState.create(apply_fn=ours.apply, params=p0,
+                              tx=oa.chain(oa.accumulate(k), optax.adam(1e-3)),
+                              batch_stats=variables["batch_stats"])
+    step = _make_step(ours)
+
+    @jax.jit
+    def big_step(s, bs, x, y):
+        def loss_fn(params):
+            logits, upd = ref.apply({"params": params, "batch_stats": bs}, x, True,
+                                    mutable=["batch_stats"])
+            return _ce(logits, y), upd["batch_stats"]
+
+        grads, bs = jax.grad(loss_fn, has_aux=True)(s.params)
+        return s.apply_gradients(grads=grads), bs
+
+    for w in range(8):
+        x, y = _images(k * micro, 200 + w)
+        big, big_bs = big_step(big, big_bs, x, y)
+        for i in range(k):
+            state = step(state, x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
+        if w == 0:
+            got = state.batch_stats["bn"]
+            np.testing.assert_allclose(got["mean"], big_bs["bn"]["mean"], **TOL)
+            np.testing.assert_allclose(got["var"], big_bs["bn"]["var"], **TOL)
+    dist = optax.tree.norm(optax.tree.sub(state.params, big.params))
+    moved = optax.tree.norm(optax.tree.sub(big.params, p0))
+    assert float(dist) < 0.25 * float(moved), (float(dist), float(moved))
+
+
+def test_trainstate_fused_path_and_kwargs():
+    model = nn.Dense(2)
+    params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    g1 = jax.tree.map(jnp.ones_like, params)
+    g2 = jax.tree.map(lambda p: 5 * jnp.ones_like(p), params)
+    s1 = state.apply_gradients(grads=g1, accum_weight=3.0)
+    chex.assert_trees_all_equal(s1.params, params)  # non-closing: untouched
+    s2 = s1.apply_gradients(grads=g2, accum_weight=1.0)
+    expected = jax.tree.map(lambda p: p - (3 * 1 + 1 * 5) / 4, params)
+    chex.assert_trees_all_close(s2.params, expected)
+    assert int(s2.step) == 2
+    # Stock flax TrainState works unchanged with an oa.chain.
+    stock = flax_train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    stock = stock.apply_gradients(grads=g1).apply_gradients(grads=g1)
+    chex.assert_trees_all_close(stock.params, jax.tree.map(lambda p: p - 1.0, params))
+    # flush: the partial window's true mean.
+    s3 = s2.apply_gradients(grads=g2).flush()
+    chex.assert_trees_all_close(s3.params, jax.tree.map(lambda p: p - 5.0, s2.params))
+
+
+def test_trainstate_drops_batch_stats_of_a_dropped_micro_batch():
+    """An overflowing micro-batch is dropped by the loss-scale gate; its
+    batch_stats are dropped too, so the BN window stays aligned."""
+    model = CNN(bn=AccumBatchNorm, bn_kwargs=(("accum_steps", 2),))
+    x, y = _images(8, 0)
+    variables = model.init(jax.random.key(0), x, False)
+    tx = oa.chain(oa.dynamic_loss_scale(2.0**10), oa.accumulate(2), optax.sgd(0.1))
+    state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                              batch_stats=variables["batch_stats"])
+    new_bs = jax.tree.map(lambda v: v + 1, state.batch_stats)
+    bad = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), state.params)
+    dropped = state.apply_gradients(grads=bad, batch_stats=new_bs)
+    chex.assert_trees_all_equal(dropped.batch_stats, state.batch_stats)
+    good = jax.tree.map(jnp.zeros_like, state.params)
+    kept = state.apply_gradients(grads=good, batch_stats=new_bs)
+    chex.assert_trees_all_equal(kept.batch_stats, new_bs)
+
+
+# ----------------------------------------------------------- training: nnx --
+
+
+class NNXCNN(nnx.Module):
+    def __init__(self, bn_cls, rngs, **bn_kwargs):
+        self.conv = nnx.Conv(1, 8, (3, 3), use_bias=False, rngs=rngs)
+        self.bn = bn_cls(8, momentum=0.9, rngs=rngs, **bn_kwargs)
+        self.head = nnx.Linear(8, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.bn(self.conv(x))).mean(axis=(1, 2)))
+
+
+def test_nnx_optimizer_accumulate_matches_ghost_batch_reference():
+    k, micro = 4, 16
+    model = NNXCNN(oa_nnx.AccumBatchNorm, nnx.Rngs(0), accum_steps=k)
+    ref = NNXCNN(nnx.BatchNorm, nnx.Rngs(0))
+    opt = nnx.Optimizer(model, oa.chain(oa.accumulate(k), optax.adam(1e-2)), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, x, y):
+        grads = nnx.grad(lambda m: _ce(m(x), y))(model)
+        opt.update(model, grads, accum_weight=1.0)
+
+    for w in range(2):
+        x, y = _images(k * micro, 300 + w)
+        for i in range(k):
+            step(model, opt, x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
+        # Reference: mean of micro-batch gradients (each normalized by its own
+        # micro-batch), running stats from the whole window.
+        grads = []
+        for i in range(k):
+            r = nnx.clone(ref)  # a copy: its BN updates do not reach ref
+            grads.append(nnx.grad(lambda m: _ce(m(x[i * micro:(i + 1) * micro]),
+                                                y[i * micro:(i + 1) * micro]))(r))
+        g = jax.tree.map(lambda *gs: sum(gs) / k, *grads)
+        ref(x)  # running statistics of the whole window
+        ref_opt.update(ref, g)
+        chex.assert_trees_all_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param),
+                                    rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(model.bn.mean[...], ref.bn.mean[...], **TOL)
+        np.testing.assert_allclose(model.bn.var[...], ref.bn.var[...], **TOL)
+
+
+# ------------------------------------------------------------- checkpoints --
+
+
+def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):
+    k, micro = 4, 8
+    model = CNN(bn=AccumBatchNorm, bn_kwargs=(("accum_steps", k),))
+    x0, _ = _images(micro, 0)
+    variables = model.init(jax.random.key(0), x0, False)
+    tx = oa.chain(oa.dynamic_loss_scale(2.0**8, period=3), oa.agc(0.05),
+                  oa.accumulate(k), optax.adam(1e-2))
+
+    def fresh():
+        return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                                 batch_stats=variables["batch_stats"])
+
+    @jax.jit
+    def step(state, x, y):
+        def loss_fn(params):
+            logits, upd = model.apply(
+                {"params": params, "batch_stats": state.batch_stats}, x, True,
+                mutable=["batch_stats"])
+            return _ce(logits, y), upd["batch_stats"]
+
+        (_, bs), grads = oa.scaled_value_and_grad(loss_fn, state.opt_state, has_aux=True)(
+            state.params)
+        return state.apply_gradients(grads=grads, batch_stats=bs)
+
+    batches = [_images(micro, 400 + i) for i in range(2 * k + 2)]
+    stop = k + 2  # mid-window
+
+    full = fresh()
+    for xb, yb in batches:
+        full = step(full, xb, yb)
+
+    first = fresh()
+    for xb, yb in batches[:stop]:
+        first = step(first, xb, yb)
+    assert int(first.opt_state[2].mini_step) == 2  # mid-window
+    assert int(first.batch_stats["bn"]["window_step"]) == 2
+    assert float(oa.loss_scale(first.opt_state)) > 2.0**8  # the scale moved
+    to_save = {"step": first.step, "params": first.params,
+               "opt_state": first.opt_state, "batch_stats": first.batch_stats}
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "ckpt", to_save)
+    ckptr.wait_until_finished()
+    template = fresh()
+    target = {"step": template.step, "params": template.params,
+              "opt_state": template.opt_state, "batch_stats": template.batch_stats}
+    restored = ckptr.restore(tmp_path / "ckpt", target)
+    chex.assert_trees_all_equal_structs(restored, target)
+    chex.assert_trees_all_equal(restored, to_save)
+    resumed = template.replace(**restored)
+    for xb, yb in batches[stop:]:
+        resumed = step(resumed, xb, yb)
+    chex.assert_trees_all_equal(resumed.params, full.params)
+    chex.assert_trees_all_equal(resumed.batch_stats, full.batch_stats)
+    chex.assert_trees_all_equal(resumed.opt_state, full.opt_state)
