@@ -165,6 +165,14 @@ def targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
+def print_result(res: Mapping[str, Any]) -> None:
+    """Prints one benchmark's title, table and targets (its ``__main__``)."""
+    print(res["title"])
+    print(markdown_table(res["headers"], res["rows"]))
+    print()
+    print(targets_table(res["targets"]))
+
+
 def machine_info() -> dict[str, str]:
     """Platform, CPU count, JAX backend and device kind."""
     dev = jax.devices()[0]

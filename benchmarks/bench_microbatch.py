@@ -215,8 +215,4 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    res = main(tiny="--tiny" in sys.argv[1:])
-    print(res["title"])
-    print(_common.markdown_table(res["headers"], res["rows"]))
-    print()
-    print(_common.targets_table(res["targets"]))
+    _common.print_result(main(tiny="--tiny" in sys.argv[1:]))

@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
-from collections.abc import Iterator
 
 N_DEVICES = 8
 _FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
@@ -56,152 +54,13 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optaxaccum as oa  # noqa: E402
+from optaxaccum._src.hlo import summarize  # noqa: E402
 
 K = 4
 LEARNING_RATE = 1e-3
 AXIS = "d"
 FULL = dict(widths=(256, 1024, 1024, 256), batch=8, rounds=15, warmup=1)
 TINY = dict(widths=(16, 32, 16), batch=2, rounds=3, warmup=0)
-
-# ------------------------------------------------------------ HLO parsing
-
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-    "c128": 16,
-}
-_ARRAY_RE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_CALLEE_RE = re.compile(
-    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
-    r"=%?([\w.\-]+)"
-)
-_BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
-_TRUE_FALSE_RE = re.compile(
-    r"\btrue_computation=%?([\w.\-]+).*?\bfalse_computation=%?([\w.\-]+)"
-)
-_ALL_REDUCE_OPS = ("all-reduce", "all-reduce-start")
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape, e.g. ``(f32[], f32[3,5]{1,0})`` -> 64."""
-    total = 0
-    for dtype, dims in _ARRAY_RE.findall(shape):
-        if dtype not in _DTYPE_BYTES:
-            continue
-        total += _DTYPE_BYTES[dtype] * int(
-            np.prod([int(d) for d in dims.split(",") if d])
-        )
-    return total
-
-
-def _split_instruction(line: str) -> tuple[str, str] | None:
-    """``(shape, opcode)`` of an HLO instruction line, else None."""
-    head, sep, rest = line.partition(" = ")
-    if not sep or not head.split() or not head.split()[-1].startswith("%"):
-        return None
-    rest = rest.lstrip()
-    if rest.startswith("("):  # tuple shape: up to the matching parenthesis
-        depth = 0
-        end = 0
-        for end, c in enumerate(rest, 1):  # noqa: B007
-            depth += (c == "(") - (c == ")")
-            if depth == 0:
-                break
-        shape, rest = rest[:end], rest[end:].lstrip()
-    else:
-        shape, _, rest = rest.partition(" ")
-    opcode = rest.split("(", 1)[0].strip()
-    return shape, opcode
-
-
-def parse_hlo(text: str) -> tuple[dict[str, list[str]], str]:
-    """Splits HLO text into computations: ``({name: lines}, entry name)``."""
-    comps: dict[str, list[str]] = {}
-    entry = None
-    current = None
-    for line in text.splitlines():
-        if current is None:
-            if line and not line[0].isspace() and line.rstrip().endswith("{"):
-                words = line.split()
-                is_entry = words[0] == "ENTRY"
-                name = words[1 if is_entry else 0].lstrip("%")
-                if not re.match(r"^[\w.\-]+$", name):
-                    continue  # e.g. "HloModule ..., {...}" has no body
-                current = comps.setdefault(name, [])
-                if is_entry:
-                    entry = name
-        elif line.strip() == "}":
-            current = None
-        else:
-            current.append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return comps, entry
-
-
-def _callees(line: str) -> Iterator[tuple[str, int | None]]:
-    """Computations called by an instruction: ``(name, branch index)``;
-    the index is None for calls that always run (fusions, reductions...)."""
-    tf = _TRUE_FALSE_RE.search(line)
-    if tf:  # a predicated conditional: branch 1 is the true computation
-        yield tf.group(2), 0
-        yield tf.group(1), 1
-        return
-    m = _BRANCHES_RE.search(line)
-    if m:
-        for i, name in enumerate(m.group(1).split(",")):
-            yield name.strip().lstrip("%"), i
-        return
-    for name in _CALLEE_RE.findall(line):
-        yield name, None
-
-
-def all_reduces(text: str) -> list[dict]:
-    """Every all-reduce of an HLO module, with where it runs.
-
-    Returns:
-      One dict per all-reduce op (``all-reduce`` or ``all-reduce-start``):
-      ``bytes`` it reduces, ``computation`` holding it and ``branches``: the
-      ``conditional`` branches (index; 1 is ``lax.cond``'s true branch) that
-      lead to it from the entry computation, ``()`` when it runs on every
-      call.
-    """
-    comps, entry = parse_hlo(text)
-    found: list[dict] = []
-    seen: set[tuple[str, tuple[int, ...]]] = set()
-
-    def visit(name: str, branches: tuple[int, ...]) -> None:
-        if (name, branches) in seen or name not in comps:
-            return
-        seen.add((name, branches))
-        for line in comps[name]:
-            parsed = _split_instruction(line)
-            if parsed is None:
-                continue
-            shape, opcode = parsed
-            if opcode in _ALL_REDUCE_OPS:
-                found.append(dict(bytes=shape_bytes(shape), computation=name,
-                                  branches=branches))
-            for callee, index in _callees(line):
-                visit(callee, branches if index is None else (*branches, index))
-
-    visit(entry, ())
-    return found
-
-
-def summarize(text: str) -> dict:
-    """All-reduce ops and bytes at the top level and inside conditionals."""
-    ops = all_reduces(text)
-    top = [o for o in ops if not o["branches"]]
-    cond = [o for o in ops if o["branches"]]
-    return {
-        "top_ops": len(top),
-        "top_bytes": sum(o["bytes"] for o in top),
-        "branch_ops": len(cond),
-        "branch_bytes": sum(o["bytes"] for o in cond),
-        "true_branch_only": all(o["branches"][-1] == 1 for o in cond),
-    }
-
 
 # ------------------------------------------------------------- the model
 
@@ -406,19 +265,20 @@ def _measure(tiny: bool) -> dict:
                f"all-reduces per window of {K}", "bytes per window",
                "ms/window", f"vs {ours}"]
     tree_bytes = 4 * n_params
+    target = _common.target
     targets = [
-        _target(f"{ours}: no all-reduce outside the closing branch",
+        target(f"{ours}: no all-reduce outside the closing branch",
                 str(hlo[ours]["top_ops"]), hlo[ours]["top_ops"] == 0),
-        _target(f"{ours}: 1 gradient all-reduce per window "
+        target(f"{ours}: 1 gradient all-reduce per window "
                 f"(>= one tree, {_common.format_bytes(tree_bytes)})",
                 f"{per_window[ours]} "
                 f"({_common.format_bytes(hlo[ours]['branch_bytes'])})",
                 per_window[ours] == 1
                 and hlo[ours]["branch_bytes"] >= tree_bytes),
-        _target(f"pmean + MultiSteps: {K} gradient all-reduces per window",
+        target(f"pmean + MultiSteps: {K} gradient all-reduces per window",
                 str(per_window["pmean + MultiSteps"]),
                 per_window["pmean + MultiSteps"] == K),
-        _target(f"{ours} window not slower than pmean + MultiSteps",
+        target(f"{ours} window not slower than pmean + MultiSteps",
                 seconds["pmean + MultiSteps"] / seconds[ours],
                 seconds[ours] <= seconds["pmean + MultiSteps"],
                 suffix="x faster"),
@@ -439,11 +299,6 @@ def _measure(tiny: bool) -> dict:
         "all_reduces": hlo,
         "all_reduces_per_window": per_window,
     }
-
-
-def _target(what, value, met, suffix="x"):
-    shown = f"{value:.2f}{suffix}" if isinstance(value, float) else str(value)
-    return {"target": what, "measured": shown, "met": bool(met)}
 
 
 def main(tiny: bool = False) -> dict:
@@ -474,11 +329,4 @@ if __name__ == "__main__":
     else:
         import _common
 
-        print(res["title"])
-        print(_common.markdown_table(res["headers"], res["rows"]))
-        print()
-        print(_common.markdown_table(
-            ["target", "measured", "met"],
-            [[t["target"], t["measured"], "yes" if t["met"] else "NO"]
-             for t in res["targets"]],
-        ))
+        _common.print_result(res)

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import optaxaccum as oa
-from tests import _hlo
+from optaxaccum._src import hlo as _hlo
 
 
 def _only_positive_gate():
@@ -136,7 +136,7 @@ def test_hlo_fused_non_closing_step_is_one_pass():
         lambda p, s, g: oa.apply_gradients(tx, g, s, p), donate_argnums=(0, 1)
     )
     text = step.lower(params, state, params).compile().as_text()
-    comps, entry = _hlo.computations(text)
+    comps, entry = _hlo.parse_hlo(text)
     always, branch = _hlo.split(text)
     tree_sized = [
         line for line in comps[entry]

@@ -26,6 +26,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
+from optaxaccum._src import hlo
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 AXIS = "d"
@@ -373,7 +374,7 @@ def test_hlo_gradient_all_reduce_only_in_closing_branch(runner):
     tree_bytes = 4 * (worker.D_IN * worker.D_OUT + worker.D_OUT)
 
     multi = optax.MultiSteps(optax.adam(0.1), K)
-    optax_way = bench.summarize(
+    optax_way = hlo.summarize(
         _compiled_text(runner, multi, _pmean_step(multi, varying)))
     assert optax_way["top_ops"] >= 1, optax_way
     assert optax_way["top_bytes"] == tree_bytes, optax_way
@@ -381,7 +382,7 @@ def test_hlo_gradient_all_reduce_only_in_closing_branch(runner):
 
     tx = oa.chain(oa.accumulate(K, axis_name=AXIS), optax.adam(0.1))
     for fused in (True, False):
-        ours = bench.summarize(_compiled_text(
+        ours = hlo.summarize(_compiled_text(
             runner, tx,
             _local_step(tx, weighted=True, fused=fused, varying=varying)))
         assert ours["top_ops"] == 0, ours
@@ -392,7 +393,7 @@ def test_hlo_gradient_all_reduce_only_in_closing_branch(runner):
 
     skip = oa.chain(oa.accumulate(K, axis_name=AXIS, skip_nonfinite=True),
                     optax.adam(0.1))
-    ours = bench.summarize(_compiled_text(
+    ours = hlo.summarize(_compiled_text(
         runner, skip, _local_step(skip, weighted=True, varying=varying)))
     # Every micro-step: only the int32 scalar agreeing on finiteness.
     assert (ours["top_ops"], ours["top_bytes"]) == (1, 4), ours
@@ -429,10 +430,10 @@ ENTRY %main (x: f32[4], i: s32[]) -> f32[4] {
 
 def test_hlo_parser_on_a_known_module():
     """The parser: entry vs conditional branches, tuple shapes, bytes."""
-    ops = bench.all_reduces(_KNOWN_HLO)
+    ops = hlo.all_reduces(_KNOWN_HLO)
     assert sorted((o["computation"], o["branches"], o["bytes"]) for o in ops) \
         == [("main", (), 4), ("opened", (1,), 16), ("opened", (1,), 16)]
-    assert bench.summarize(_KNOWN_HLO) == dict(
+    assert hlo.summarize(_KNOWN_HLO) == dict(
         top_ops=1, top_bytes=4, branch_ops=2, branch_bytes=32,
         true_branch_only=True)
 

@@ -1,0 +1,195 @@
+"""A small reader of optimized HLO text, for tests and benchmarks that count
+operations (not part of the public API).
+
+It splits a module into computations and follows calls, so a caller can ask
+which operations run on every call (reachable from the entry computation
+without entering a ``conditional``'s branch) and which only inside a branch,
+and how many bytes each all-reduce moves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "c128": 16,
+}
+_ARRAY_RE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_CALLEE_RE = re.compile(
+    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
+    r"=%?([\w.\-]+)"
+)
+_BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRUE_FALSE_RE = re.compile(
+    r"\btrue_computation=%?([\w.\-]+).*?\bfalse_computation=%?([\w.\-]+)"
+)
+_ALL_REDUCE_OPS = ("all-reduce", "all-reduce-start")
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape, e.g. ``(f32[], f32[3,5]{1,0})`` -> 64."""
+    total = 0
+    for dtype, dims in _ARRAY_RE.findall(shape):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        total += _DTYPE_BYTES[dtype] * int(
+            np.prod([int(d) for d in dims.split(",") if d])
+        )
+    return total
+
+
+def _split_instruction(line: str) -> tuple[str, str] | None:
+    """``(shape, opcode)`` of an HLO instruction line, else None."""
+    head, sep, rest = line.partition(" = ")
+    if not sep or not head.split() or not head.split()[-1].startswith("%"):
+        return None
+    rest = rest.lstrip()
+    if rest.startswith("("):  # tuple shape: up to the matching parenthesis
+        depth = 0
+        end = 0
+        for end, c in enumerate(rest, 1):  # noqa: B007
+            depth += (c == "(") - (c == ")")
+            if depth == 0:
+                break
+        shape, rest = rest[:end], rest[end:].lstrip()
+    else:
+        shape, _, rest = rest.partition(" ")
+    opcode = rest.split("(", 1)[0].strip()
+    return shape, opcode
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[str]], str]:
+    """Splits HLO text into computations: ``({name: lines}, entry name)``."""
+    comps: dict[str, list[str]] = {}
+    entry = None
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            if line and not line[0].isspace() and line.rstrip().endswith("{"):
+                words = line.split()
+                is_entry = words[0] == "ENTRY"
+                name = words[1 if is_entry else 0].lstrip("%")
+                if not re.match(r"^[\w.\-]+$", name):
+                    continue  # e.g. "HloModule ..., {...}" has no body
+                current = comps.setdefault(name, [])
+                if is_entry:
+                    entry = name
+        elif line.strip() == "}":
+            current = None
+        else:
+            current.append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _callees(line: str) -> Iterator[tuple[str, int | None]]:
+    """Computations called by an instruction: ``(name, branch index)``;
+    the index is None for calls that always run (fusions, reductions...)."""
+    tf = _TRUE_FALSE_RE.search(line)
+    if tf:  # a predicated conditional: branch 1 is the true computation
+        yield tf.group(2), 0
+        yield tf.group(1), 1
+        return
+    m = _BRANCHES_RE.search(line)
+    if m:
+        for i, name in enumerate(m.group(1).split(",")):
+            yield name.strip().lstrip("%"), i
+        return
+    for name in _CALLEE_RE.findall(line):
+        yield name, None
+
+
+def all_reduces(text: str) -> list[dict]:
+    """Every all-reduce of an HLO module, with where it runs.
+
+    Returns:
+      One dict per all-reduce op (``all-reduce`` or ``all-reduce-start``):
+      ``bytes`` it reduces, ``computation`` holding it and ``branches``: the
+      ``conditional`` branches (index; 1 is ``lax.cond``'s true branch) that
+      lead to it from the entry computation, ``()`` when it runs on every
+      call.
+    """
+    comps, entry = parse_hlo(text)
+    found: list[dict] = []
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+
+    def visit(name: str, branches: tuple[int, ...]) -> None:
+        if (name, branches) in seen or name not in comps:
+            return
+        seen.add((name, branches))
+        for line in comps[name]:
+            parsed = _split_instruction(line)
+            if parsed is None:
+                continue
+            shape, opcode = parsed
+            if opcode in _ALL_REDUCE_OPS:
+                found.append(dict(bytes=shape_bytes(shape), computation=name,
+                                  branches=branches))
+            for callee, index in _callees(line):
+                visit(callee, branches if index is None else (*branches, index))
+
+    visit(entry, ())
+    return found
+
+
+def summarize(text: str) -> dict:
+    """All-reduce ops and bytes at the top level and inside conditionals."""
+    ops = all_reduces(text)
+    top = [o for o in ops if not o["branches"]]
+    cond = [o for o in ops if o["branches"]]
+    return {
+        "top_ops": len(top),
+        "top_bytes": sum(o["bytes"] for o in top),
+        "branch_ops": len(cond),
+        "branch_bytes": sum(o["bytes"] for o in cond),
+        "true_branch_only": all(o["branches"][-1] == 1 for o in cond),
+    }
+
+
+def _reachable(
+    comps: dict[str, list[str]], entry: str, *, into_branches: bool
+) -> set[str]:
+    seen: set[str] = set()
+    todo = [entry]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            todo.extend(
+                callee for callee, index in _callees(line)
+                if into_branches or index is None
+            )
+    return seen
+
+
+def split(text: str) -> tuple[list[str], list[str]]:
+    """``(unconditional_lines, branch_lines)`` of an HLO module.
+
+    ``unconditional_lines`` are the instructions that run on every call: those
+    reachable from the entry computation without entering a conditional's
+    branch; ``branch_lines`` are those reachable only through a branch.
+    """
+    comps, entry = parse_hlo(text)
+    always = _reachable(comps, entry, into_branches=False)
+    everything = _reachable(comps, entry, into_branches=True)
+    lines = lambda names: [ln for n in names for ln in comps[n]]  # noqa: E731
+    return lines(always), lines(everything - always)
+
+
+def count(lines: list[str], op: str) -> int:
+    """Number of instructions among ``lines`` whose opcode is ``op`` (or its
+    asynchronous ``op-start``)."""
+    n = 0
+    for line in lines:
+        parsed = _split_instruction(line)
+        if parsed is not None and parsed[1] in (op, f"{op}-start"):
+            n += 1
+    return n
