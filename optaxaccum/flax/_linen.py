@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 from flax.linen import module as linen_module
 
 from optaxaccum._src import base
 from optaxaccum.flax import _stats
-
-
-def _canonical_axes(ndim: int, axis: Any) -> tuple[int, ...]:
-    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
-    return tuple(sorted({a % ndim for a in axes}))
 
 
 class AccumBatchNorm(nn.BatchNorm):
@@ -111,9 +104,9 @@ class AccumBatchNorm(nn.BatchNorm):
         training = not linen_module.merge_param(
             "use_running_average", self.use_running_average, use_running_average
         )
-        feature_axes = _canonical_axes(x.ndim, self.axis)
-        reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
-        feature_shape = tuple(x.shape[i] for i in feature_axes)
+        feature_shape = tuple(
+            x.shape[i] for i in _stats.canonical_axes(x.ndim, self.axis)
+        )
         if self.is_initializing() or training:
             # Created by init, or on the first training call for variables
             # of a plain nn.BatchNorm.
@@ -128,22 +121,9 @@ class AccumBatchNorm(nn.BatchNorm):
         ra_mean = self.get_variable("batch_stats", "mean")
         ra_var = self.get_variable("batch_stats", "var")
         y = super().__call__(x, use_running_average, mask=mask)
-        stats = _stats.micro_batch_stats(
-            x,
-            reduction_axes,
-            mask=mask,
-            axis_name=self.axis_name,
-            axis_index_groups=self.axis_index_groups,
-            use_fast_variance=self.use_fast_variance,
-        )
         window = _stats.Window(*(v.value for v in window_vars))
-        new_mean, new_var, window = _stats.step(
-            window,
-            ra_mean,
-            ra_var,
-            stats,
-            momentum=self.momentum,
-            accum_steps=self.accum_steps,
+        new_mean, new_var, window = _stats.train_step(
+            self, x, mask, window, ra_mean, ra_var
         )
         # Replace the per-micro-batch update that nn.BatchNorm just made.
         self.put_variable("batch_stats", "mean", new_mean)

@@ -154,6 +154,47 @@ def step(
     return close(window, ra_mean, ra_var, momentum, window.step >= accum_steps)
 
 
+def canonical_axes(ndim: int, axis: Any) -> tuple[int, ...]:
+    """Feature axes as sorted non-negative ints."""
+    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
+    return tuple(sorted({a % ndim for a in axes}))
+
+
+def train_step(
+    module: Any,
+    x: jax.Array,
+    mask: jax.Array | None,
+    window: Window,
+    ra_mean: jax.Array,
+    ra_var: jax.Array,
+) -> tuple[jax.Array, jax.Array, Window]:
+    """The running statistics after one training micro-batch ``x``.
+
+    ``module`` is a linen or nnx ``AccumBatchNorm``: its ``axis``,
+    ``axis_name``, ``axis_index_groups``, ``use_fast_variance``, ``momentum``
+    and ``accum_steps`` are read.
+    """
+    feature_axes = canonical_axes(x.ndim, module.axis)
+    reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+    stats = micro_batch_stats(
+        x,
+        reduction_axes,
+        mask=mask,
+        axis_name=module.axis_name,
+        axis_index_groups=module.axis_index_groups,
+        use_fast_variance=module.use_fast_variance,
+    )
+    stats = jax.tree.map(lax.stop_gradient, stats)
+    return step(
+        window,
+        ra_mean,
+        ra_var,
+        stats,
+        momentum=module.momentum,
+        accum_steps=module.accum_steps,
+    )
+
+
 def flush(
     window: Window, ra_mean: jax.Array, ra_var: jax.Array, momentum: float
 ) -> tuple[jax.Array, jax.Array, Window]:

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax.training import train_state
 from flax.training.train_state import OVERWRITE_WITH_GRADIENT

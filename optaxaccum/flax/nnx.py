@@ -13,11 +13,6 @@ from optaxaccum.flax import _stats
 __all__ = ["AccumBatchNorm", "flush_batch_stats"]
 
 
-def _canonical_axes(ndim: int, axis: Any) -> tuple[int, ...]:
-    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
-    return tuple(sorted({a % ndim for a in axes}))
-
-
 class AccumBatchNorm(nnx.BatchNorm):
     """``flax.nnx.BatchNorm`` whose running statistics see the whole window.
 
@@ -113,27 +108,9 @@ class AccumBatchNorm(nnx.BatchNorm):
             return super().__call__(x, use_running_average, mask=mask)
         ra_mean, ra_var = self.mean[...], self.var[...]
         y = super().__call__(x, use_running_average, mask=mask)
-        feature_axes = _canonical_axes(x.ndim, self.axis)
-        reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
-        stats = _stats.micro_batch_stats(
-            x,
-            reduction_axes,
-            mask=mask,
-            axis_name=self.axis_name,
-            axis_index_groups=self.axis_index_groups,
-            use_fast_variance=self.use_fast_variance,
-        )
-        stats = jax.tree.map(jax.lax.stop_gradient, stats)
         # Replace the per-micro-batch update that nnx.BatchNorm just made.
         self._set(
-            *_stats.step(
-                self._window(),
-                ra_mean,
-                ra_var,
-                stats,
-                momentum=self.momentum,
-                accum_steps=self.accum_steps,
-            )
+            *_stats.train_step(self, x, mask, self._window(), ra_mean, ra_var)
         )
         return y
 
