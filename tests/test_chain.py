@@ -125,17 +125,23 @@ def test_hlo_non_closing_step_skips_follower():
     assert _hlo.count(ms_always, "sqrt") >= 1
 
 
-def test_hlo_fused_non_closing_step_is_one_pass():
-    """With params and state donated (in the order they are returned), the
-    fused step's unconditional work on the tree is the accumulator update: one
-    fusion writing one tree, and no copy of params or optimizer state."""
+def _compiled_fused_step():
+    """``oa.apply_gradients`` with params and state donated, compiled for a
+    256x256 float32 tree and ``oa.chain(oa.accumulate(4), optax.adam)``."""
     params = {"w": jnp.zeros((256, 256))}
     tx = oa.chain(oa.accumulate(4), optax.adam(1e-3))
     state = tx.init(params)
     step = jax.jit(
         lambda p, s, g: oa.apply_gradients(tx, g, s, p), donate_argnums=(0, 1)
     )
-    text = step.lower(params, state, params).compile().as_text()
+    return step.lower(params, state, params).compile()
+
+
+def test_hlo_fused_non_closing_step_is_one_pass():
+    """With params and state donated (in the order they are returned), the
+    fused step's unconditional work on the tree is the accumulator update: one
+    fusion writing one tree, and no copy of params or optimizer state."""
+    text = _compiled_fused_step().as_text()
     comps, entry = _hlo.parse_hlo(text)
     always, branch = _hlo.split(text)
     tree_sized = [
@@ -158,10 +164,7 @@ def test_fused_step_needs_no_tree_sized_temporaries():
     params = {"w": jnp.zeros((256, 256))}
     tx = oa.chain(oa.accumulate(4), optax.adam(1e-3))
     state = tx.init(params)
-    step = jax.jit(
-        lambda p, s, g: oa.apply_gradients(tx, g, s, p), donate_argnums=(0, 1)
-    )
-    mem = step.lower(params, state, params).compile().memory_analysis()
+    mem = _compiled_fused_step().memory_analysis()
     tree_bytes = 256 * 256 * 4
     assert mem.temp_size_in_bytes < tree_bytes // 64, mem.temp_size_in_bytes
     plain = jax.jit(
