@@ -40,7 +40,7 @@ def test_bench_step_main_tiny():
     res = bench.main(tiny=True)
     _check_result_format(res)
     names = [row[0] for row in res["rows"]]
-    expected = ["floor"] + [
+    expected = ["floor", "Adam step alone"] + [
         f"{kind} {phase}"
         for kind in ("fused", "plain", "MultiSteps")
         for phase in ("non-closing", "closing", f"window/{bench.K}")
@@ -59,6 +59,9 @@ def test_bench_step_main_tiny():
     assert tree_bytes <= mem["floor"]["output"] < tree_bytes + 64
     assert mem["floor"]["alias"] == tree_bytes
     assert mem["floor"]["temp"] == 0
+    # The Adam reference: params, mu and nu donated, no tree-sized temporary.
+    assert 3 * tree_bytes <= mem["Adam"]["alias"] < 3 * tree_bytes + 64
+    assert mem["Adam"]["temp"] < bench.SCALARS
     for kind in ("fused", "plain", "MultiSteps"):
         # params, accumulator, Adam's mu and nu: 4 trees, plus scalars.
         assert 4 * tree_bytes <= mem[kind]["alias"] < 4 * tree_bytes + 64
