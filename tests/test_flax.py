@@ -552,3 +552,37 @@ def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):
     chex.assert_trees_all_equal(resumed.params, full.params)
     chex.assert_trees_all_equal(resumed.batch_stats, full.batch_stats)
     chex.assert_trees_all_equal(resumed.opt_state, full.opt_state)
+
+
+def test_microbatched_value_and_grad_threads_accum_batchnorm_state():
+    """The documented recipe: batch_stats threaded through the scan with
+    state_argnums; AccumBatchNorm(accum_steps=n) updates the running stats
+    once per step, as nn.BatchNorm on the whole batch does, and the gradient
+    is the mean of the micro-batch gradients."""
+    n, micro = 4, 8
+    model = CNN(bn=AccumBatchNorm, bn_kwargs=(("accum_steps", n),))
+    ref = CNN()
+    x, y = _images(n * micro, 7)
+    variables = model.init(jax.random.key(0), x[:micro], False)
+    params, bs = variables["params"], variables["batch_stats"]
+
+    def loss_fn(params, batch, batch_stats):
+        logits, upd = model.apply({"params": params, "batch_stats": batch_stats},
+                                  batch["x"], True, mutable=["batch_stats"])
+        return _ce(logits, batch["y"]), upd["batch_stats"]
+
+    step = jax.jit(oa.microbatched_value_and_grad(loss_fn, n, state_argnums=2))
+    (_, new_bs), grads = step(params, {"x": x, "y": y}, bs)
+    ref_bs = {"bn": {k: bs["bn"][k] for k in ("mean", "var")}}
+    _, upd = ref.apply({"params": params, "batch_stats": ref_bs}, x, True,
+                       mutable=["batch_stats"])
+    np.testing.assert_allclose(new_bs["bn"]["mean"], upd["batch_stats"]["bn"]["mean"], **TOL)
+    np.testing.assert_allclose(new_bs["bn"]["var"], upd["batch_stats"]["bn"]["var"], **TOL)
+    assert int(new_bs["bn"]["window_step"]) == 0
+
+    def micro_grad(i):
+        sl = slice(i * micro, (i + 1) * micro)
+        return jax.grad(lambda p: loss_fn(p, {"x": x[sl], "y": y[sl]}, bs)[0])(params)
+
+    expected = jax.tree.map(lambda *gs: sum(gs) / n, *[micro_grad(i) for i in range(n)])
+    chex.assert_trees_all_close(grads, expected, rtol=1e-5, atol=1e-6)
