@@ -586,3 +586,22 @@ def test_microbatched_value_and_grad_threads_accum_batchnorm_state():
 
     expected = jax.tree.map(lambda *gs: sum(gs) / n, *[micro_grad(i) for i in range(n)])
     chex.assert_trees_all_close(grads, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fresh_state_can_be_donated():
+    """Regression: the window entries were one array used three times, so a
+    donating step right after an eager init failed ("donate the same buffer
+    twice")."""
+    bn = AccumBatchNorm(use_running_average=False, accum_steps=4)
+    x = jnp.ones((4, 3))
+    variables = bn.init(jax.random.key(0), x)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(variables, x):
+        _, upd = bn.apply(variables, x, mutable=["batch_stats"])
+        return {**variables, **upd}
+
+    assert int(step(variables, x)["batch_stats"]["window_step"]) == 1
+    nbn = oa_nnx.AccumBatchNorm(3, accum_steps=4, rngs=nnx.Rngs(0))
+    nnx.jit(lambda m, x: m(x), donate_argnums=0)(nbn, x)
+    assert int(nbn.window_step[...]) == 1

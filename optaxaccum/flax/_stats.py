@@ -38,8 +38,13 @@ class Window(NamedTuple):
 
 
 def empty_window(feature_shape: Sequence[int]) -> Window:
-    zeros = jnp.zeros(tuple(feature_shape), jnp.float32)
-    return Window(zeros, zeros, zeros, jnp.zeros([], jnp.int32))
+    # Three distinct buffers: one array used for three leaves could not be
+    # donated (XLA refuses to donate the same buffer twice).
+    shape = tuple(feature_shape)
+    return Window(
+        *(jnp.zeros(shape, jnp.float32) for _ in range(3)),
+        step=jnp.zeros([], jnp.int32),
+    )
 
 
 def micro_batch_stats(
