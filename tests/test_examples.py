@@ -1,0 +1,119 @@
+"""Smoke tests of the scripts in ``examples/``, so that they never rot.
+
+Each example runs as a user would run it -- a fresh Python process, on CPU,
+with its small flags (seconds) -- and must exit with status 0, print what it
+promises and emit no warning. Where an example demonstrates an equality
+(token weighting, flushing) the printed numbers are checked too.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+TIMEOUT_S = 180
+
+
+def _run(script, *args, cwd):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MPLBACKEND="Agg")
+    # The single-device examples must not inherit a device count (e.g. the
+    # test session's); data_parallel.py sets its own when none is given.
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-W", "default", str(EXAMPLES / script), *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    report = f"{script} {' '.join(args)}\n--- stdout\n{proc.stdout}\n" \
+             f"--- stderr\n{proc.stderr}"
+    assert proc.returncode == 0, report
+    assert "Warning:" not in proc.stderr, report
+    return proc.stdout
+
+
+def _number(pattern, text):
+    match = re.search(pattern, text, re.MULTILINE)
+    assert match, f"{pattern!r} not found in\n{text}"
+    return float(match.group(1))
+
+
+def test_quickstart(tmp_path):
+    out = tmp_path / "figures"
+    stdout = _run("quickstart.py", "--tiny", "--out", str(out), cwd=tmp_path)
+    header = re.search(r"^run +test acc +train loss +opt steps +wall s +"
+                       r"step mem KiB +temp KiB$", stdout, re.MULTILINE)
+    assert header, stdout
+    for run in ("(a) batch 64", "(b) 16 x accumulate(4)", "(c) batch 16"):
+        assert re.search(rf"^{re.escape(run)} ", stdout, re.MULTILINE), stdout
+    # (a) and (b) take the same optimizer steps; (c) four times as many
+    # micro-batches, each one a step (18 per epoch for 2 epochs).
+    steps = {
+        name: _number(rf"^{re.escape(name)} +\S+ +\S+ +(\d+) ", stdout)
+        for name in ("(a) batch 64", "(b) 16 x accumulate(4)",
+                     "(c) batch 16")
+    }
+    assert steps["(a) batch 64"] == steps["(b) 16 x accumulate(4)"] == 10
+    assert steps["(c) batch 16"] == 36
+    png = out / "quickstart.png"
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert png.stat().st_size > 10_000
+    assert not (tmp_path / "quickstart.png").exists()
+
+
+def test_flax_trainstate(tmp_path):
+    stdout = _run("flax_trainstate.py", "--tiny", cwd=tmp_path)
+    assert re.search(r"micro-step +opt steps +loss scale +loss", stdout)
+    assert "end of epoch 2: test accuracy" in stdout
+    assert _number(r"^final: loss scale (\d+)", stdout) >= 2.0**15
+
+
+def test_nnx_example(tmp_path):
+    stdout = _run("nnx_example.py", "--tiny", cwd=tmp_path)
+    # 10 micro-batches per epoch: 2 full windows + 1 flushed = 3 Adam steps,
+    # and no BatchNorm window left open.
+    assert "epoch 2: " in stdout
+    assert "micro-steps 20, Adam steps 6, open BN window 0" in stdout
+    assert 0.0 < _number(r"^final test accuracy ([\d.]+)", stdout) <= 1.0
+
+
+def test_fp16_loss_scale(tmp_path):
+    stdout = _run("fp16_loss_scale.py", "--tiny", cwd=tmp_path)
+    assert re.search(r"loss x 1e30 = inf in float16; dropped: True", stdout)
+    assert "params finite: True" in stdout
+    assert _number(r"^done: (\d+) of \d+ micro-batches dropped", stdout) >= 1
+
+
+def test_token_weighting(tmp_path):
+    stdout = _run("token_weighting.py", "--tiny", cwd=tmp_path)
+
+    def distance(name):
+        return _number(rf"^{re.escape(name)} +\S+ +(\S+)$", stdout)
+
+    assert distance("oa.accumulate, accum_weight=tokens") < 1e-5
+    assert distance("oa.microbatched_value_and_grad") < 1e-5
+    assert distance("oa.accumulate, unweighted (naive)") > 1e-2
+    assert _number(r"optax.adam\), weighted +(\S+)$", stdout) < 1e-6
+    assert _number(r"optax.adam\), naive +(\S+)$", stdout) > 1e-3
+
+
+def test_flush_epoch(tmp_path):
+    stdout = _run("flush_epoch.py", "--tiny", cwd=tmp_path)
+    flushed = re.search(r"^ +with oa.flush +(\d+) +(\d+) +(\S+)$", stdout,
+                        re.MULTILINE)
+    unflushed = re.search(r"^ +without flush +(\d+) +(\d+) +(\S+)$", stdout,
+                          re.MULTILINE)
+    assert flushed and unflushed, stdout
+    assert flushed.group(1, 2) == ("3", "0")  # 3 SGD steps, nothing left
+    assert unflushed.group(1, 2) == ("2", "2")  # 2 steps, 2 micro-batches
+    assert float(flushed.group(3)) < 1e-5 < 1e-2 < float(unflushed.group(3))
+    assert _number(r"\|flushed - \(g8 \+ g9\) / 2\| = (\S+)", stdout) < 1e-6
+
+
+def test_data_parallel(tmp_path):
+    stdout = _run("data_parallel.py", "--steps", "8", "--accum", "4",
+                  "--log-every", "4", cwd=tmp_path)
+    assert stdout.startswith("8 cpu device(s)"), stdout
+    assert "micro-step    8  optimizer steps   2" in stdout
+    assert re.search(r"^final loss [\d.]+  train accuracy [\d.]+$", stdout,
+                     re.MULTILINE)
