@@ -285,7 +285,7 @@ def _measure(tiny: bool) -> dict:
     ]
     return {
         "name": "B-multidevice",
-        "title": (f"Data parallel: a window of k={K} micro-batches on "
+        "title": (f"B3: data parallel, a window of k={K} micro-batches on "
                   f"{N_DEVICES} {devices[0].platform.upper()} devices, "
                   f"{n_params:,} float32 params, Adam; "
                   f"median of {cfg['rounds']} interleaved rounds"),
