@@ -284,14 +284,14 @@ def _measure(tiny: bool) -> dict:
                 suffix="x faster"),
     ]
     return {
-        "name": "B-multidevice",
+        "name": "B3",
         "title": (f"B3: data parallel, a window of k={K} micro-batches on "
                   f"{N_DEVICES} {devices[0].platform.upper()} devices, "
                   f"{n_params:,} float32 params, Adam; "
                   f"median of {cfg['rounds']} interleaved rounds"),
         "headers": headers,
         "rows": rows,
-        "ratios": {f"B-multidevice {n}": seconds[n] / seconds[ours]
+        "ratios": {f"B3 {n}": seconds[n] / seconds[ours]
                    for n in steps if n != ours},
         "ratio_label": f"window time / {ours}",
         "targets": targets,

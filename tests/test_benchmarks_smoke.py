@@ -120,3 +120,9 @@ def test_markdown_table_aligns_columns():
         "|-----|----|",
         "| xyz | 1  |",
     ]
+
+
+def test_bn_pooling_script_runs(capsys):
+    _load("bn_pooling").main()
+    out = capsys.readouterr().out
+    assert out.count("AccumBatchNorm vs nn.BatchNorm") == 2
