@@ -23,6 +23,7 @@ from optaxaccum.flax import AccumBatchNorm, TrainState, flush_batch_stats
 from optaxaccum.flax import nnx as oa_nnx
 
 TOL = dict(rtol=2e-5, atol=2e-6)
+_WINDOW_KEYS = ("window_count", "window_mean", "window_m2", "window_step")
 
 
 def _data(sizes, shape, dtype=jnp.float32, seed=0):
@@ -605,3 +606,140 @@ def test_fresh_state_can_be_donated():
     nbn = oa_nnx.AccumBatchNorm(3, accum_steps=4, rngs=nnx.Rngs(0))
     nnx.jit(lambda m, x: m(x), donate_argnums=0)(nbn, x)
     assert int(nbn.window_step[...]) == 1
+
+
+# ------------------------------------------------ review findings (edge cases) --
+
+
+@pytest.mark.parametrize("use_fast_variance", [True, False])
+def test_empty_masks_add_nothing_to_the_window(use_fast_variance):
+    """A fully masked micro-batch, or a feature masked out in one micro-batch
+    (e.g. a padding-only last micro-batch), must not poison the window."""
+    batches = _data((3, 3, 4), (2,))
+    masks = [jnp.ones((3, 2), bool), jnp.zeros((3, 2), bool),
+             jnp.array([[True, False]] * 4)]
+    ours = AccumBatchNorm(use_running_average=False, momentum=0.0, accum_steps=3,
+                          use_fast_variance=use_fast_variance)
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.0,
+                       use_fast_variance=use_fast_variance)
+    variables = ours.init(jax.random.key(0), batches[0])
+    stats = variables["batch_stats"]
+    for xb, m in zip(batches, masks):
+        _, upd = ours.apply({**variables, "batch_stats": stats}, xb, mask=m,
+                            mutable=["batch_stats"])
+        stats = upd["batch_stats"]
+    _, ref_upd = ref.apply(ref.init(jax.random.key(0), batches[0]),
+                           jnp.concatenate(batches), mask=jnp.concatenate(masks),
+                           mutable=["batch_stats"])
+    np.testing.assert_allclose(stats["mean"], ref_upd["batch_stats"]["mean"], **TOL)
+    np.testing.assert_allclose(stats["var"], ref_upd["batch_stats"]["var"], **TOL)
+
+
+@pytest.mark.parametrize("axis", [1, (1, 2), (-1, 1)])
+@pytest.mark.parametrize("use_fast_variance", [True, False])
+def test_feature_axes_and_two_pass_variance(axis, use_fast_variance):
+    batches = _data((5, 9), (4, 3, 2))
+    kw = dict(use_running_average=False, momentum=0.5, axis=axis,
+              use_fast_variance=use_fast_variance)
+    ours = AccumBatchNorm(accum_steps=2, **kw)
+    ref = nn.BatchNorm(**kw)
+    variables = ours.init(jax.random.key(0), batches[0])
+    _, stats = _run_linen(ours, variables, batches)
+    _, ref_stats = _run_linen(ref, ref.init(jax.random.key(0), batches[0]),
+                              [jnp.concatenate(batches)])
+    np.testing.assert_allclose(stats["mean"], ref_stats["mean"], **TOL)
+    np.testing.assert_allclose(stats["var"], ref_stats["var"], **TOL)
+
+
+def test_nnx_statistics_follow_the_compute_dtype():
+    """nnx.BatchNorm computes statistics on x promoted to ``dtype``."""
+    batches = _data((8, 8), (3,))
+    ours = oa_nnx.AccumBatchNorm(3, accum_steps=2, momentum=0.0,
+                                 dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    ref = nnx.BatchNorm(3, momentum=0.0, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    for xb in batches:
+        ours(xb)
+    ref(jnp.concatenate(batches))
+    np.testing.assert_allclose(ours.mean[...], ref.mean[...], **TOL)
+    np.testing.assert_allclose(ours.var[...], ref.var[...], **TOL)
+
+
+def test_complex_input_is_rejected():
+    bn = AccumBatchNorm(use_running_average=False, accum_steps=2)
+    x = jnp.ones((4, 2), jnp.complex64)
+    variables = bn.init(jax.random.key(0), x.real)
+    with pytest.raises(TypeError, match="real inputs"):
+        bn.apply(variables, x, mutable=["batch_stats"])
+
+
+def test_accum_steps_error_names_value_and_numpy_ints_are_converted():
+    with pytest.raises(ValueError, match=r"accum_steps=0"):
+        AccumBatchNorm(accum_steps=0)
+    assert type(AccumBatchNorm(accum_steps=np.int64(3)).accum_steps) is int
+    nbn = oa_nnx.AccumBatchNorm(2, accum_steps=np.int64(3), rngs=nnx.Rngs(0))
+    assert type(nbn.accum_steps) is int
+
+
+def test_trainstate_with_pretrained_plain_batchnorm_variables():
+    """Variables of a plain nn.BatchNorm model (no window entries) train
+    through TrainState: the first call adds the windows."""
+    ref = CNN()
+    x, y = _images(8, 0)
+    plain = ref.init(jax.random.key(0), x, False)
+    model = CNN(bn=AccumBatchNorm, bn_kwargs=(("accum_steps", 2),))
+    state = TrainState.create(
+        apply_fn=model.apply, params=plain["params"],
+        tx=oa.chain(oa.accumulate(2), optax.sgd(0.1)),
+        batch_stats=plain["batch_stats"])
+    step = _make_step(model)
+    state = step(state, x, y)
+    assert set(state.batch_stats["bn"]) == {"mean", "var", *_WINDOW_KEYS}
+    state = step(state, x, y)
+    assert int(state.batch_stats["bn"]["window_step"]) == 0
+    assert bool(oa.has_updated(state.opt_state))
+
+
+def test_trainstate_rejects_misspelled_keywords():
+    model = nn.Dense(1)
+    params = model.init(jax.random.key(0), jnp.ones((1, 2)))["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params,
+                              tx=oa.chain(oa.accumulate(2), optax.sgd(0.1)))
+    g = jax.tree.map(jnp.ones_like, params)
+    with pytest.raises(TypeError, match="did you mean 'batch_stats'"):
+        state.apply_gradients(grads=g, batch_stat={})
+    with pytest.raises(TypeError, match="did you mean 'accum_weight'"):
+        state.apply_gradients(grads=g, acum_weight=2.0)
+
+
+def test_trainstate_flush_with_overwrite_with_gradient_and_bn_windows():
+    from flax.training.train_state import OVERWRITE_WITH_GRADIENT as OWG
+
+    params = {"params": {"w": jnp.zeros(2)}, OWG: {"fp8": jnp.ones(1)}}
+    state = TrainState.create(apply_fn=None, params=params,
+                              tx=oa.chain(oa.accumulate(4), optax.sgd(1.0)))
+    grads = {"params": {"w": jnp.array([2.0, 4.0])}, OWG: {"fp8": jnp.full(1, 7.0)}}
+    state = state.apply_gradients(grads=grads)
+    chex.assert_trees_all_equal(state.params[OWG], grads[OWG])
+    flushed = state.flush()
+    np.testing.assert_allclose(flushed.params["params"]["w"], [-2.0, -4.0])
+    chex.assert_trees_all_equal(flushed.params[OWG], grads[OWG])
+    # With AccumBatchNorm windows, the momentum must be given.
+    bn = AccumBatchNorm(use_running_average=False, accum_steps=2)
+    bs = bn.init(jax.random.key(0), jnp.ones((2, 1)))["batch_stats"]
+    with_bn = state.replace(batch_stats=bs)
+    with pytest.raises(ValueError, match="batch_stats_momentum"):
+        with_bn.flush()
+    assert int(with_bn.flush(batch_stats_momentum=0.9).batch_stats["window_step"]) == 0
+
+
+def test_flush_batch_stats_keeps_mapping_type_and_takes_traced_momentum():
+    import collections
+
+    bn = AccumBatchNorm(use_running_average=False, momentum=0.0, accum_steps=4)
+    v = bn.init(jax.random.key(0), jnp.ones((2, 1)))
+    _, upd = bn.apply(v, jnp.array([[1.0], [3.0]]), mutable=["batch_stats"])
+    od = collections.OrderedDict(upd["batch_stats"])
+    out = flush_batch_stats(od, 0.0)
+    assert type(out) is collections.OrderedDict
+    jitted = jax.jit(flush_batch_stats)(upd["batch_stats"], 0.0)
+    np.testing.assert_allclose(jitted["mean"], [2.0])

@@ -68,6 +68,14 @@ class AccumBatchNorm(nn.BatchNorm):
       (Array([3., 4.], dtype=float32), Array([5., 5.], dtype=float32))
 
     .. note::
+      Two deliberate differences from ``nn.BatchNorm`` when
+      ``accum_steps > 1``: the window is always reduced in float32 (also with
+      ``force_float32_reductions=False``), and under ``axis_name`` devices are
+      weighted by their number of (unmasked) elements -- the exact pooled
+      statistics -- where ``nn.BatchNorm`` averages per-device means. With
+      equal counts per device the two agree.
+
+    .. note::
       The extra work over ``nn.BatchNorm`` in training mode is one more
       reduction over the micro-batch (sums for the window) and, with
       ``axis_name``, one more ``psum`` of three per-feature vectors.
@@ -76,7 +84,11 @@ class AccumBatchNorm(nn.BatchNorm):
     accum_steps: int = 1
 
     def __post_init__(self):
-        base.check_positive_int("accum_steps", self.accum_steps)
+        # Frozen dataclass: store the checked value (e.g. np.int64 -> int).
+        object.__setattr__(
+            self, "accum_steps",
+            base.check_positive_int("accum_steps", self.accum_steps),
+        )
         super().__post_init__()
 
     @nn.compact

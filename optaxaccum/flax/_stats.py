@@ -60,8 +60,14 @@ def micro_batch_stats(
 
     Counts are summed over ``axis_name`` (so devices with different numbers of
     examples are weighted by their size), with one collective for the fast
-    variance and two for the two-pass one.
+    variance and two for the two-pass one. A feature with no element (all
+    masked) gets count 0, mean 0 and variance 0, so it adds nothing to the
+    window.
     """
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"AccumBatchNorm supports real inputs only, got dtype {x.dtype}"
+        )
     dtype = jnp.promote_types(x.dtype, jnp.float32)
     x = x.astype(dtype)
     if mask is None:
@@ -89,16 +95,20 @@ def micro_batch_stats(
         )
         return tuple(out)
 
+    def per_element(v, n):
+        seen = n > 0
+        return jnp.where(seen, v / jnp.where(seen, n, 1), 0)
+
     if use_fast_variance:
         n, s1, s2 = psum(n, total(x), total(x * x))
-        mean = s1 / n
-        var = jnp.maximum(0.0, s2 / n - mean * mean)
+        mean = per_element(s1, n)
+        var = jnp.maximum(0.0, per_element(s2, n) - mean * mean)
     else:
         n, s1 = psum(n, total(x))
-        mean = s1 / n
+        mean = per_element(s1, n)
         dev = x - jnp.expand_dims(mean, reduction_axes)
         (ss,) = psum(total(dev * dev))
-        var = ss / n
+        var = per_element(ss, n)
     return n, mean, var
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +32,49 @@ def _counted(old_opt_state: Any, new_opt_state: Any) -> jax.Array | bool:
     return (new.mini_step != old.mini_step) | (
         new.gradient_step != old.gradient_step
     )
+
+
+# Extra args of this package's chain elements; a keyword close to one of these
+# or to a field name is taken for a typo rather than passed on.
+_KNOWN_EXTRA_ARGS = ("accum_weight",)
+
+
+def _check_spelling(kwargs: Mapping[str, Any], fields: set[str]) -> None:
+    known = sorted(fields) + list(_KNOWN_EXTRA_ARGS)
+    for key in kwargs:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        if close:
+            raise TypeError(
+                f"TrainState.apply_gradients got an unexpected keyword "
+                f"argument {key!r}; did you mean {close[0]!r}? (Keywords that "
+                "are not fields of the state are passed to the chain.)"
+            )
+
+
+def _with_windows_like(old: Any, new: Any) -> Any:
+    """``old`` batch_stats with the empty BN windows that only ``new`` has.
+
+    Variables of a plain ``nn.BatchNorm`` have no window entries; the first
+    training call of :class:`AccumBatchNorm` adds them.
+    """
+    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
+        return old
+    out = {k: _with_windows_like(v, new.get(k)) for k, v in old.items()}
+    if all(k in new for k in _stats.WINDOW_KEYS) and not any(
+        k in old for k in _stats.WINDOW_KEYS
+    ):
+        empty = _stats.empty_window(jax.numpy.shape(new["window_mean"]))
+        out.update(zip(_stats.WINDOW_KEYS, empty, strict=True))
+    return out if type(old) is dict else type(old)(out)
+
+
+def _split_owg(params: Any) -> tuple[Any, bool]:
+    """The params the optimizer sees, and whether flax's
+    overwrite-with-gradient entry is present."""
+    owg = isinstance(params, Mapping) and OVERWRITE_WITH_GRADIENT in params
+    return (params["params"] if owg else params), owg
 
 
 class TrainState(train_state.TrainState):
@@ -84,16 +129,13 @@ class TrainState(train_state.TrainState):
           :class:`AccumBatchNorm` stays aligned with the optimizer's window.
         """
         fields = {f.name for f in dataclasses.fields(self)}
+        _check_spelling(kwargs, fields)
         replace = {k: v for k, v in kwargs.items() if k in fields}
         extra_args = {k: v for k, v in kwargs.items() if k not in fields}
-        owg = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
+        opt_grads, owg = _split_owg(grads)  # as flax: decided by the grads
         params = self.params["params"] if owg else self.params
         new_params, new_opt_state = chain_lib.apply_gradients(
-            self.tx,
-            grads["params"] if owg else grads,
-            self.opt_state,
-            params,
-            **extra_args,
+            self.tx, opt_grads, self.opt_state, params, **extra_args
         )
         if owg:
             new_params = {
@@ -104,7 +146,9 @@ class TrainState(train_state.TrainState):
             counted = _counted(self.opt_state, new_opt_state)
             if counted is not True:
                 replace["batch_stats"] = optax.tree.where(
-                    counted, replace["batch_stats"], self.batch_stats
+                    counted,
+                    replace["batch_stats"],
+                    _with_windows_like(self.batch_stats, replace["batch_stats"]),
                 )
         return self.replace(
             step=self.step + 1,
@@ -117,26 +161,48 @@ class TrainState(train_state.TrainState):
         """Closes the last, partial window (end of an epoch).
 
         Args:
-          batch_stats_momentum: if given, also closes the partial BatchNorm
-            window in ``batch_stats`` with :func:`flush_batch_stats` (the
-            ``momentum`` of the model's :class:`AccumBatchNorm` layers).
+          batch_stats_momentum: the ``momentum`` of the model's
+            :class:`AccumBatchNorm` layers; required when ``batch_stats``
+            holds their windows, which are then closed too with
+            :func:`flush_batch_stats`, so both windows stay aligned.
 
         Returns:
           The state after :func:`optaxaccum.flush`: params stepped with the
           true mean of the partial window (unchanged for an empty window);
           ``step`` unchanged.
+
+        Raises:
+          ValueError: if ``batch_stats`` holds BatchNorm windows and
+            ``batch_stats_momentum`` is not given.
         """
-        updates, opt_state = chain_lib.flush(self.tx, self.opt_state, self.params)
-        new = self.replace(
-            params=optax.apply_updates(self.params, updates), opt_state=opt_state
-        )
-        if batch_stats_momentum is not None and self.batch_stats is not None:
+        params, owg = _split_owg(self.params)
+        updates, opt_state = chain_lib.flush(self.tx, self.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if owg:
+            new_params = {**self.params, "params": new_params}
+        new = self.replace(params=new_params, opt_state=opt_state)
+        if self.batch_stats is not None and _has_windows(self.batch_stats):
+            if batch_stats_momentum is None:
+                raise ValueError(
+                    "TrainState.flush: batch_stats holds AccumBatchNorm "
+                    "windows; pass batch_stats_momentum (the layers' "
+                    "momentum) so that they are closed with the optimizer's "
+                    "window"
+                )
             new = new.replace(
                 batch_stats=flush_batch_stats(
                     self.batch_stats, batch_stats_momentum
                 )
             )
         return new
+
+
+def _has_windows(batch_stats: Any) -> bool:
+    if not isinstance(batch_stats, Mapping):
+        return False
+    return all(k in batch_stats for k in _stats.WINDOW_KEYS) or any(
+        _has_windows(v) for v in batch_stats.values()
+    )
 
 
 def flush_batch_stats(batch_stats: Any, momentum: float) -> Any:
@@ -170,7 +236,7 @@ def flush_batch_stats(batch_stats: Any, momentum: float) -> Any:
             "flush_batch_stats expects the batch_stats mapping, got "
             f"{type(batch_stats).__name__}"
         )
-    if not 0 <= momentum <= 1:
+    if isinstance(momentum, numbers.Real) and not 0 <= momentum <= 1:
         raise ValueError(f"momentum must be in [0, 1], got {momentum=}")
     out = {}
     for key, value in batch_stats.items():
@@ -184,5 +250,5 @@ def flush_batch_stats(batch_stats: Any, momentum: float) -> Any:
         out["mean"], out["var"], window = _stats.flush(
             window, out["mean"], out["var"], momentum
         )
-        out.update(zip(_stats.WINDOW_KEYS, window))
-    return type(batch_stats)(out) if not isinstance(batch_stats, dict) else out
+        out.update(zip(_stats.WINDOW_KEYS, window, strict=True))
+    return out if type(batch_stats) is dict else type(batch_stats)(out)

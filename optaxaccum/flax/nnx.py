@@ -26,7 +26,9 @@ class AccumBatchNorm(nnx.BatchNorm):
     window. The window is held in ``nnx.BatchStat`` attributes
     ``window_count``, ``window_mean``, ``window_m2`` and ``window_step``
     (present only when ``accum_steps > 1``). ``accum_steps=1`` is exactly
-    ``nnx.BatchNorm``.
+    ``nnx.BatchNorm``. Under ``axis_name`` devices are weighted by their
+    number of (unmasked) elements, as for the linen
+    :class:`optaxaccum.flax.AccumBatchNorm`.
 
     Args:
       num_features: the number of features.
@@ -59,7 +61,7 @@ class AccumBatchNorm(nnx.BatchNorm):
         rngs: nnx.Rngs,
         **kwargs: Any,
     ):
-        base.check_positive_int("accum_steps", accum_steps)
+        accum_steps = base.check_positive_int("accum_steps", accum_steps)
         super().__init__(num_features, rngs=rngs, **kwargs)
         self.accum_steps = accum_steps
         if accum_steps > 1:
@@ -108,6 +110,8 @@ class AccumBatchNorm(nnx.BatchNorm):
             return super().__call__(x, use_running_average, mask=mask)
         ra_mean, ra_var = self.mean[...], self.var[...]
         y = super().__call__(x, use_running_average, mask=mask)
+        # nnx.BatchNorm computes its statistics on x promoted to self.dtype.
+        (x,) = self.promote_dtype((x,), dtype=self.dtype)
         # Replace the per-micro-batch update that nnx.BatchNorm just made.
         self._set(
             *_stats.train_step(self, x, mask, self._window(), ra_mean, ra_var)
