@@ -22,7 +22,8 @@ def main():
     rng = np.random.default_rng(0)
     for label, sizes, drift in CASES:
         batches = [
-            jnp.asarray(rng.normal(3 + drift * i, 2.0, (n, 6, 6, 8)), jnp.float32)
+            jnp.asarray(rng.normal(3 + drift * i, 2.0, (n, 6, 6, 8)),
+                        jnp.float32)
             for i, n in enumerate(sizes)
         ]
         bn = AccumBatchNorm(use_running_average=False, momentum=0.0,
@@ -40,13 +41,17 @@ def main():
         averaged = jnp.mean(
             jnp.stack([jnp.var(b, axis=(0, 1, 2)) for b in batches]), axis=0)
         bias = jnp.mean((averaged - want["var"]) / want["var"])
+
+        def max_diff(a, b):
+            return float(jnp.max(jnp.abs(a - b)))
+
         print(
             f"{label}: AccumBatchNorm vs nn.BatchNorm on the concatenation: "
-            f"max |d mean| {float(jnp.max(jnp.abs(stats['mean'] - want['mean']))):.1e}, "
-            f"max |d var| {float(jnp.max(jnp.abs(stats['var'] - want['var']))):.1e} "
+            f"max |d mean| {max_diff(stats['mean'], want['mean']):.1e}, "
+            f"max |d var| {max_diff(stats['var'], want['var']):.1e} "
             f"(var ~ {float(jnp.mean(want['var'])):.2f}); averaged variances "
             f"(TF package): {100 * float(bias):+.2f}% "
-            f"(max |d var| {float(jnp.max(jnp.abs(averaged - want['var']))):.3f})"
+            f"(max |d var| {max_diff(averaged, want['var']):.3f})"
         )
 
 

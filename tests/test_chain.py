@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 import optaxaccum as oa
 from optaxaccum._src import hlo as _hlo

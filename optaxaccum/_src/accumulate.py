@@ -123,7 +123,8 @@ def accumulate(
     acc_dtype = base.check_float_dtype("accumulator_dtype", accumulator_dtype)
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(
-            f"skip_nonfinite must be a bool, got skip_nonfinite={skip_nonfinite!r}"
+            "skip_nonfinite must be a bool, got "
+            f"skip_nonfinite={skip_nonfinite!r}"
         )
     if axis_name is not None and not isinstance(axis_name, Hashable):
         raise TypeError(f"axis_name must be hashable, got {axis_name=!r}")
@@ -222,7 +223,9 @@ def accumulate(
                 closing & (weight != 0),
                 emit_fn(new_state, out_dtypes, nonzero_weight=True),
             )
-        return base.GateResult(new_state, closing, emit_fn(new_state, out_dtypes))
+        return base.GateResult(
+            new_state, closing, emit_fn(new_state, out_dtypes)
+        )
 
     def gate_flush_fn(state, params, **extra_args):
         del extra_args
@@ -235,7 +238,9 @@ def accumulate(
             gradient_step=optax.safe_increment(state.gradient_step),
         )
         out_dtypes = jax.tree.map(lambda p: jnp.asarray(p).dtype, params)
-        return base.GateResult(state, nonempty, emit_fn(closed_state, out_dtypes))
+        return base.GateResult(
+            state, nonempty, emit_fn(closed_state, out_dtypes)
+        )
 
     return base.GatedTransformation(init_fn, gate_update_fn, gate_flush_fn)
 

@@ -193,7 +193,9 @@ def check_positive_int(name: str, value: Any) -> int:
             f"of type {type(value).__name__}"
         )
     if value < 1:
-        raise ValueError(f"{name} must be a positive int (>= 1), got {name}={value!r}")
+        raise ValueError(
+            f"{name} must be a positive int (>= 1), got {name}={value!r}"
+        )
     return int(value)
 
 

@@ -210,7 +210,8 @@ def apply_gradients(
     if not base.is_gate(tx):
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         return optax.apply_updates(params, updates), opt_state
-    return _apply(tx.gate_update(grads, opt_state, params, **extra_args), params)
+    result = tx.gate_update(grads, opt_state, params, **extra_args)
+    return _apply(result, params)
 
 
 def _apply(res: base.GateResult, params):

@@ -81,7 +81,8 @@ def micro_batch_stats(
         )
         weight = None
     else:
-        weight = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape).astype(dtype)
+        weight = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
+        weight = weight.astype(dtype)
         n = weight.sum(reduction_axes)
 
     def total(v):
@@ -112,7 +113,9 @@ def micro_batch_stats(
     return n, mean, var
 
 
-def merge(window: Window, n: jax.Array, mean: jax.Array, var: jax.Array) -> Window:
+def merge(
+    window: Window, n: jax.Array, mean: jax.Array, var: jax.Array
+) -> Window:
     """Adds a micro-batch with ``n`` elements, ``mean`` and ``var``."""
     n, mean, var = (v.astype(jnp.float32) for v in (n, mean, var))
     total = window.count + n

@@ -145,10 +145,10 @@ class TrainState(train_state.TrainState):
         if "batch_stats" in replace and self.batch_stats is not None:
             counted = _counted(self.opt_state, new_opt_state)
             if counted is not True:
+                new_bs = replace["batch_stats"]
+                old_bs = _with_windows_like(self.batch_stats, new_bs)
                 replace["batch_stats"] = optax.tree.where(
-                    counted,
-                    replace["batch_stats"],
-                    _with_windows_like(self.batch_stats, replace["batch_stats"]),
+                    counted, new_bs, old_bs
                 )
         return self.replace(
             step=self.step + 1,
