@@ -33,6 +33,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _digits import init_mlp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -42,13 +43,6 @@ import optaxaccum as oa  # noqa: E402
 
 AXIS = "data"
 
-
-def init_mlp(key, sizes):
-    keys = jax.random.split(key, len(sizes) - 1)
-    return [
-        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
-        for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
-    ]
 
 
 def logits_fn(params, x):

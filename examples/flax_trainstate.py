@@ -23,50 +23,18 @@ Run: ``python examples/flax_trainstate.py [--epochs 8] [--tiny]``.
 import argparse
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from sklearn.preprocessing import StandardScaler
+from _digits import CNN, load_data
 
 import optaxaccum as oa
-from optaxaccum.flax import AccumBatchNorm, TrainState
+from optaxaccum.flax import TrainState
 
 MICRO = 16
 MOMENTUM = 0.9
 
-
-class CNN(nn.Module):
-    accum_steps: int = 1
-
-    @nn.compact
-    def __call__(self, x, train: bool):
-        x = nn.Conv(16, (3, 3), use_bias=False, name="conv1")(x)
-        x = AccumBatchNorm(use_running_average=not train, momentum=MOMENTUM,
-                           accum_steps=self.accum_steps, name="bn")(x)
-        x = nn.relu(x)
-        x = nn.relu(nn.Conv(32, (3, 3), strides=2, name="conv2")(x))
-        return nn.Dense(10, name="head")(x.reshape(x.shape[0], -1))
-
-
-def load_data(tiny):
-    digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(
-        digits.data, digits.target, test_size=0.3, random_state=0,
-        stratify=digits.target,
-    )
-    if tiny:
-        x_train, y_train = x_train[:160], y_train[:160]
-    scaler = StandardScaler().fit(x_train)
-
-    def images(x):
-        return scaler.transform(x).astype(np.float32).reshape(-1, 8, 8, 1)
-
-    return (images(x_train), y_train.astype(np.int32),
-            images(x_test), y_test.astype(np.int32))
 
 
 def main(argv=None):
@@ -84,8 +52,9 @@ def main(argv=None):
     epochs = 2 if args.tiny else args.epochs
     log_every = 5 if args.tiny else args.log_every
 
-    x_train, y_train, x_test, y_test = load_data(args.tiny)
-    model = CNN(accum_steps=args.accum)
+    x_train, y_train, x_test, y_test = (
+        load_data(n_train=160) if args.tiny else load_data())
+    model = CNN(accum_steps=args.accum, momentum=MOMENTUM)
     variables = model.init(
         jax.random.key(0), x_train[:MICRO], train=False)
     tx = oa.chain(

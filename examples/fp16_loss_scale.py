@@ -28,21 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from sklearn.preprocessing import StandardScaler
+from _digits import init_mlp, load_data
 
 import optaxaccum as oa
 
 COMPUTE = jnp.float16
 
-
-def init_mlp(key, sizes):
-    keys = jax.random.split(key, len(sizes) - 1)
-    return [
-        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
-        for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
-    ]
 
 
 def logits_fn(params, x):
@@ -83,15 +74,7 @@ def main(argv=None):
         args.steps, args.period, args.log_every = 40, 8, 8
     poison_at = args.poison_at or args.steps // 2 + 3
 
-    digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(
-        digits.data, digits.target, test_size=0.3, random_state=0,
-        stratify=digits.target,
-    )
-    scaler = StandardScaler().fit(x_train)
-    x_train = scaler.transform(x_train).astype(np.float32)
-    x_test = scaler.transform(x_test).astype(np.float32)
-    y_train, y_test = y_train.astype(np.int32), y_test.astype(np.int32)
+    x_train, y_train, x_test, y_test = load_data(images=False)
 
     tx = oa.chain(
         oa.dynamic_loss_scale(period=args.period),

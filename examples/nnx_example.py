@@ -24,10 +24,8 @@ import argparse
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _digits import load_data
 from flax import nnx
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from sklearn.preprocessing import StandardScaler
 
 import optaxaccum as oa
 from optaxaccum.flax import nnx as oa_nnx
@@ -48,22 +46,6 @@ class CNN(nnx.Module):
         x = nnx.relu(self.conv2(x))
         return self.head(x.reshape(x.shape[0], -1))
 
-
-def load_data(tiny):
-    digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(
-        digits.data, digits.target, test_size=0.3, random_state=0,
-        stratify=digits.target,
-    )
-    if tiny:
-        x_train, y_train = x_train[:160], y_train[:160]
-    scaler = StandardScaler().fit(x_train)
-
-    def images(x):
-        return scaler.transform(x).astype(np.float32).reshape(-1, 8, 8, 1)
-
-    return (images(x_train), y_train.astype(np.int32),
-            images(x_test), y_test.astype(np.int32))
 
 
 def loss_fn(model, x, y):
@@ -105,7 +87,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     epochs = 2 if args.tiny else args.epochs
 
-    x_train, y_train, x_test, y_test = load_data(args.tiny)
+    x_train, y_train, x_test, y_test = (
+        load_data(n_train=160) if args.tiny else load_data())
     model = CNN(args.accum, nnx.Rngs(0))
     optimizer = nnx.Optimizer(
         model, oa.chain(oa.accumulate(args.accum), optax.adam(args.lr)),

@@ -33,19 +33,16 @@ import functools
 import os
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from sklearn.preprocessing import StandardScaler
+from _digits import CNN, load_data
 from tqdm import tqdm
 
 import optaxaccum as oa
-from optaxaccum.flax import AccumBatchNorm, TrainState
+from optaxaccum.flax import TrainState
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -54,45 +51,6 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 MICRO = 16  # examples per micro-batch
 K = 4  # micro-batches per window: a window holds 64 examples
 MOMENTUM = 0.9  # of the BatchNorm running averages
-
-
-class CNN(nn.Module):
-    """Conv -> BatchNorm -> ReLU -> strided conv -> ReLU -> dense."""
-
-    accum_steps: int = 1
-
-    @nn.compact
-    def __call__(self, x, train: bool):
-        x = nn.Conv(16, (3, 3), use_bias=False, name="conv1")(x)
-        # An explicit name keeps the variables where nn.BatchNorm has them.
-        x = AccumBatchNorm(
-            use_running_average=not train,
-            momentum=MOMENTUM,
-            accum_steps=self.accum_steps,
-            name="bn",
-        )(x)
-        x = nn.relu(x)
-        x = nn.relu(nn.Conv(32, (3, 3), strides=2, name="conv2")(x))
-        return nn.Dense(10, name="head")(x.reshape(x.shape[0], -1))
-
-
-def load_data(tiny):
-    """Standardized digits as ``(N, 8, 8, 1)`` images; a fixed split."""
-    digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(
-        digits.data, digits.target, test_size=0.3, random_state=0,
-        stratify=digits.target,
-    )
-    if tiny:
-        x_train, y_train = x_train[:288], y_train[:288]
-        x_test, y_test = x_test[:128], y_test[:128]
-    scaler = StandardScaler().fit(x_train)
-
-    def images(x):
-        return scaler.transform(x).astype(np.float32).reshape(-1, 8, 8, 1)
-
-    return (images(x_train), y_train.astype(np.int32),
-            images(x_test), y_test.astype(np.int32))
 
 
 def cross_entropy(logits, labels):
@@ -140,7 +98,7 @@ def batches(x, y, size):
 def train(name, batch, accum, data, epochs, lr, seed, progress):
     """Trains one configuration; returns its per-epoch history and summary."""
     x_train, y_train, x_test, y_test = data
-    model = CNN(accum_steps=accum)
+    model = CNN(accum_steps=accum, momentum=MOMENTUM)
     variables = model.init(
         jax.random.key(seed), x_train[:MICRO], train=False)
     tx = optax.adam(lr) if accum == 1 else oa.chain(
@@ -269,7 +227,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     epochs = 2 if args.tiny else args.epochs
 
-    data = load_data(args.tiny)
+    data = (load_data(n_train=288, n_test=128) if args.tiny
+            else load_data())
     n_train, n_test = len(data[0]), len(data[2])
     n_micro = n_train // MICRO
     print(f"digits: {n_train} training / {n_test} test images (8x8); "

@@ -1,0 +1,70 @@
+"""Shared pieces of the examples: scikit-learn's bundled digits data set
+(8x8 images, 10 classes; nothing is downloaded), the small linen CNN with an
+``AccumBatchNorm`` layer, and a plain MLP."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from sklearn.preprocessing import StandardScaler
+
+from optaxaccum.flax import AccumBatchNorm
+
+
+def load_data(*, images=True, n_train=None, n_test=None):
+    """Standardized digits, a fixed stratified 70/30 split.
+
+    Args:
+      images: ``(N, 8, 8, 1)`` images if true, else ``(N, 64)`` vectors.
+      n_train, n_test: keep only the first examples (small smoke runs).
+
+    Returns:
+      ``x_train, y_train, x_test, y_test`` (float32 inputs, int32 labels).
+    """
+    digits = load_digits()
+    x_train, x_test, y_train, y_test = train_test_split(
+        digits.data, digits.target, test_size=0.3, random_state=0,
+        stratify=digits.target,
+    )
+    x_train, y_train = x_train[:n_train], y_train[:n_train]
+    x_test, y_test = x_test[:n_test], y_test[:n_test]
+    scaler = StandardScaler().fit(x_train)
+    shape = (-1, 8, 8, 1) if images else (-1, 64)
+
+    def prepare(x):
+        return scaler.transform(x).astype(np.float32).reshape(shape)
+
+    return (prepare(x_train), y_train.astype(np.int32),
+            prepare(x_test), y_test.astype(np.int32))
+
+
+class CNN(nn.Module):
+    """Conv -> AccumBatchNorm -> ReLU -> strided conv -> ReLU -> dense."""
+
+    accum_steps: int = 1
+    momentum: float = 0.9
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Conv(16, (3, 3), use_bias=False, name="conv1")(x)
+        # An explicit name keeps the variables where nn.BatchNorm has them.
+        x = AccumBatchNorm(
+            use_running_average=not train,
+            momentum=self.momentum,
+            accum_steps=self.accum_steps,
+            name="bn",
+        )(x)
+        x = nn.relu(x)
+        x = nn.relu(nn.Conv(32, (3, 3), strides=2, name="conv2")(x))
+        return nn.Dense(10, name="head")(x.reshape(x.shape[0], -1))
+
+
+def init_mlp(key, sizes):
+    """Dense layers ``sizes[0] -> ... -> sizes[-1]``: a list of w/b dicts."""
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [
+        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
+    ]
