@@ -673,3 +673,35 @@ def test_plan_microbatches_validates_candidates():
 def test_microbatched_value_and_grad_validates_interleave():
     with pytest.raises(TypeError, match="interleave=1"):
         oa.microbatched_value_and_grad(_loss, 2, interleave=1)
+
+
+def test_weight_fn_under_shard_map_needs_varying_params():
+    """Replicated params: the gradient is already summed over the devices
+    and a per-device weight cannot apply to it -- a clear error. Varying
+    params and psum(W * g) / psum(W): the global per-token mean."""
+    mesh = _mesh4()
+    params, batch = _params(), _batch(n=32)
+    mask = np.ones(32)
+    mask[[1, 2, 9, 17, 18, 19, 30]] = 0  # unequal real counts per device
+    batch["mask"] = jnp.asarray(mask, jnp.float32)
+    f = oa.microbatched_value_and_grad(_masked_loss, 2, weight_fn=_mask_weight)
+    specs = dict(mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    ref_loss, ref_grads = jax.value_and_grad(_masked_loss)(params, batch)
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+    with pytest.raises(ValueError, match="pcast"):
+        jax.jit(jax.shard_map(lambda p, b: jax.lax.pmean(f(p, b), "data"),
+                              **specs))(params, batch)
+
+    def step(p, b):
+        p = jax.lax.pcast(p, "data", to="varying")
+        loss, grads = f(p, b)
+        w = _mask_weight(b)
+        total = jax.lax.psum(w, "data")
+        return jax.tree.map(lambda x: jax.lax.psum(w * x, "data") / total,
+                            (loss, grads))
+
+    loss, grads = jax.jit(jax.shard_map(step, **specs))(params, batch)
+    chex.assert_trees_all_close(loss, ref_loss, **TOL[jnp.float32])
+    chex.assert_trees_all_close(grads, ref_grads, **TOL[jnp.float32])

@@ -138,6 +138,42 @@ def _strong(x: Any) -> jax.Array:
     return lax.convert_element_type(x, x.dtype)
 
 
+def _vma(x: Any) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (else empty).
+
+    JAX 0.9 exposes them as ``jax.typeof(x).vma``, JAX 0.10 as
+    ``jax.typeof(x).manual_axis_type.varying``; with neither, nothing is
+    checked here (JAX's own scan error then reports the mismatch).
+    """
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
+
+
+def _check_weight_varies_with_grads(w: jax.Array, grads: Any) -> None:
+    """Refuses a device-dependent weight on gradients already summed over
+    the devices (replicated params inside ``shard_map`` with check_vma):
+    their weighted mean would mix a global sum with local weights."""
+    w_axes = _vma(w)
+    if not w_axes:
+        return
+    for g in jax.tree.leaves(grads):
+        missing = w_axes - _vma(g)
+        if missing:
+            raise ValueError(
+                "weight_fn returned a weight that varies over the mesh "
+                f"axes {sorted(missing)}, but a gradient does not: inside "
+                "shard_map the gradient of a replicated parameter is already "
+                "summed over those axes, so weighting it by a per-device "
+                "weight is meaningless. Make the parameters varying first, "
+                "e.g. params = jax.lax.pcast(params, axis_name, "
+                "to='varying'), and combine the devices' results yourself "
+                "(see the note on data parallelism)."
+            )
+
+
 def _check_state(new_state: Any, state: Any) -> Any:
     """Returns ``new_state`` (without weak types) after checking that it has
     the structure, shapes and dtypes of ``state``: a scan carry must not
@@ -361,11 +397,18 @@ def microbatched_value_and_grad(
             return jax.lax.pmean((loss, grads), "data")
 
       With ``pmap`` (or ``check_vma=False``) gradients are local: pass them
-      to ``jax.lax.pmean`` once per step. A state (``state_argnums``) that
-      becomes device-dependent must be passed in as varying too
-      (``jax.lax.pcast(state, "data", to="varying")``), or be reduced over
-      the devices inside ``loss_fn`` (e.g. ``nn.BatchNorm(axis_name=...)``):
-      the scan carry must keep its type.
+      to ``jax.lax.pmean`` once per step. With ``weight_fn`` each device
+      returns the weighted mean over *its* micro-batches, so the global
+      weighted mean needs each device's total weight ``W`` (e.g. the sum of
+      ``weight_fn`` over its batch): ``psum(W * grads) / psum(W)`` -- or hand
+      the local gradients to :func:`accumulate` with ``axis_name`` and
+      ``accum_weight=W``, which does exactly that once per window. A
+      device-varying weight on gradients of replicated parameters (the
+      ``check_vma`` case above) raises ``ValueError``. A state
+      (``state_argnums``) that becomes device-dependent must be passed in as
+      varying too (``jax.lax.pcast(state, "data", to="varying")``), or be
+      reduced over the devices inside ``loss_fn`` (e.g.
+      ``nn.BatchNorm(axis_name=...)``): the scan carry must keep its type.
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
@@ -474,6 +517,7 @@ def microbatched_value_and_grad(
                         f"{w.shape}"
                     )
                 w = w.astype(jnp.float32)
+                _check_weight_varies_with_grads(w, grads)
                 keep = w != 0
 
                 def add(a, g):
