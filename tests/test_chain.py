@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import optaxaccum as oa
 from optaxaccum._src import hlo as _hlo
@@ -192,3 +193,121 @@ def test_apply_gradients_casts_to_param_dtype():
     s = tx.init(params)
     p, _ = oa.apply_gradients(tx, jnp.ones(2, jnp.bfloat16), s, params)
     assert p.dtype == jnp.bfloat16
+
+
+# ------------------------------------------------------- nested and eager gates
+
+
+def _grads_with_overflow():
+    return [jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 1.0]), jnp.array([3.0, -1.0]),
+            jnp.array([0.5, 0.5]), jnp.array([2.0, 2.0]), jnp.array([-1.0, 4.0])]
+
+
+@pytest.mark.parametrize("nested", [
+    lambda: oa.chain(oa.chain(oa.dynamic_loss_scale(4.0), oa.accumulate(2)),
+                     optax.adam(0.1)),
+    lambda: oa.chain(oa.chain(oa.agc(0.5), oa.dynamic_loss_scale(4.0),
+                              oa.accumulate(2)), optax.adam(0.1)),
+    lambda: oa.chain(oa.dynamic_loss_scale(4.0),
+                     oa.chain(oa.accumulate(2), optax.adam(0.1))),
+])
+def test_nested_gated_chains_equal_the_flat_chain(nested):
+    """Regression: a nested chain whose first gate opened but whose second
+    stayed closed used to let the outer followers step (Adam counted 4
+    steps instead of 2 over two windows)."""
+    has_agc = "agc" in str(nested.__code__.co_names)
+    flat_elems = ([oa.agc(0.5)] if has_agc else []) + [
+        oa.dynamic_loss_scale(4.0), oa.accumulate(2), optax.adam(0.1)]
+    flat = oa.chain(*flat_elems)
+    tx = nested()
+    params = jnp.array([1.0, -2.0])
+    s, s_flat = tx.init(params), flat.init(params)
+    for g in _grads_with_overflow():
+        u, s = tx.update(4.0 * g, s, params)
+        u_flat, s_flat = flat.update(4.0 * g, s_flat, params)
+        chex.assert_trees_all_equal(u, u_flat)
+    counts = [int(x.count) for x in jax.tree.leaves(
+        s, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(x, optax.ScaleByAdamState)]
+    assert counts == [2]  # two windows of two finite micro-batches
+
+
+def test_second_gate_closed_on_window_close_keeps_followers():
+    """accumulate closes the window on an overflowing micro-batch caught by a
+    later loss-scale gate: nothing steps."""
+    tx = oa.chain(oa.chain(oa.accumulate(2), oa.dynamic_loss_scale(1.0)),
+                  optax.adam(0.1))
+    params = jnp.zeros(2)
+    s = tx.init(params)
+    _, s = tx.update(jnp.ones(2), s, params)
+    u, s = tx.update(jnp.array([jnp.inf, 1.0]), s, params)
+    chex.assert_trees_all_equal(u, jnp.zeros(2))
+    assert int(s[1][0].count) == 0
+
+
+def test_closed_opened_flag_gives_zeros_everywhere():
+    """A gate whose emit says opened=False emits zeros, alone, last in a
+    chain, and through apply_gradients (params untouched)."""
+    def gate_update(updates, state, params=None, **extra_args):
+        return oa.GateResult(state, jnp.asarray(True),
+                             lambda: (updates, state, jnp.asarray(False)))
+
+    gate = oa.GatedTransformation(lambda p: optax.EmptyState(), gate_update)
+    params = jnp.ones(2)
+    for tx in (gate, oa.chain(optax.scale(2.0), gate)):
+        s = tx.init(params)
+        u, _ = jax.jit(tx.update)(jnp.ones(2), s, params)
+        chex.assert_trees_all_equal(u, jnp.zeros(2))
+        p, _ = jax.jit(lambda p, s: oa.apply_gradients(tx, jnp.ones(2), s, p))(params, s)
+        chex.assert_trees_all_equal(p, params)
+
+
+def test_gates_survive_deepcopy():
+    import copy
+
+    tx = oa.chain(oa.dynamic_loss_scale(), oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    for clone in (copy.copy(tx), copy.deepcopy(tx)):
+        assert oa.is_gate(clone)
+        s = clone.init(params)
+        _, s = clone.update(jnp.ones(2), s, params)
+        u, s = clone.update(jnp.ones(2), s, params)
+        assert u.shape == (2,)
+
+
+def test_fused_fast_path_with_a_loss_scale_in_front():
+    """The loss-scale gate composes with the accumulation: a non-closing
+    micro-step needs no tree-sized temporary and returns the params bit for
+    bit (-0.0 keeps its sign). With AGC between them, the unscaled gradient
+    has two readers (AGC's unit norms, then the accumulator update) and is
+    held once: at most one tree, no more than the plain protocol."""
+    tree_bytes = 256 * 256 * 4
+    params = {"w": jnp.full((256, 256), -0.0)}
+
+    def compiled(tx, fused=True):
+        state = tx.init(params)
+        if fused:
+            fn = lambda p, s, g: oa.apply_gradients(tx, g, s, p)  # noqa: E731
+        else:
+            def fn(p, s, g):
+                u, s = tx.update(g, s, p)
+                return optax.apply_updates(p, u), s
+        step = jax.jit(fn, donate_argnums=(0, 1))
+        return step, state, step.lower(params, state, params).compile()
+
+    step, state, comp = compiled(
+        oa.chain(oa.dynamic_loss_scale(), oa.accumulate(4), optax.adam(1e-3)))
+    assert comp.memory_analysis().temp_size_in_bytes < tree_bytes // 64
+    p, _ = step(params, state, {"w": jnp.ones((256, 256))})
+    assert bool(jnp.all(jnp.signbit(p["w"])))
+
+    headline = oa.chain(oa.dynamic_loss_scale(), oa.agc(0.01), oa.accumulate(4),
+                        optax.adam(1e-3))
+    step, state, comp = compiled(headline)
+    temp = comp.memory_analysis().temp_size_in_bytes
+    _, _, plain = compiled(headline, fused=False)
+    assert temp <= tree_bytes + 4096, temp
+    assert temp <= plain.memory_analysis().temp_size_in_bytes
+    fresh = {"w": jnp.full((256, 256), -0.0)}  # the first params were donated
+    p, _ = step(fresh, state, {"w": jnp.ones((256, 256))})
+    assert bool(jnp.all(jnp.signbit(p["w"])))

@@ -169,7 +169,7 @@ def accumulate(
         return emit
 
     def gate_update_fn(updates, state, params=None, *, accum_weight=1.0,
-                       **extra_args):
+                       _gate_passed=True, **extra_args):
         del params, extra_args
         if not isinstance(state, AccumulateState):
             raise TypeError(
@@ -194,16 +194,22 @@ def accumulate(
         acc = jax.tree.map(add, state.acc, updates)
         weight = jnp.where(fresh, w, state.weight + w)
         mini_step = state.mini_step + 1
+        # Whether this call counts: a gate before this one in the chain (a
+        # loss scale) may have refused it (``_gate_passed``, passed by
+        # oa.chain), and skip_nonfinite refuses non-finite gradients.
+        counted = _gate_passed
         if skip_nonfinite:
             finite = base.all_finite(updates)
             if axis_name is not None:
                 finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-            acc = optax.tree.where(finite, acc, state.acc)
-            weight = jnp.where(finite, weight, state.weight)
-            mini_step = jnp.where(finite, mini_step, state.mini_step)
-            closing = finite & (mini_step >= window_length(state.gradient_step))
-        else:
-            closing = mini_step >= window_length(state.gradient_step)
+            counted = base.both(counted, finite)
+        if counted is not True:
+            acc = optax.tree.where(counted, acc, state.acc)
+            weight = jnp.where(counted, weight, state.weight)
+            mini_step = jnp.where(counted, mini_step, state.mini_step)
+        closing = base.both(
+            counted, mini_step >= window_length(state.gradient_step)
+        )
         new_state = AccumulateState(
             mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
             gradient_step=jnp.where(
@@ -213,7 +219,10 @@ def accumulate(
             ),
             acc=acc,
             weight=weight,
-            updated=jnp.zeros_like(state.updated),
+            # A call that does not count leaves the state as it was.
+            updated=base.select(
+                counted, jnp.zeros_like(state.updated), state.updated
+            ),
         )
         out_dtypes = jax.tree.map(lambda g: jnp.asarray(g).dtype, updates)
         if axis_name is None:
@@ -242,7 +251,9 @@ def accumulate(
             state, nonempty, emit_fn(closed_state, out_dtypes)
         )
 
-    return base.GatedTransformation(init_fn, gate_update_fn, gate_flush_fn)
+    return base.GatedTransformation(
+        init_fn, gate_update_fn, gate_flush_fn, takes_gate_passed=True
+    )
 
 
 def has_updated(state: optax.OptState) -> jax.Array:

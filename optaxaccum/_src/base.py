@@ -15,7 +15,11 @@ transformations after it in an :func:`optaxaccum.chain` run. It is an ordinary
 
 Work that only matters when the gate opens (dividing an accumulator by its
 weight, an all-reduce across devices) belongs in ``emit`` so that it is not
-executed on the calls where the gate stays closed.
+executed on the calls where the gate stays closed. A gate whose ``emit`` is
+free (its updates are computed anyway, as a loss scale's unscaled gradients)
+says so with ``GateResult.eager``: the chain may then call ``emit`` on every
+step and combine the gate with a later one (``may_open`` of both), so that a
+step where the later gate stays closed still skips everything after it.
 """
 
 from __future__ import annotations
@@ -50,14 +54,17 @@ class GateResult(NamedTuple):
       may_open: boolean scalar array: whether ``emit`` is to be called.
       emit: a function of no arguments returning ``(updates, state, opened)``;
         called only inside the ``lax.cond`` branch taken when ``may_open`` is
-        true. ``opened`` is a boolean scalar (or the literal ``True``) telling
-        whether the followers run; when it is false the emitted updates are
-        replaced by zeros.
+        true (unless ``eager``). ``opened`` is a boolean scalar (or the
+        literal ``True``) telling whether the followers run; when it is false
+        the emitted updates are replaced by zeros and the emitted state kept.
+      eager: ``True`` when ``emit`` costs nothing (it returns values already
+        computed) and may be called on every step; default ``False``.
     """
 
     state: optax.OptState
     may_open: jax.Array
     emit: Callable[[], tuple[optax.Updates, optax.OptState, Any]]
+    eager: bool = False
 
 
 class GateUpdateFn(Protocol):
@@ -97,6 +104,12 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
       gate_update: ``(updates, state, params=None, **extra_args) ->
         GateResult``.
       gate_flush: optional ``(state, params, **extra_args) -> GateResult``.
+      takes_gate_passed: whether ``gate_update`` honours the keyword
+        ``_gate_passed`` (a boolean scalar): when it is false the call must
+        not count (the gate's state as if the call had not happened, apart
+        from what an eager gate before it decided). :func:`chain` then skips
+        its own selection of this gate's state, which spares a tree-sized
+        temporary. Default ``False``: the chain selects the state itself.
 
     Example:
       A gate that lets only finite gradients through:
@@ -122,6 +135,7 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         init: optax.TransformInitFn,
         gate_update: GateUpdateFn,
         gate_flush: GateFlushFn | None = None,
+        takes_gate_passed: bool = False,
     ):
         def update_fn(updates, state, params=None, **extra_args):
             return resolve(gate_update(updates, state, params, **extra_args))
@@ -129,7 +143,15 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         self = super().__new__(cls, init, update_fn)
         self.gate_update = gate_update
         self.gate_flush = gate_flush
+        self.takes_gate_passed = takes_gate_passed
         return self
+
+    def __getnewargs__(self):
+        # copy/deepcopy/pickle rebuild through __new__ with these arguments.
+        return (
+            self.init, self.gate_update, self.gate_flush,
+            self.takes_gate_passed,
+        )
 
 
 def is_gate(tx: Any) -> bool:
@@ -173,13 +195,38 @@ def resolve(res: GateResult) -> tuple[optax.Updates, optax.OptState]:
     """
 
     def opened():
-        updates, state, _ = res.emit()
-        return updates, state
+        updates, state, flag = res.emit()
+        return mask(flag, updates), state
 
     def closed():
         return zeros_of(jax.eval_shape(opened)[0]), res.state
 
     return cond_or_call(res.may_open, opened, closed)
+
+
+def mask(flag: Any, updates: optax.Updates) -> optax.Updates:
+    """``updates`` where ``flag``, else zeros (no-op for the literal True)."""
+    if flag is True:
+        return updates
+    zeros = jax.tree.map(jnp.zeros_like, updates)
+    return optax.tree.where(flag, updates, zeros)
+
+
+def both(a: Any, b: Any) -> Any:
+    """``a & b`` for boolean scalars, keeping the literal ``True``."""
+    if a is True:
+        return b
+    if b is True:
+        return a
+    return a & b
+
+
+def select(pred: Any, on_true: Any, on_false: Any) -> Any:
+    """``optax.tree.where(pred, on_true, on_false)``; ``on_true`` for the
+    literal ``True``."""
+    if pred is True:
+        return on_true
+    return optax.tree.where(pred, on_true, on_false)
 
 
 # ---------------------------------------------------------------- validation

@@ -95,17 +95,23 @@ def chain(
 
         return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
+    first = txs[gate_at]
+
     def gate_update_fn(updates, state, params=None, **extra_args):
         check_state(state)
+        # Given only when the first gate takes it (see takes_gate_passed).
+        passed = extra_args.pop("_gate_passed", True)
         head = []
         for tx, s in zip(txs[:gate_at], state[:gate_at]):
             updates, s = tx.update(updates, s, params, **extra_args)
             head.append(s)
-        res = txs[gate_at].gate_update(
-            updates, state[gate_at], params, **extra_args
-        )
+        head = base.select(passed, tuple(head), state[:gate_at])
+        if passed is not True:
+            extra_args["_gate_passed"] = passed
+        res = first.gate_update(updates, state[gate_at], params, **extra_args)
+        extra_args.pop("_gate_passed", None)
         return _follow(
-            res, tuple(head), state[gate_at + 1 :], followers(gate_at),
+            res, head, state[gate_at + 1 :], followers(gate_at),
             params, extra_args,
         )
 
@@ -133,17 +139,35 @@ def chain(
         return chain(*rest) if rest else None
 
     return base.GatedTransformation(
-        init_fn, gate_update_fn, gate_flush_fn if flush_at is not None else None
+        init_fn,
+        gate_update_fn,
+        gate_flush_fn if flush_at is not None else None,
+        first.takes_gate_passed,
     )
 
 
 def _follow(res, head, tail_state, rest, params, extra_args):
     """Extends a gate's result with the elements that follow it."""
+    if rest is not None and base.is_gate(rest) and res.eager:
+        return _follow_eager(res, head, tail_state, rest, params, extra_args)
 
     def emit():
         updates, gate_state, opened = res.emit()
         if rest is None:
             return updates, (*head, gate_state), opened
+        if base.is_gate(rest):
+            # Runs only where this gate opens (e.g. once per window): the
+            # later gate and its followers are computed and their states
+            # selected, rather than nesting a second conditional.
+            res2 = rest.gate_update(updates, tail_state, params, **extra_args)
+            updates2, open_state, opened2 = res2.emit()
+            inner = base.select(res2.may_open, open_state, res2.state)
+            tail = base.select(opened, inner, tail_state)
+            return (
+                updates2,
+                (*head, gate_state, *tail),
+                base.both(opened, base.both(res2.may_open, opened2)),
+            )
 
         def run():
             return rest.update(updates, tail_state, params, **extra_args)
@@ -155,6 +179,37 @@ def _follow(res, head, tail_state, rest, params, extra_args):
         return updates, (*head, gate_state, *tail), opened
 
     return base.GateResult((*head, res.state, *tail_state), res.may_open, emit)
+
+
+def _follow_eager(res, head, tail_state, rest, params, extra_args):
+    """An eager gate followed by a gated chain: one combined gate, so that a
+    step where the later gate stays closed (a non-closing micro-step after a
+    loss scale) still skips its followers and keeps the fused fast path."""
+    updates, open_state, opened = res.emit()
+    passed = base.both(res.may_open, opened)
+    gate_state = base.select(res.may_open, open_state, res.state)
+    # The later gate counts this call only if this one let it through: an
+    # oa.accumulate applies ``_gate_passed`` inside its accumulator update;
+    # for other gates the chain selects their state.
+    if rest.takes_gate_passed:
+        res2 = rest.gate_update(
+            updates, tail_state, params, _gate_passed=passed, **extra_args
+        )
+        closed_tail = res2.state
+    else:
+        res2 = rest.gate_update(updates, tail_state, params, **extra_args)
+        closed_tail = base.select(passed, res2.state, tail_state)
+
+    def emit():
+        updates2, tail, opened2 = res2.emit()
+        return updates2, (*head, gate_state, *tail), opened2
+
+    return base.GateResult(
+        (*head, gate_state, *closed_tail),
+        base.both(passed, res2.may_open),
+        emit,
+        res2.eager,
+    )
 
 
 def apply_gradients(
@@ -216,8 +271,9 @@ def apply_gradients(
 
 def _apply(res: base.GateResult, params):
     def opened():
-        updates, state, _ = res.emit()
-        return optax.apply_updates(params, updates), state
+        updates, state, flag = res.emit()
+        new_params = optax.apply_updates(params, updates)
+        return base.select(flag, new_params, params), state
 
     return base.cond_or_call(res.may_open, opened, lambda: (params, res.state))
 
