@@ -398,3 +398,44 @@ def test_chain_rejects_non_transformations():
     tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
     with pytest.raises(ValueError, match="expects a tuple of 2 states"):
         tx.update(jnp.zeros(1), (tx.init(jnp.zeros(1))[0],))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_axis_name_window_of_zero_total_weight_emits_zeros(reduction):
+    """Regression: the window's total weight over the devices is 0, so it
+    does not open -- zeros, not the (NaN or non-zero) weighted sums."""
+    tx = oa.accumulate(1, reduction=reduction, axis_name="d")
+    params = jnp.zeros((2, 2))
+    state = jax.tree.map(lambda x: jnp.stack([x, x]), tx.init(params[0]))
+    grads = jnp.array([[1.0, 2.0], [jnp.nan, 4.0]])
+    weights = jnp.array([1.0, -1.0]) if reduction == "sum" else jnp.zeros(2)
+
+    def step(g, s, w):
+        return tx.update(g, s, accum_weight=w)
+
+    u, s = jax.pmap(step, axis_name="d", devices=jax.devices()[:2])(
+        grads, state, weights)
+    chex.assert_trees_all_equal(u, jnp.zeros((2, 2)))
+    assert not bool(jnp.any(s.updated))
+
+
+def test_float16_accumulator_keeps_weights_in_float32():
+    """Regression: token-count weights summed in float16 overflowed (40000 x 2
+    > 65504) and zeroed the update."""
+    tx = oa.chain(oa.accumulate(2, accumulator_dtype=jnp.float16), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    s = tx.init(params)
+    assert s[0].weight.dtype == jnp.float32
+    g = jnp.array([0.5, 0.25])
+    _, s = tx.update(g, s, params, accum_weight=40000.0)
+    u, s = tx.update(g, s, params, accum_weight=40000.0)
+    np.testing.assert_allclose(u, -g, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(every_k=2**31), ValueError, "int32"),
+    (dict(every_k=2, accumulator_dtype=jnp.float64), ValueError, "64-bit"),
+])
+def test_accumulate_more_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        oa.accumulate(**kwargs)

@@ -26,7 +26,8 @@ class AccumulateState(NamedTuple):
         params in ``accumulator_dtype``. Reset lazily: when ``mini_step`` is
         0 its content is stale and the next micro-batch overwrites it.
       weight: the window's running sum of weights; ``shape=()``,
-        ``accumulator_dtype``. Stale when ``mini_step`` is 0.
+        ``accumulator_dtype`` or float32, whichever is wider (token counts
+        overflow float16). Stale when ``mini_step`` is 0.
       updated: whether the most recent call that reached this transformation
         closed a window and stepped the followers; ``shape=(), bool``.
     """
@@ -34,7 +35,7 @@ class AccumulateState(NamedTuple):
     mini_step: jax.Array  # shape=(), int32
     gradient_step: jax.Array  # shape=(), int32
     acc: optax.Updates  # like params, accumulator_dtype
-    weight: jax.Array  # shape=(), accumulator_dtype
+    weight: jax.Array  # shape=(), accumulator_dtype or float32 (the wider)
     updated: jax.Array  # shape=(), bool
 
 
@@ -121,6 +122,7 @@ def accumulate(
             f'reduction must be "mean" or "sum", got reduction={reduction!r}'
         )
     acc_dtype = base.check_float_dtype("accumulator_dtype", accumulator_dtype)
+    weight_dtype = jnp.promote_types(acc_dtype, jnp.float32)
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(
             "skip_nonfinite must be a bool, got "
@@ -134,7 +136,7 @@ def accumulate(
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=jnp.zeros([], jnp.int32),
             acc=jax.tree.map(lambda p: jnp.zeros_like(p, acc_dtype), params),
-            weight=jnp.zeros([], acc_dtype),
+            weight=jnp.zeros([], weight_dtype),
             updated=jnp.zeros([], bool),
         )
 
@@ -184,11 +186,11 @@ def accumulate(
                 "accum_weight must be a scalar, got an array of shape "
                 f"{jnp.shape(accum_weight)}"
             )
-        w = jnp.asarray(accum_weight).astype(acc_dtype)
+        w = jnp.asarray(accum_weight).astype(weight_dtype)
         fresh = state.mini_step == 0
 
         def add(a, g):
-            wg = w * g.astype(acc_dtype)
+            wg = w.astype(acc_dtype) * g.astype(acc_dtype)
             return jnp.where(fresh, wg, a + wg)
 
         acc = jax.tree.map(add, state.acc, updates)

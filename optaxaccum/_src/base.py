@@ -243,6 +243,10 @@ def check_positive_int(name: str, value: Any) -> int:
         raise ValueError(
             f"{name} must be a positive int (>= 1), got {name}={value!r}"
         )
+    if value > jnp.iinfo(jnp.int32).max:
+        raise ValueError(
+            f"{name} must fit in int32 (<= 2**31 - 1), got {name}={value!r}"
+        )
     return int(value)
 
 
@@ -276,6 +280,12 @@ def check_float_dtype(name: str, value: Any) -> jnp.dtype:
         raise ValueError(
             f"{name} must be a floating dtype (e.g. jnp.float32), "
             f"got {name}={value!r}"
+        )
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        raise ValueError(
+            f"{name}={value!r} needs 64-bit mode "
+            "(jax.config.update('jax_enable_x64', True)); without it JAX "
+            "would silently use float32"
         )
     return dtype
 

@@ -336,6 +336,34 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
     return jnp.ones([], jnp.float32)
 
 
+def _scale_argument(value: Any) -> jax.Array:
+    """The loss scale given to :func:`scaled_value_and_grad`: a positive
+    finite scalar, or read from an optimizer state."""
+    foreign = hasattr(value, "loss_scale")  # e.g. a jmp loss scale object
+    if isinstance(value, (str, bytes)) or foreign:
+        hint = " (pass its .loss_scale)" if foreign else ""
+        raise TypeError(
+            "opt_state_or_scale must be an optimizer state or a scalar loss "
+            f"scale, got {value!r} of type {type(value).__name__}{hint}"
+        )
+    if isinstance(value, (int, float, np.number)):
+        _check_float32("scale", value, lower=0.0)
+        return jnp.asarray(value)
+    if isinstance(value, (jax.Array, np.ndarray)):
+        if jnp.ndim(value) != 0:
+            raise ValueError(
+                "opt_state_or_scale must be a scalar loss scale, got an array "
+                f"of shape {jnp.shape(value)}"
+            )
+        try:
+            concrete = float(value)
+        except jax.errors.ConcretizationTypeError:  # traced: checked by jit
+            return jnp.asarray(value)
+        _check_float32("scale", concrete, lower=0.0)
+        return jnp.asarray(value)
+    return loss_scale(value)
+
+
 def scaled_value_and_grad(
     fun: Callable[..., Any],
     opt_state_or_scale: optax.OptState | jax.typing.ArrayLike,
@@ -371,9 +399,10 @@ def scaled_value_and_grad(
       unscaled loss and ``grads`` those of ``loss * scale``.
 
     Raises:
-      TypeError: if ``opt_state_or_scale`` is a bool.
-      ValueError: if ``opt_state_or_scale`` is a Python number that is not
-        finite and positive.
+      TypeError: if ``opt_state_or_scale`` is a bool, a string, or a loss
+        scale object of another library (e.g. ``jmp``'s).
+      ValueError: if ``opt_state_or_scale`` is a number or a concrete scalar
+        array that is not finite and positive, or a non-scalar array.
 
     Examples:
       The one obvious way: build it from the current state in each step.
@@ -403,15 +432,7 @@ def scaled_value_and_grad(
       gradients of the *unscaled* loss (:func:`jax.grad` of ``fun``), which
       the loss scale then divides by ``scale`` a second time.
     """
-    if isinstance(opt_state_or_scale, (int, float, np.number)) or (
-        isinstance(opt_state_or_scale, (jax.Array, np.ndarray))
-        and jnp.ndim(opt_state_or_scale) == 0
-    ):
-        if isinstance(opt_state_or_scale, (int, float, np.number)):
-            _check_float32("scale", opt_state_or_scale, lower=0.0)
-        scale = jnp.asarray(opt_state_or_scale)
-    else:
-        scale = loss_scale(opt_state_or_scale)
+    scale = _scale_argument(opt_state_or_scale)
 
     def scaled_fun(*args, **kwargs):
         out = fun(*args, **kwargs)
