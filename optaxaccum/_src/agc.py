@@ -354,8 +354,10 @@ def agc(
       kernel is clipped as a whole rather than per output feature), reduces
       3-D leaves over axis 0 only — wrong for Conv1D kernels ``(W, in,
       out)``, whose units span ``W`` and ``in``, and for Flax attention
-      output kernels ``(heads, head_dim, features)`` — and raises for 0-D or
-      more than 5-D leaves. Here the rule depends on ``ndim`` alone: all axes
+      output kernels ``(heads, head_dim, features)`` — and, by default,
+      raises for leaves of more than 5 dimensions (its own ``axis``
+      argument, in recent optax, chooses units explicitly). Here the default
+      rule depends on ``ndim`` alone: all axes
       but the last, the output-feature axis of Flax/Haiku dense and
       convolution kernels, so shapes such as ``(1, out)`` (a layer with one
       input) are never clipped as a whole by accident. For Flax's
