@@ -439,3 +439,12 @@ def test_float16_accumulator_keeps_weights_in_float32():
 def test_accumulate_more_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         oa.accumulate(**kwargs)
+
+
+def test_gradient_leaf_of_another_shape_is_an_error():
+    """Not broadcast silently: the error names the leaf and both shapes."""
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    params = {"w": jnp.zeros(3)}
+    s = tx.init(params)
+    with pytest.raises(ValueError, match=r"\['w'\].*\(1,\).*\(3,\)"):
+        tx.update({"w": jnp.ones(1)}, s, params)

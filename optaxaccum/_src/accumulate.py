@@ -69,7 +69,9 @@ def accumulate(
 
     Args:
       every_k: window length, a positive int, or a jit-traceable callable
-        ``gradient_step -> int`` giving the length of each window.
+        ``gradient_step -> int`` giving the length of each window. Its value
+        is cast to int32 (so 2.7 means 2) and cannot be checked under
+        ``jit``: a length below 1 closes the window on every call.
       reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
       accumulator_dtype: floating dtype of the running sum (also for bf16 or
         fp16 gradients). Emitted updates are cast back to the gradients'

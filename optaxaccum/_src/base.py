@@ -301,6 +301,14 @@ def check_same_structure(
             f"The tree structure of {what} does not match that of "
             f"{reference_what}.\n  {what}: {got}\n  {reference_what}: {want}"
         )
+    paths = jax.tree_util.tree_flatten_with_path(reference)[0]
+    for (path, ref), leaf in zip(paths, jax.tree.leaves(tree), strict=True):
+        if jnp.shape(leaf) != jnp.shape(ref):
+            raise ValueError(
+                f"{what} at {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(leaf)}, but {reference_what} has shape "
+                f"{jnp.shape(ref)}"
+            )
 
 
 def all_finite(tree: Any) -> jax.Array:

@@ -304,7 +304,11 @@ def flush(
       :func:`optax.apply_updates`.
 
     Raises:
-      ValueError: if ``tx`` holds no :func:`accumulate`.
+      ValueError: if ``tx`` holds no :func:`accumulate` that ``flush`` can
+        reach: an :func:`accumulate` or an :func:`chain` (nested chains
+        included). One inside a stock ``optax.chain``, ``optax.masked`` or
+        ``optax.inject_hyperparams`` is out of reach: flush that inner
+        ``oa.chain`` with its own part of the state.
 
     Examples:
       >>> import jax.numpy as jnp, optax
