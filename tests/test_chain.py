@@ -311,3 +311,42 @@ def test_fused_fast_path_with_a_loss_scale_in_front():
     fresh = {"w": jnp.full((256, 256), -0.0)}  # the first params were donated
     p, _ = step(fresh, state, {"w": jnp.ones((256, 256))})
     assert bool(jnp.all(jnp.signbit(p["w"])))
+
+
+def _counting_follower(counter):
+    """A stateless transformation that counts (on the host) its runs."""
+    def update(updates, state, params=None):
+        jax.debug.callback(lambda: counter.append(1))
+        return updates, state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("build", [
+    lambda f: oa.chain(oa.accumulate(2), oa.accumulate(2), f),
+    lambda f: oa.chain(oa.accumulate(2), oa.chain(oa.accumulate(2), f)),
+    lambda f: oa.chain(oa.accumulate(1), oa.accumulate(4), f),
+], ids=["flat", "nested", "1x4"])
+def test_second_lazy_gate_runs_its_followers_only_when_it_opens(build):
+    """Regression: after a lazy gate opened, a later gate's emit and its
+    followers ran even when that later gate stayed closed."""
+    counter = []
+    tx = build(_counting_follower(counter))
+    params = jnp.zeros(2)
+    s = tx.init(params)
+    step = jax.jit(tx.update)
+    for _ in range(8):
+        _, s = step(jnp.ones(2), s, params)
+    jax.effects_barrier()
+    assert len(counter) == 2  # 8 micro-steps, windows of 4
+
+
+def test_eager_gate_in_its_own_chain_keeps_the_fast_path():
+    params = {"w": jnp.zeros((256, 256))}
+    tx = oa.chain(oa.chain(oa.dynamic_loss_scale()), oa.accumulate(4),
+                  optax.adam(1e-3))
+    state = tx.init(params)
+    step = jax.jit(lambda p, s, g: oa.apply_gradients(tx, g, s, p),
+                   donate_argnums=(0, 1))
+    mem = step.lower(params, state, params).compile().memory_analysis()
+    assert mem.temp_size_in_bytes < 256 * 256 * 4 // 64

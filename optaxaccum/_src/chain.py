@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optaxaccum._src import base
@@ -156,17 +157,27 @@ def _follow(res, head, tail_state, rest, params, extra_args):
         if rest is None:
             return updates, (*head, gate_state), opened
         if base.is_gate(rest):
-            # Runs only where this gate opens (e.g. once per window): the
-            # later gate and its followers are computed and their states
-            # selected, rather than nesting a second conditional.
+            # Only where this gate opens (e.g. once per window): the later
+            # gate decides in turn, and its emit runs only where it opens.
             res2 = rest.gate_update(updates, tail_state, params, **extra_args)
-            updates2, open_state, opened2 = res2.emit()
-            inner = base.select(res2.may_open, open_state, res2.state)
+
+            def inner_open():
+                updates2, open_state, opened2 = res2.emit()
+                return updates2, open_state, base.both(res2.may_open, opened2)
+
+            def inner_closed():
+                shapes = jax.eval_shape(lambda: res2.emit()[0])
+                closed = jnp.logical_and(res2.may_open, False)
+                return base.zeros_of(shapes), res2.state, closed
+
+            updates2, inner, opened2 = base.cond_or_call(
+                res2.may_open, inner_open, inner_closed
+            )
             tail = base.select(opened, inner, tail_state)
             return (
                 updates2,
                 (*head, gate_state, *tail),
-                base.both(opened, base.both(res2.may_open, opened2)),
+                base.both(opened, opened2),
             )
 
         def run():
@@ -178,7 +189,14 @@ def _follow(res, head, tail_state, rest, params, extra_args):
         updates, tail = base.cond_or_call(opened, run, skip)
         return updates, (*head, gate_state, *tail), opened
 
-    return base.GateResult((*head, res.state, *tail_state), res.may_open, emit)
+    # With nothing after the gate, emit adds only the head states: it stays
+    # as cheap as the gate's own (an eager gate stays eager).
+    return base.GateResult(
+        (*head, res.state, *tail_state),
+        res.may_open,
+        emit,
+        res.eager and rest is None,
+    )
 
 
 def _follow_eager(res, head, tail_state, rest, params, extra_args):
