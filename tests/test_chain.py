@@ -350,3 +350,16 @@ def test_eager_gate_in_its_own_chain_keeps_the_fast_path():
                    donate_argnums=(0, 1))
     mem = step.lower(params, state, params).compile().memory_analysis()
     assert mem.temp_size_in_bytes < 256 * 256 * 4 // 64
+
+
+def test_gates_survive_pytree_round_trips():
+    """Containers that flatten their fields (e.g. equinox modules) rebuild
+    a gate through jax.tree_util; it must stay a working gate."""
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    clone = jax.tree.map(lambda x: x, tx)
+    assert oa.is_gate(clone)
+    params = jnp.zeros(2)
+    s = clone.init(params)
+    _, s = clone.update(jnp.ones(2), s, params)
+    u, _ = clone.update(jnp.ones(2), s, params)
+    chex.assert_trees_all_equal(u, -jnp.ones(2))

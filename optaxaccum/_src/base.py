@@ -154,6 +154,24 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         )
 
 
+def _flatten_gate(tx: GatedTransformation):
+    return (tx.init, tx.update), (
+        tx.gate_update, tx.gate_flush, tx.takes_gate_passed
+    )
+
+
+def _unflatten_gate(aux, children) -> GatedTransformation:
+    init, _ = children  # update is derived from gate_update again
+    return GatedTransformation(init, *aux)
+
+
+# A NamedTuple subclass would otherwise be rebuilt by jax.tree functions as
+# GatedTransformation(init, update), losing gate_update.
+jax.tree_util.register_pytree_node(
+    GatedTransformation, _flatten_gate, _unflatten_gate
+)
+
+
 def is_gate(tx: Any) -> bool:
     """Whether ``tx`` is a gate (a :class:`GatedTransformation`)."""
     return isinstance(tx, GatedTransformation)
