@@ -61,6 +61,17 @@ class CNN(nn.Module):
         return nn.Dense(10, name="head")(x.reshape(x.shape[0], -1))
 
 
+@jax.jit
+def accuracy(state, x, y):
+    """Accuracy of a linen ``TrainState`` whose ``batch_stats`` hold the BN
+    running statistics (evaluation mode)."""
+    logits = state.apply_fn(
+        {"params": state.params, "batch_stats": state.batch_stats},
+        x, train=False,
+    )
+    return jnp.mean(jnp.argmax(logits, -1) == y)
+
+
 def init_mlp(key, sizes):
     """Dense layers ``sizes[0] -> ... -> sizes[-1]``: a list of w/b dicts."""
     keys = jax.random.split(key, len(sizes) - 1)

@@ -24,10 +24,9 @@ import argparse
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from _digits import CNN, load_data
+from _digits import CNN, accuracy, load_data
 
 import optaxaccum as oa
 from optaxaccum.flax import TrainState
@@ -90,14 +89,6 @@ def main(argv=None):
         functools.partial(TrainState.flush, batch_stats_momentum=MOMENTUM),
         donate_argnums=0,
     )
-
-    @jax.jit
-    def accuracy(state, x, y):
-        logits = state.apply_fn(
-            {"params": state.params, "batch_stats": state.batch_stats},
-            x, train=False,
-        )
-        return jnp.mean(jnp.argmax(logits, -1) == y)
 
     n_micro = len(x_train) // MICRO
     print(f"{len(x_train)} training images, {n_micro} micro-batches of "

@@ -34,11 +34,10 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
-from _digits import CNN, load_data
+from _digits import CNN, accuracy, load_data
 from tqdm import tqdm
 
 import optaxaccum as oa
@@ -112,14 +111,6 @@ def train(name, batch, accum, data, epochs, lr, seed, progress):
         functools.partial(TrainState.flush, batch_stats_momentum=MOMENTUM),
         donate_argnums=0,
     )
-
-    @jax.jit
-    def accuracy(state, x, y):
-        logits = model.apply(
-            {"params": state.params, "batch_stats": state.batch_stats},
-            x, train=False,
-        )
-        return jnp.mean(jnp.argmax(logits, -1) == y)
 
     # Compiled ahead of time (once per batch shape), so that the memory
     # analysis describes the very executable that trains.
