@@ -397,12 +397,8 @@ def agc(
         g_leaves, treedef = jax.tree.flatten(updates)
         w_leaves = jax.tree.leaves(params)
         out = []
-        for g, w, (path, axes) in zip(g_leaves, w_leaves, leaf_axes):
-            if jnp.shape(g) != jnp.shape(w):
-                raise ValueError(
-                    f"agc: the gradient at {path} has shape {jnp.shape(g)} "
-                    f"but the parameter has shape {jnp.shape(w)}"
-                )
+        # Leaf shapes were checked by check_same_structure.
+        for g, w, (_, axes) in zip(g_leaves, w_leaves, leaf_axes):
             out.append(
                 _clip_leaf(g, w, axes=axes, clipping=clipping, eps=eps)
             )

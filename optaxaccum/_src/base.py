@@ -224,10 +224,9 @@ def resolve(res: GateResult) -> tuple[optax.Updates, optax.OptState]:
 
 def mask(flag: Any, updates: optax.Updates) -> optax.Updates:
     """``updates`` where ``flag``, else zeros (no-op for the literal True)."""
-    if flag is True:
+    if flag is True:  # no zeros to build (eager callers would allocate them)
         return updates
-    zeros = jax.tree.map(jnp.zeros_like, updates)
-    return optax.tree.where(flag, updates, zeros)
+    return select(flag, updates, jax.tree.map(jnp.zeros_like, updates))
 
 
 def both(a: Any, b: Any) -> Any:
