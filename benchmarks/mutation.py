@@ -46,14 +46,14 @@ MUTANTS = {
     ),
     "nested_weight_not_passed": (
         "accumulate.py",
-        'follower_weight = weight if reduction == "mean" else 1.0',
-        "follower_weight = 1.0",
+        'weight if cfg.reduction == "mean" else jnp.ones_like(weight)',
+        "jnp.ones_like(weight)",
         CORE_TESTS,
     ),
     "invalid_weight_counts_as_finite": (
         "accumulate.py",
-        "finite = valid & (zero | base.all_finite(updates))",
-        "finite = zero | base.all_finite(updates)",
+        "finite = valid & (zero | utils.all_finite(updates))",
+        "finite = zero | utils.all_finite(updates)",
         CORE_TESTS,
     ),
     "stale_accumulator_not_reset": (
@@ -70,21 +70,21 @@ MUTANTS = {
     ),
     "dropped_micro_batch_advances": (
         "accumulate.py",
-        "mini_step = jnp.where(counted, mini_step, state.mini_step)",
-        "mini_step = mini_step",
+        "mini_step = base.select(counted, state.mini_step + 1, state.mini_step)",
+        "mini_step = state.mini_step + 1",
         CORE_TESTS,
     ),
     "flush_keeps_window_position": (
         "accumulate.py",
-        "mini_step=jnp.zeros([], jnp.int32),\n            gradient_step="
+        "mini_step=jnp.zeros([], jnp.int32),\n        gradient_step="
         "optax.safe_increment(state.gradient_step),",
         "gradient_step=optax.safe_increment(state.gradient_step),",
         CORE_TESTS,
     ),
     "eager_gate_ignored": (
-        "chain.py",
-        "closed_tail = base.select(passed, res2.state, tail_state)",
-        "closed_tail = res2.state",
+        "accumulate.py",
+        "counted = passed\n",
+        "counted = True\n",
         CORE_TESTS + ["tests/test_loss_scale.py"],
     ),
 }

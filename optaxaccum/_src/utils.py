@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import jax
@@ -13,11 +13,25 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "NO_PARAMS_MSG",
+    "all_finite",
+    "check_axis_name",
+    "check_bool",
     "check_extra_args",
+    "check_float_dtype",
+    "check_positive_int",
+    "check_real",
+    "check_same_structure",
     "check_weight",
     "declared_extra_args",
+    "find_state",
     "widen",
 ]
+
+NO_PARAMS_MSG = (
+    "You are using a transformation that requires the current value of "
+    "parameters, but you are not passing `params` when calling `update`."
+)
 
 
 def widen(dtype: Any, at_least: Any = jnp.float32) -> np.dtype:
@@ -88,17 +102,28 @@ def check_weight(name: str, value: Any) -> None:
         )
 
 
-def declared_extra_args(tx: Any) -> frozenset[str]:
-    """The extra keyword arguments an optax transformation's ``update``
-    declares by name (``accum_weight``, ``value``, ...); ``**extra_args``
-    catch-alls and private (``_``-prefixed) names excluded."""
+def declared_extra_args(fn: Any, skip: int = 3) -> frozenset[str]:
+    """The extra keyword arguments a function declares by name.
+
+    Args:
+      fn: an ``update``-like function, or an optax transformation (its
+        ``update`` is read).
+      skip: how many leading parameters are not extra arguments
+        (``updates, state, params``).
+
+    Returns:
+      The names of its keyword parameters after the first ``skip``
+      (``accum_weight``, ``value``, ...), ``**extra_args`` catch-alls and
+      private (``_``-prefixed) names excluded.
+    """
+    fn = getattr(fn, "update", fn)
     try:
-        parameters = inspect.signature(tx.update).parameters.values()
+        parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # builtins or callables without one
         return frozenset()
     return frozenset(
         p.name
-        for p in list(parameters)[3:]
+        for p in list(parameters)[skip:]
         if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
         and not p.name.startswith("_")
     )
@@ -135,3 +160,123 @@ def with_signature(fn: Callable, names: Iterable[str]) -> Callable:
     ]
     fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     return fn
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Returns ``value`` as an int if it is an int >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a positive int, got {name}={value!r} "
+            f"of type {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(
+            f"{name} must be a positive int (>= 1), got {name}={value!r}"
+        )
+    if value > jnp.iinfo(jnp.int32).max:
+        raise ValueError(
+            f"{name} must fit in int32 (<= 2**31 - 1), got {name}={value!r}"
+        )
+    return int(value)
+
+
+def check_real(name: str, value: Any) -> float:
+    """Returns ``value`` as a float if it is a real number (not a bool)."""
+    is_scalar_array = (
+        hasattr(value, "dtype")
+        and jnp.ndim(value) == 0
+        and jnp.issubdtype(value.dtype, jnp.number)
+        and not jnp.issubdtype(value.dtype, jnp.complexfloating)
+    )
+    if isinstance(value, bool) or not (
+        isinstance(value, numbers.Real) or is_scalar_array
+    ):
+        raise TypeError(
+            f"{name} must be a real number, got {name}={value!r} "
+            f"of type {type(value).__name__}"
+        )
+    return float(value)
+
+
+def check_float_dtype(name: str, value: Any) -> jnp.dtype:
+    """Returns ``jnp.dtype(value)`` if it is a floating dtype."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise TypeError(
+            f"{name} must be a floating dtype, got {name}={value!r}"
+        ) from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{name} must be a floating dtype (e.g. jnp.float32), "
+            f"got {name}={value!r}"
+        )
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        raise ValueError(
+            f"{name}={value!r} needs 64-bit mode "
+            "(jax.config.update('jax_enable_x64', True)); without it JAX "
+            "would silently use float32"
+        )
+    return dtype
+
+
+def check_same_structure(
+    what: str, tree: Any, reference: Any, reference_what: str
+) -> None:
+    """Raises ``ValueError`` naming both structures if they differ."""
+    got = jax.tree.structure(tree)
+    want = jax.tree.structure(reference)
+    if got != want:
+        raise ValueError(
+            f"The tree structure of {what} does not match that of "
+            f"{reference_what}.\n  {what}: {got}\n  {reference_what}: {want}"
+        )
+    paths = jax.tree_util.tree_flatten_with_path(reference)[0]
+    for (path, ref), leaf in zip(paths, jax.tree.leaves(tree), strict=True):
+        if jnp.shape(leaf) != jnp.shape(ref):
+            raise ValueError(
+                f"{what} at {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(leaf)}, but {reference_what} has shape "
+                f"{jnp.shape(ref)}"
+            )
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Boolean scalar: whether every element of every leaf is finite."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Returns ``value`` if it is a bool, else raises ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {name}={value!r}")
+    return value
+
+
+def check_axis_name(value: Any) -> Any:
+    """Returns ``axis_name`` if it is ``None`` or hashable."""
+    if value is not None and not isinstance(value, Hashable):
+        raise TypeError(f"axis_name must be hashable, got axis_name={value!r}")
+    return value
+
+
+def find_state(state: Any, cls: type, caller: str) -> Any:
+    """The first (outermost, leftmost) instance of ``cls`` inside ``state``.
+
+    Raises:
+      ValueError: naming ``caller`` if there is none.
+    """
+    found = [
+        s
+        for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls))
+        if isinstance(s, cls)
+    ]
+    if not found:
+        raise ValueError(
+            f"{caller} found no {cls.__name__} in the state given "
+            f"({jax.tree.structure(state)})"
+        )
+    return found[0]
