@@ -19,6 +19,8 @@ from jax import lax
 
 # Names of the extra ``batch_stats`` entries (linen) / attributes (nnx).
 WINDOW_KEYS = ("window_count", "window_mean", "window_m2", "window_step")
+# The linen layer also records its momentum, so that a flush uses it.
+MOMENTUM_KEY = "momentum"
 
 
 class Window(NamedTuple):
@@ -47,10 +49,24 @@ def empty_window(feature_shape: Sequence[int]) -> Window:
     )
 
 
+def at_least_float32(dtype: Any) -> jnp.dtype:
+    """``dtype`` if a float of 32 bits or more, else float32.
+
+    The rule of ``jnp.promote_types(dtype, jnp.float32)`` for real inputs,
+    written out so that it holds under ``jax_numpy_dtype_promotion='strict'``
+    (where ``promote_types`` refuses bfloat16 and float16).
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4:
+        return dtype
+    return jnp.dtype(jnp.float32)
+
+
 def micro_batch_stats(
     x: jax.Array,
     reduction_axes: tuple[int, ...],
     *,
+    dtype: Any,
     mask: jax.Array | None,
     axis_name: Any,
     axis_index_groups: Any,
@@ -58,17 +74,18 @@ def micro_batch_stats(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(count, mean, var)`` of one micro-batch, in float32 (or wider).
 
-    Counts are summed over ``axis_name`` (so devices with different numbers of
-    examples are weighted by their size), with one collective for the fast
-    variance and two for the two-pass one. A feature with no element (all
-    masked) gets count 0, mean 0 and variance 0, so it adds nothing to the
-    window.
+    As flax's ``_compute_stats``: computed in ``dtype`` (``x``'s when
+    ``None``) widened to at least float32. Counts are summed over
+    ``axis_name`` (so devices with different numbers of examples are weighted
+    by their size), with one collective for the fast variance and two for the
+    two-pass one. A feature with no element (all masked) gets count 0, mean 0
+    and variance 0, so it adds nothing to the window.
     """
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         raise TypeError(
             f"AccumBatchNorm supports real inputs only, got dtype {x.dtype}"
         )
-    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    dtype = at_least_float32(x.dtype if dtype is None else dtype)
     x = x.astype(dtype)
     if mask is None:
         feature_shape = [
@@ -147,7 +164,12 @@ def close(
     use = do_close & seen
 
     def ema(ra, stat):
-        new = momentum * ra + (1 - momentum) * stat.astype(ra.dtype)
+        # A Python float stays weakly typed, exactly as in nn.BatchNorm; a
+        # recorded (array) momentum takes the running average's dtype.
+        m = momentum
+        if not isinstance(m, (int, float)):
+            m = jnp.asarray(m).astype(ra.dtype)
+        new = m * ra + (1 - m) * stat.astype(ra.dtype)
         return jnp.where(use, new, ra).astype(ra.dtype)
 
     new_mean, new_var = ema(ra_mean, window.mean), ema(ra_var, pooled_var)
@@ -188,15 +210,18 @@ def train_step(
 ) -> tuple[jax.Array, jax.Array, Window]:
     """The running statistics after one training micro-batch ``x``.
 
-    ``module`` is a linen or nnx ``AccumBatchNorm``: its ``axis``,
+    ``module`` is a linen or nnx ``AccumBatchNorm``: its ``axis``, ``dtype``,
     ``axis_name``, ``axis_index_groups``, ``use_fast_variance``, ``momentum``
-    and ``accum_steps`` are read.
+    and ``accum_steps`` are read. Both layers pass ``x`` as their stock layer
+    computes statistics on it: ``nnx.BatchNorm`` first casts it to ``dtype``,
+    ``nn.BatchNorm`` does not; the statistics are then computed here alike.
     """
     feature_axes = canonical_axes(x.ndim, module.axis)
     reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
     stats = micro_batch_stats(
         x,
         reduction_axes,
+        dtype=module.dtype,
         mask=mask,
         axis_name=module.axis_name,
         axis_index_groups=module.axis_index_groups,
