@@ -19,8 +19,8 @@ from flax import nnx
 from flax.training import train_state as flax_train_state
 
 import optaxaccum as oa
-from optaxaccum.flax import AccumBatchNorm, TrainState, flush_batch_stats
 from optaxaccum import flax as oa_flax
+from optaxaccum.flax import AccumBatchNorm, TrainState, flush_batch_stats
 from optaxaccum.flax import nnx as oa_nnx
 
 TOL = dict(rtol=2e-5, atol=2e-6)
