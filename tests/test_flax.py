@@ -995,3 +995,16 @@ def test_linen_accum_batchnorm_under_strict_dtype_promotion(x_dtype, kw):
     chex.assert_trees_all_equal(strict, standard)
     assert strict[1]["mean"].dtype == ref.init(
         jax.random.key(0), batches[0])["batch_stats"]["mean"].dtype
+
+
+def test_recorded_momentum_follows_the_layer():
+    """The momentum entry is the training layer's, also for batch_stats
+    saved by a layer with another momentum (e.g. a checkpoint)."""
+    x = jnp.ones((4, 3))
+    old = AccumBatchNorm(use_running_average=False, momentum=0.5, accum_steps=2)
+    variables = old.init(jax.random.key(0), x)
+    np.testing.assert_allclose(variables["batch_stats"]["momentum"], 0.5)
+    new = AccumBatchNorm(use_running_average=False, momentum=0.9, accum_steps=2)
+    _, upd = new.apply(variables, x, mutable=["batch_stats"])
+    assert upd["batch_stats"]["momentum"].dtype == jnp.float32
+    np.testing.assert_allclose(upd["batch_stats"]["momentum"], 0.9)
