@@ -102,7 +102,10 @@ class TrainState(train_state.TrainState):
     with BatchNorm.
 
     Attributes:
-      batch_stats: the model's ``batch_stats`` collection, or ``None``.
+      batch_stats: the model's ``batch_stats`` collection, or ``None``. For
+        variables of a plain ``nn.BatchNorm``, pass them through
+        :func:`convert_batch_stats` first, so that the state's structure is
+        fixed from the first step (``jax.lax.scan``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -363,10 +366,10 @@ def convert_batch_stats(batch_stats: Any, template: Any) -> Any:
     Examples:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
       >>> from optaxaccum.flax import AccumBatchNorm, convert_batch_stats
-      >>> x = jnp.ones((4, 3))
-      >>> plain = nn.BatchNorm().init(jax.random.key(0), x)["batch_stats"]
-      >>> bn = AccumBatchNorm(accum_steps=4, momentum=0.9)
-      >>> template = bn.init(jax.random.key(0), x)["batch_stats"]
+      >>> x, key = jnp.ones((4, 3)), jax.random.key(0)
+      >>> plain = nn.BatchNorm(True).init(key, x)["batch_stats"]
+      >>> bn = AccumBatchNorm(True, momentum=0.9, accum_steps=4)
+      >>> template = bn.init(key, x)["batch_stats"]
       >>> converted = convert_batch_stats(plain, template)
       >>> jax.tree.structure(converted) == jax.tree.structure(template)
       True
