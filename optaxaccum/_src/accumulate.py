@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optaxaccum._src import base
+from optaxaccum._src import base, utils
 
 __all__ = ["AccumulateState", "accumulate", "has_updated"]
 
@@ -34,7 +35,7 @@ class AccumulateState(NamedTuple):
 
     mini_step: jax.Array  # shape=(), int32
     gradient_step: jax.Array  # shape=(), int32
-    acc: optax.Updates  # like params, accumulator_dtype
+    acc: optax.Updates  # like params, accumulator dtype (see accumulate)
     weight: jax.Array  # shape=(), accumulator_dtype or float32 (the wider)
     updated: jax.Array  # shape=(), bool
 
@@ -43,7 +44,7 @@ def accumulate(
     every_k: int | Callable[[jax.Array], Any],
     *,
     reduction: str = "mean",
-    accumulator_dtype: Any = jnp.float32,
+    accumulator_dtype: Any = None,
     axis_name: Hashable | None = None,
     skip_nonfinite: bool = False,
 ) -> base.GatedTransformation:
@@ -74,8 +75,10 @@ def accumulate(
         ``jit``: a length below 1 closes the window on every call.
       reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
       accumulator_dtype: floating dtype of the running sum (also for bf16 or
-        fp16 gradients). Emitted updates are cast back to the gradients'
-        dtypes.
+        fp16 gradients); complex leaves accumulate in the complex dtype of
+        its precision. By default float32, or a leaf's own dtype where that
+        is wider (float64 under x64): at least the gradient's precision.
+        Emitted updates are cast back to the gradients' dtypes.
       axis_name: inside ``pmap``/``shard_map``, the mapped axis over which the
         window's gradient is averaged, once, when the window closes. With
         ``"mean"`` the window emits ``psum(sum_i w_i g_i) / psum(sum_i w_i)``;
@@ -123,8 +126,23 @@ def accumulate(
         raise ValueError(
             f'reduction must be "mean" or "sum", got reduction={reduction!r}'
         )
-    acc_dtype = base.check_float_dtype("accumulator_dtype", accumulator_dtype)
-    weight_dtype = jnp.promote_types(acc_dtype, jnp.float32)
+    if accumulator_dtype is None:  # at least float32 and the leaf's own
+
+        def leaf_dtype(p):
+            return utils.widen(jnp.result_type(p))
+
+        weight_dtype = jnp.dtype(jnp.float32)
+    else:
+        acc_dtype = base.check_float_dtype(
+            "accumulator_dtype", accumulator_dtype
+        )
+
+        def leaf_dtype(p):  # as asked; complex leaves stay complex
+            if jnp.issubdtype(jnp.result_type(p), jnp.complexfloating):
+                return utils.widen(jnp.complex64, acc_dtype)
+            return acc_dtype
+
+        weight_dtype = utils.widen(acc_dtype)
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(
             "skip_nonfinite must be a bool, got "
@@ -134,10 +152,13 @@ def accumulate(
         raise TypeError(f"axis_name must be hashable, got {axis_name=!r}")
 
     def init_fn(params):
+        params = _gradient_params(params)
         return AccumulateState(
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=jnp.zeros([], jnp.int32),
-            acc=jax.tree.map(lambda p: jnp.zeros_like(p, acc_dtype), params),
+            acc=jax.tree.map(
+                lambda p: jnp.zeros_like(p, leaf_dtype(p)), params
+            ),
             weight=jnp.zeros([], weight_dtype),
             updated=jnp.zeros([], bool),
         )
@@ -168,31 +189,39 @@ def accumulate(
             updates = jax.tree.map(lambda a, d: a.astype(d), acc, out_dtypes)
             # Same type (e.g. device-varying) as the flag of the closed branch.
             updated = jnp.zeros_like(state.updated) | opened
-            return updates, state._replace(updated=updated), opened
+            # Followers (a nested accumulate) weigh this window by its total
+            # weight; a window sum adds up with weight 1.
+            follower_weight = weight if reduction == "mean" else 1.0
+            return (
+                updates, state._replace(updated=updated), opened,
+                {"accum_weight": follower_weight},
+            )
 
         return emit
 
     def gate_update_fn(updates, state, params=None, *, accum_weight=1.0,
                        _gate_passed=True, **extra_args):
-        del params, extra_args
+        del params
+        utils.check_extra_args(extra_args, ("accum_weight",))
         if not isinstance(state, AccumulateState):
             raise TypeError(
                 "oa.accumulate expects an AccumulateState, got "
                 f"{type(state).__name__}"
             )
-        base.check_same_structure(
-            "the gradients", updates, state.acc, "the accumulator (params)"
-        )
-        if jnp.ndim(accum_weight) != 0:
-            raise ValueError(
-                "accum_weight must be a scalar, got an array of shape "
-                f"{jnp.shape(accum_weight)}"
-            )
+        _check_gradients(updates, state.acc)
+        utils.check_weight("accum_weight", accum_weight)
         w = jnp.asarray(accum_weight).astype(weight_dtype)
+        # A weight that is negative or not finite (traced: it could not be
+        # checked) makes the micro-batch non-finite; weight 0 contributes
+        # nothing, even a non-finite gradient (a fully padded micro-batch).
+        valid = jnp.isfinite(w) & (w >= 0)
+        w = jnp.where(valid, w, jnp.nan)
+        zero = w == 0
         fresh = state.mini_step == 0
 
         def add(a, g):
-            wg = w.astype(acc_dtype) * g.astype(acc_dtype)
+            wg = w.astype(a.dtype) * jnp.asarray(g).astype(a.dtype)
+            wg = jnp.where(zero, jnp.zeros_like(wg), wg)
             return jnp.where(fresh, wg, a + wg)
 
         acc = jax.tree.map(add, state.acc, updates)
@@ -203,7 +232,7 @@ def accumulate(
         # oa.chain), and skip_nonfinite refuses non-finite gradients.
         counted = _gate_passed
         if skip_nonfinite:
-            finite = base.all_finite(updates)
+            finite = valid & (zero | base.all_finite(updates))
             if axis_name is not None:
                 finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
             counted = base.both(counted, finite)
@@ -241,7 +270,8 @@ def accumulate(
         )
 
     def gate_flush_fn(state, params, **extra_args):
-        del extra_args
+        utils.check_extra_args(extra_args, ("accum_weight",))
+        params = _gradient_params(params)
         base.check_same_structure(
             "the params", params, state.acc, "the accumulator"
         )
@@ -283,7 +313,48 @@ def has_updated(state: optax.OptState) -> jax.Array:
       >>> bool(oa.has_updated(state))
       False
     """
+    warn_if_wrapped(state)
     return find_state(state, AccumulateState, "oa.has_updated").updated
+
+
+# optax wrappers that count their own calls: around a gated chain they count
+# micro-batches, not windows.
+_COUNTING_WRAPPERS = (
+    optax.InjectHyperparamsState,
+    optax.InjectStatefulHyperparamsState,
+    optax.LookaheadState,
+    optax.MultiStepsState,
+)
+
+
+def warn_if_wrapped(state: Any) -> None:
+    """Warns when an :class:`AccumulateState` sits inside the state of an
+    optax wrapper that counts every call (``inject_hyperparams``,
+    ``lookahead``, ``MultiSteps``): its schedule, sync or count advances once
+    per micro-batch instead of once per window."""
+
+    def wrapper(x):
+        return isinstance(x, _COUNTING_WRAPPERS)
+
+    for outer in jax.tree.leaves(state, is_leaf=wrapper):
+        if not wrapper(outer):
+            continue
+        inner = jax.tree.leaves(
+            tuple(outer), is_leaf=lambda x: isinstance(x, AccumulateState)
+        )
+        if any(isinstance(x, AccumulateState) for x in inner):
+            warnings.warn(
+                f"an optax wrapper ({type(outer).__name__}) holds an "
+                "oa.accumulate: the wrapper counts every call (every "
+                "micro-batch), not every window, so its schedule, sync or "
+                "step count runs k times too fast. Put the wrapper inside "
+                "the oa.chain, after the accumulate: oa.chain(oa.accumulate"
+                "(k), optax.inject_hyperparams(optax.sgd)(learning_rate="
+                "schedule)). See docs/concepts.md, 'Where wrappers go'.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
 
 
 def find_state(state: Any, cls: type, caller: str) -> Any:
@@ -299,3 +370,34 @@ def find_state(state: Any, cls: type, caller: str) -> Any:
             f"({jax.tree.structure(state)})"
         )
     return found[0]
+
+
+def _gradient_params(params: Any) -> Any:
+    """The params the gradients are taken of: the fast ones of
+    :class:`optax.LookaheadParams` (``optax.lookahead`` after an accumulate
+    gets ``(fast, slow)`` params and gradients of the fast ones)."""
+    return params.fast if isinstance(params, optax.LookaheadParams) else params
+
+
+def _check_gradients(updates: Any, acc: Any) -> None:
+    """Raises if the gradients do not fit the accumulator, naming the leaf."""
+    base.check_same_structure(
+        "the gradients", updates, acc, "the accumulator (params)"
+    )
+    paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for (path, g), a in zip(paths, jax.tree.leaves(acc)):
+        dtype = jnp.result_type(g)
+        where = f"gradient leaf at {jax.tree_util.keystr(path)}"
+        if dtype == jax.dtypes.float0:
+            raise TypeError(
+                f"{where} has dtype float0 (jax.grad(allow_int=True) of an "
+                "integer param): filter integer leaves out before the "
+                "accumulation (e.g. optax.masked, eqx.filter)"
+            )
+        if jnp.issubdtype(dtype, jnp.complexfloating) and not (
+            jnp.issubdtype(a.dtype, jnp.complexfloating)
+        ):
+            raise TypeError(
+                f"{where} is complex ({dtype}) but its param is real "
+                f"({a.dtype}): the accumulator would drop the imaginary part"
+            )

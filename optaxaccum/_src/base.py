@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from optaxaccum._src import utils
+
 __all__ = [
     "GateResult",
     "GatedTransformation",
@@ -52,11 +54,14 @@ class GateResult(NamedTuple):
     Attributes:
       state: the gate's state to keep when it stays closed (a pytree).
       may_open: boolean scalar array: whether ``emit`` is to be called.
-      emit: a function of no arguments returning ``(updates, state, opened)``;
-        called only inside the ``lax.cond`` branch taken when ``may_open`` is
-        true (unless ``eager``). ``opened`` is a boolean scalar (or the
-        literal ``True``) telling whether the followers run; when it is false
-        the emitted updates are replaced by zeros and the emitted state kept.
+      emit: a function of no arguments returning ``(updates, state, opened)``
+        or ``(updates, state, opened, follower_args)``; called only inside
+        the ``lax.cond`` branch taken when ``may_open`` is true (unless
+        ``eager``). ``opened`` is a boolean scalar (or the literal ``True``)
+        telling whether the followers run; when it is false the emitted
+        updates are replaced by zeros and the emitted state kept.
+        ``follower_args`` (a dict) replaces extra arguments for the
+        followers (a closing accumulate passes its total ``accum_weight``).
       eager: ``True`` when ``emit`` costs nothing (it returns values already
         computed) and may be called on every step; default ``False``.
     """
@@ -140,6 +145,12 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         def update_fn(updates, state, params=None, **extra_args):
             return resolve(gate_update(updates, state, params, **extra_args))
 
+        # The plain update declares what gate_update takes by name, so that
+        # chains can tell a near-miss keyword (``acum_weight``) from others.
+        names = utils.declared_extra_args(
+            optax.GradientTransformationExtraArgs(init, gate_update)
+        )
+        update_fn = utils.with_signature(update_fn, names)
         self = super().__new__(cls, init, update_fn)
         self.gate_update = gate_update
         self.gate_flush = gate_flush
@@ -213,13 +224,26 @@ def resolve(res: GateResult) -> tuple[optax.Updates, optax.OptState]:
     """
 
     def opened():
-        updates, state, flag = res.emit()
+        updates, state, flag, _ = emitted(res)
         return mask(flag, updates), state
 
     def closed():
         return zeros_of(jax.eval_shape(opened)[0]), res.state
 
     return cond_or_call(res.may_open, opened, closed)
+
+
+def emitted(res: GateResult) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Calls ``res.emit()``: ``(updates, state, opened, follower_args)``.
+
+    ``emit`` may return a fourth element, a dict of extra arguments that
+    replace the call's own for the followers (a closing accumulate passes
+    its window's total weight as their ``accum_weight``).
+    """
+    out = res.emit()
+    if len(out) == 3:
+        return (*out, {})
+    return out
 
 
 def mask(flag: Any, updates: optax.Updates) -> optax.Updates:

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base
+from optaxaccum._src import base, utils
+from optaxaccum._src.accumulate import warn_if_wrapped
 
 __all__ = ["chain", "apply_gradients", "flush"]
 
@@ -71,6 +72,9 @@ def chain(
         tx if base.is_gate(tx) else optax.with_extra_args_support(tx)
         for tx in transforms
     )
+    declared = frozenset().union(
+        *(utils.declared_extra_args(tx) for tx in transforms)
+    )
 
     def init_fn(params):
         return tuple(tx.init(params) for tx in txs)
@@ -88,18 +92,23 @@ def chain(
 
         def update_fn(updates, state, params=None, **extra_args):
             check_state(state)
+            utils.check_extra_args(extra_args, declared)
             new_state = []
             for tx, s in zip(txs, state):
                 updates, s = tx.update(updates, s, params, **extra_args)
                 new_state.append(s)
             return updates, tuple(new_state)
 
-        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+        return optax.GradientTransformationExtraArgs(
+            init_fn, utils.with_signature(update_fn, declared)
+        )
 
     first = txs[gate_at]
+    rest = _followers(txs, gate_at)
 
     def gate_update_fn(updates, state, params=None, **extra_args):
         check_state(state)
+        utils.check_extra_args(extra_args, declared)
         # Given only when the first gate takes it (see takes_gate_passed).
         passed = extra_args.pop("_gate_passed", True)
         head = []
@@ -112,8 +121,7 @@ def chain(
         res = first.gate_update(updates, state[gate_at], params, **extra_args)
         extra_args.pop("_gate_passed", None)
         return _follow(
-            res, head, state[gate_at + 1 :], followers(gate_at),
-            params, extra_args,
+            res, head, state[gate_at + 1 :], rest, params, extra_args
         )
 
     # The first element that can close a window early (``flush``); the
@@ -127,24 +135,29 @@ def chain(
         None,
     )
 
+    flush_rest = _followers(txs, flush_at) if flush_at is not None else None
+
     def gate_flush_fn(state, params, **extra_args):
         check_state(state)
+        utils.check_extra_args(extra_args, declared)
         res = txs[flush_at].gate_flush(state[flush_at], params, **extra_args)
         return _follow(
-            res, state[:flush_at], state[flush_at + 1 :], followers(flush_at),
+            res, state[:flush_at], state[flush_at + 1 :], flush_rest,
             params, extra_args,
         )
 
-    def followers(i):
-        rest = txs[i + 1 :]
-        return chain(*rest) if rest else None
-
     return base.GatedTransformation(
         init_fn,
-        gate_update_fn,
+        utils.with_signature(gate_update_fn, declared),
         gate_flush_fn if flush_at is not None else None,
         first.takes_gate_passed,
     )
+
+
+def _followers(txs, i):
+    """The chain of the elements after position ``i`` (built once)."""
+    rest = txs[i + 1 :]
+    return chain(*rest) if rest else None
 
 
 def _follow(res, head, tail_state, rest, params, extra_args):
@@ -153,16 +166,17 @@ def _follow(res, head, tail_state, rest, params, extra_args):
         return _follow_eager(res, head, tail_state, rest, params, extra_args)
 
     def emit():
-        updates, gate_state, opened = res.emit()
+        updates, gate_state, opened, follower_args = base.emitted(res)
         if rest is None:
-            return updates, (*head, gate_state), opened
+            return updates, (*head, gate_state), opened, follower_args
+        args = {**extra_args, **follower_args}
         if base.is_gate(rest):
             # Only where this gate opens (e.g. once per window): the later
             # gate decides in turn, and its emit runs only where it opens.
-            res2 = rest.gate_update(updates, tail_state, params, **extra_args)
+            res2 = rest.gate_update(updates, tail_state, params, **args)
 
             def inner_open():
-                updates2, open_state, opened2 = res2.emit()
+                updates2, open_state, opened2, _ = base.emitted(res2)
                 return updates2, open_state, base.both(res2.may_open, opened2)
 
             def inner_closed():
@@ -181,7 +195,7 @@ def _follow(res, head, tail_state, rest, params, extra_args):
             )
 
         def run():
-            return rest.update(updates, tail_state, params, **extra_args)
+            return rest.update(updates, tail_state, params, **args)
 
         def skip():
             return base.zeros_of(jax.eval_shape(run)[0]), tail_state
@@ -203,7 +217,8 @@ def _follow_eager(res, head, tail_state, rest, params, extra_args):
     """An eager gate followed by a gated chain: one combined gate, so that a
     step where the later gate stays closed (a non-closing micro-step after a
     loss scale) still skips its followers and keeps the fused fast path."""
-    updates, open_state, opened = res.emit()
+    updates, open_state, opened, follower_args = base.emitted(res)
+    extra_args = {**extra_args, **follower_args}
     passed = base.both(res.may_open, opened)
     gate_state = base.select(res.may_open, open_state, res.state)
     # The later gate counts this call only if this one let it through: an
@@ -219,8 +234,8 @@ def _follow_eager(res, head, tail_state, rest, params, extra_args):
         closed_tail = base.select(passed, res2.state, tail_state)
 
     def emit():
-        updates2, tail, opened2 = res2.emit()
-        return updates2, (*head, gate_state, *tail), opened2
+        updates2, tail, opened2, args2 = base.emitted(res2)
+        return updates2, (*head, gate_state, *tail), opened2, args2
 
     return base.GateResult(
         (*head, gate_state, *closed_tail),
@@ -281,6 +296,7 @@ def apply_gradients(
       Array([0., 0.], dtype=float32)
     """
     if not base.is_gate(tx):
+        warn_if_wrapped(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         return optax.apply_updates(params, updates), opt_state
     result = tx.gate_update(grads, opt_state, params, **extra_args)
@@ -289,7 +305,7 @@ def apply_gradients(
 
 def _apply(res: base.GateResult, params):
     def opened():
-        updates, state, flag = res.emit()
+        updates, state, flag, _ = base.emitted(res)
         new_params = optax.apply_updates(params, updates)
         return base.select(flag, new_params, params), state
 
@@ -342,6 +358,7 @@ def flush(
     """
     gate_flush = getattr(tx, "gate_flush", None) if base.is_gate(tx) else None
     if gate_flush is None:
+        warn_if_wrapped(opt_state)
         raise ValueError(
             "oa.flush needs an oa.accumulate, or an oa.chain that contains "
             f"one; got {tx!r}"
