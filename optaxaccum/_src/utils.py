@@ -130,10 +130,18 @@ def declared_extra_args(fn: Any, skip: int = 3) -> frozenset[str]:
 
 
 def check_extra_args(
-    extra_args: Iterable[str], declared: Iterable[str]
+    extra_args: Iterable[str],
+    declared: Iterable[str],
+    where: str = "no element of the chain takes it",
 ) -> None:
-    """Raises ``TypeError`` for a keyword that no element takes but that is a
-    near-miss of one an element declares (``acum_weight``)."""
+    """Raises ``TypeError`` for a keyword that is not declared but is a
+    near-miss of one that is (``acum_weight`` for ``accum_weight``).
+
+    Args:
+      extra_args: the keywords given.
+      declared: the keywords the receivers declare.
+      where: why the keyword is unexpected, for the message.
+    """
     declared = sorted(declared)
     for key in extra_args:
         if key in declared or key.startswith("_"):
@@ -141,8 +149,8 @@ def check_extra_args(
         close = difflib.get_close_matches(key, declared, n=1, cutoff=0.75)
         if close:
             raise TypeError(
-                f"unexpected keyword argument {key!r}: no element of the "
-                f"chain takes it; did you mean {close[0]!r}?"
+                f"unexpected keyword argument {key!r}: {where}; "
+                f"did you mean {close[0]!r}?"
             )
 
 
