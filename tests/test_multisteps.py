@@ -97,7 +97,9 @@ def test_equals_optax_multisteps(opt_name):
     opt = _optimizers()[opt_name]
     params = _params()
     _, _, closed = _side_by_side(
-        oa.MultiSteps(opt, 3), optax.MultiSteps(opt, 3), _grads(12, params),
+        oa.MultiSteps(opt, 3),
+        optax.MultiSteps(opt, 3),
+        _grads(12, params),
         params,
     )
     assert closed == 4
@@ -125,9 +127,14 @@ def test_skip_not_finite_matches_optax(use_grad_mean):
     params = _params()
     bad = {1: jnp.inf, 3: jnp.nan, 6: -jnp.inf}  # 3 would close a window
     opt = optax.adam(0.05)
+
     def make(cls, opt, k):
-        return cls(opt, k, use_grad_mean=use_grad_mean,
-                   should_skip_update_fn=optax.skip_not_finite)
+        return cls(
+            opt,
+            k,
+            use_grad_mean=use_grad_mean,
+            should_skip_update_fn=optax.skip_not_finite,
+        )
 
     s_ours, s_theirs, closed = _side_by_side(
         make(oa.MultiSteps, opt, 3),
@@ -240,8 +247,9 @@ def test_jit_with_donation_and_fused_path_params_untouched():
             chex.assert_trees_all_close(p, p_ref, rtol=1e-6, atol=0)
             chex.assert_trees_all_close(s, s_ref, rtol=1e-6, atol=0)
             if i < 3:  # grads[2] is dropped: the first window closes at 3
-                assert all(bool(jnp.all(jnp.signbit(x))) for x in
-                           jax.tree.leaves(p))
+                assert all(
+                    bool(jnp.all(jnp.signbit(x))) for x in jax.tree.leaves(p)
+                )
                 chex.assert_trees_all_equal(s.inner_opt_state, inner_before)
     assert int(s.gradient_step) == 2
 
@@ -261,8 +269,10 @@ def test_inner_optimizer_runs_once_per_window():
     params = _params()
     grads = _grads(8, params)
     runs = {}
-    for name, ms in (("optax", optax.MultiSteps(counting, 4)),
-                     ("oa", oa.MultiSteps(counting, 4))):
+    for name, ms in (
+        ("optax", optax.MultiSteps(counting, 4)),
+        ("oa", oa.MultiSteps(counting, 4)),
+    ):
         counter.clear()
         step = jax.jit(ms.update)
         s = ms.init(params)
@@ -374,7 +384,9 @@ def test_hlo_inner_optimizer_only_in_the_closing_branch():
     params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
     opt = optax.adam(1e-3)
     plain = oa.MultiSteps(opt, 4)
-    skipping = oa.MultiSteps(opt, 4, should_skip_update_fn=optax.skip_not_finite)
+    skipping = oa.MultiSteps(
+        opt, 4, should_skip_update_fn=optax.skip_not_finite
+    )
     for ms, fn in (
         (plain, plain.update),
         (skipping, lambda g, s, p: oa.apply_gradients(skipping, g, s, p)),
@@ -402,7 +414,8 @@ def test_fused_step_needs_no_tree_sized_temporary():
     skip_alone = jax.jit(lambda g: optax.skip_not_finite(g, 0, None))
     skip_temp = skip_alone.lower(params).compile().memory_analysis()
     for skip, allowed in (
-        (None, 0), (optax.skip_not_finite, skip_temp.temp_size_in_bytes)
+        (None, 0),
+        (optax.skip_not_finite, skip_temp.temp_size_in_bytes),
     ):
         ms = oa.MultiSteps(optax.adam(1e-3), 4, should_skip_update_fn=skip)
         step = jax.jit(
@@ -416,7 +429,10 @@ def test_fused_step_needs_no_tree_sized_temporary():
 
 def test_survives_copy_deepcopy_and_pytree_round_trips():
     ms = oa.MultiSteps(
-        optax.adam(0.05), 2, False, optax.skip_not_finite,
+        optax.adam(0.05),
+        2,
+        False,
+        optax.skip_not_finite,
         accumulator_dtype=jnp.bfloat16,
     )
     params = _params()
@@ -424,9 +440,12 @@ def test_survives_copy_deepcopy_and_pytree_round_trips():
     s = ms.init(params)
     _, s = ms.update(g1, s, params)
     want, _ = ms.update(g2, s, params)
-    for clone in (copy.copy(ms), copy.deepcopy(ms),
-                  jax.tree.map(lambda x: x, ms),
-                  jax.tree.unflatten(*reversed(jax.tree.flatten(ms)))):
+    for clone in (
+        copy.copy(ms),
+        copy.deepcopy(ms),
+        jax.tree.map(lambda x: x, ms),
+        jax.tree.unflatten(*reversed(jax.tree.flatten(ms))),
+    ):
         assert type(clone) is oa.MultiSteps and oa.is_gate(clone)
         assert clone._config[1:] == ms._config[1:]
         u, s2 = clone.update(g2, s, params)
@@ -463,16 +482,23 @@ def test_from_optax_state_continues_the_window():
             ours.update(grads[0], r, params)
 
 
-@pytest.mark.parametrize("args, kwargs, exc, match", [
-    ((optax.sgd(0.1), 0), {}, ValueError, "every_k_schedule"),
-    ((optax.sgd(0.1), True), {}, TypeError, "every_k_schedule"),
-    ((optax.sgd(0.1), 2.0), {}, TypeError, "every_k_schedule"),
-    ((lambda g: g, 2), {}, TypeError, "opt"),
-    ((optax.sgd(0.1), 2, "yes"), {}, TypeError, "use_grad_mean"),
-    ((optax.sgd(0.1), 2, True, 3), {}, TypeError, "should_skip_update_fn"),
-    ((optax.sgd(0.1), 2), {"accumulator_dtype": jnp.int32}, ValueError,
-     "accumulator_dtype"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, exc, match",
+    [
+        ((optax.sgd(0.1), 0), {}, ValueError, "every_k_schedule"),
+        ((optax.sgd(0.1), True), {}, TypeError, "every_k_schedule"),
+        ((optax.sgd(0.1), 2.0), {}, TypeError, "every_k_schedule"),
+        ((lambda g: g, 2), {}, TypeError, "opt"),
+        ((optax.sgd(0.1), 2, "yes"), {}, TypeError, "use_grad_mean"),
+        ((optax.sgd(0.1), 2, True, 3), {}, TypeError, "should_skip_update_fn"),
+        (
+            (optax.sgd(0.1), 2),
+            {"accumulator_dtype": jnp.int32},
+            ValueError,
+            "accumulator_dtype",
+        ),
+    ],
+)
 def test_bad_arguments(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         oa.MultiSteps(*args, **kwargs)

@@ -289,7 +289,10 @@ class MultiStepsOptaxCasesTest(parameterized.TestCase):
                             data, opt_state, params, opt.update, upd_dtype
                         )
                         ms_updates, ms_opt_state = train_step(
-                            data, ms_opt_state, params, ms_opt_update,
+                            data,
+                            ms_opt_state,
+                            params,
+                            ms_opt_update,
                             upd_dtype,
                         )
                         get_dtypes = lambda tree: jax.tree.map(  # noqa: E731
