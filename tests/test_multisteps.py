@@ -355,20 +355,31 @@ def test_in_optax_chain_and_oa_chain():
         u_o, s_o = up_o(g, s_o, params)
         u_t, s_t = up_t(g, s_t, params)
         chex.assert_trees_all_close(u_o, u_t, **TOL)
+
     # After a loss scale in an oa.chain: the same as oa.accumulate there; an
-    # overflowing micro-batch does not count toward the window.
+    # overflowing micro-batch does not count toward the window, nor reaches
+    # the skip function's state (here: one that never skips).
+    def never(updates, gradient_step, params):
+        return jnp.array(False), {"norm": optax.tree.norm(updates)}
+
     scaled = [jax.tree.map(lambda x: 256.0 * x, g) for g in grads]
     scaled[2] = jax.tree.map(lambda x: x.at[0].set(jnp.inf), scaled[2])
-    ours = oa.chain(oa.dynamic_loss_scale(256.0), oa.MultiSteps(opt, 3))
+    ours = oa.chain(
+        oa.dynamic_loss_scale(256.0),
+        oa.MultiSteps(opt, 3, should_skip_update_fn=never),
+    )
     ref = oa.chain(oa.dynamic_loss_scale(256.0), oa.accumulate(3), opt)
     s_o, s_r = ours.init(params), ref.init(params)
     fused = jax.jit(lambda p, s, g: oa.apply_gradients(ours, g, s, p))
     fused_ref = jax.jit(lambda p, s, g: oa.apply_gradients(ref, g, s, p))
     p_o = p_r = params
-    for g in scaled:
+    for i, g in enumerate(scaled):
         p_o, s_o = fused(p_o, s_o, g)
         p_r, s_r = fused_ref(p_r, s_r, g)
         chex.assert_trees_all_close(p_o, p_r, **TOL)
+        if i in (1, 2):  # the norm of grads[1], kept through the overflow
+            norm = s_o[1].skip_state["norm"]
+            np.testing.assert_allclose(norm, optax.tree.norm(grads[1]), 1e-5)
     assert int(s_o[1].gradient_step) == 2 and int(s_o[1].mini_step) == 1
     chex.assert_trees_all_close(s_o[1].inner_opt_state, s_r[2], **TOL)
 
