@@ -5,6 +5,7 @@ gradients; optax's own test cases are in ``test_multisteps_optax.py``.
 """
 
 import copy
+import inspect
 import warnings
 
 import chex
@@ -519,3 +520,25 @@ def test_accumulator_dtype_none_means_float32():
     ms = oa.MultiSteps(optax.sgd(0.1), 2, accumulator_dtype=None)
     s = ms.init(_params(jnp.bfloat16))
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(s.acc_grads))
+
+
+def test_near_miss_keyword_raises_everywhere():
+    """A misspelt accum_weight is an error (the chain underneath declares
+    it), in update, apply_gradients, flush and inside an outer chain."""
+    ms = oa.MultiSteps(optax.sgd(0.1), 2)
+    params = _params()
+    (g,) = _grads(1, params)
+    s = ms.init(params)
+    outer = oa.chain(oa.dynamic_loss_scale(), ms)
+    calls = (
+        lambda: ms.update(g, s, params, acum_weight=2.0),
+        lambda: oa.apply_gradients(ms, g, s, params, acum_weight=2.0),
+        lambda: oa.flush(ms, s, params, acum_weight=2.0),
+        lambda: outer.update(g, outer.init(params), params, acum_weight=2.0),
+    )
+    for call in calls:
+        with pytest.raises(TypeError, match="accum_weight"):
+            call()
+    ms.update(g, s, params, accum_weight=2.0)  # the right spelling works
+    # Its update declares the keyword, as oa.chain's does, for outer chains.
+    assert "accum_weight" in inspect.signature(ms.update).parameters

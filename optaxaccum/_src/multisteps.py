@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from optaxaccum._src import accumulate as _accumulate
-from optaxaccum._src import base
+from optaxaccum._src import base, utils
 from optaxaccum._src import chain as _chain
 
 __all__ = ["MultiSteps", "MultiStepsState"]
@@ -182,10 +182,13 @@ class MultiSteps(base.GatedTransformation):
             res = inner.gate_flush(views.inner(state), params, **extra_args)
             return views.result(res)
 
+        # Declares the keywords the chain takes (accum_weight, the
+        # optimizer's), so that an outer chain can spot near-misses.
+        declared = utils.declared_extra_args(inner)
         self = super().__new__(
             cls,
             init_fn,
-            gate_update_fn,
+            utils.with_signature(gate_update_fn, declared),
             gate_flush_fn,
             inner.takes_gate_passed,
         )
@@ -300,8 +303,8 @@ class _Views:
 
     def result(self, res: base.GateResult) -> base.GateResult:
         def emit():
-            updates, state, opened = res.emit()
-            return updates, self.outer(state), opened
+            updates, state, opened, follower_args = base.emitted(res)
+            return updates, self.outer(state), opened, follower_args
 
         return base.GateResult(
             self.outer(res.state), res.may_open, emit, res.eager
