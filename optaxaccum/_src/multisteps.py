@@ -127,8 +127,8 @@ class MultiSteps(base.GatedTransformation):
       use_grad_mean: average the window's gradients (else sum them).
       should_skip_update_fn: ``(updates, gradient_step, params) ->
         (should_skip, skip_state)``, e.g. :func:`optax.skip_not_finite`.
-      accumulator_dtype: floating dtype of the running sum; ``None`` (optax:
-        the params' dtype) means float32 here.
+      accumulator_dtype: floating dtype of the running sum; ``None``: each
+        parameter's dtype, at least float32 (optax: the parameter's dtype).
 
     Raises:
       TypeError: for an argument of the wrong type.
@@ -157,8 +157,6 @@ class MultiSteps(base.GatedTransformation):
         accumulator_dtype: Any = jnp.float32,
     ):
         _check_args(opt, every_k_schedule, use_grad_mean, should_skip_update_fn)
-        if accumulator_dtype is None:
-            accumulator_dtype = jnp.float32
         acc = _accumulate.accumulate(
             every_k_schedule,
             reduction="mean" if use_grad_mean else "sum",
@@ -198,7 +196,9 @@ class MultiSteps(base.GatedTransformation):
             every_k_schedule,
             use_grad_mean,
             should_skip_update_fn,
-            jnp.dtype(accumulator_dtype),
+            accumulator_dtype
+            if accumulator_dtype is None
+            else jnp.dtype(accumulator_dtype),
         )
         return self
 
@@ -237,10 +237,17 @@ class MultiSteps(base.GatedTransformation):
           window where optax's state left it.
         """
         n = jnp.asarray(state.mini_step, jnp.int32)
-        dtype = self._config[-1]
-        scale = n.astype(dtype) if self._config[2] else 1  # mean -> sum
-        acc = jax.tree.map(lambda a: (a * scale).astype(dtype), state.acc_grads)
-        weight_dtype = jnp.promote_types(dtype, jnp.float32)
+        # The dtypes of this wrapper's state for params like optax's sums.
+        like = jax.eval_shape(self.init, state.acc_grads)
+        mean = self._config[2]
+
+        def acc_leaf(a, want):
+            a = jnp.asarray(a)
+            if mean:  # optax keeps the running mean, this wrapper the sum
+                a = a * n.astype(a.dtype)
+            return a.astype(want.dtype)
+
+        acc = jax.tree.map(acc_leaf, state.acc_grads, like.acc_grads)
         gradient_step = jnp.asarray(state.gradient_step, jnp.int32)
         return MultiStepsState(
             mini_step=n,
@@ -248,7 +255,7 @@ class MultiSteps(base.GatedTransformation):
             inner_opt_state=state.inner_opt_state,
             acc_grads=acc,
             skip_state=state.skip_state,
-            acc_weight=n.astype(weight_dtype),
+            acc_weight=n.astype(like.acc_weight.dtype),
             updated=jnp.logical_and(n == 0, gradient_step > 0),
         )
 
