@@ -542,3 +542,41 @@ def test_near_miss_keyword_raises_everywhere():
     ms.update(g, s, params, accum_weight=2.0)  # the right spelling works
     # Its update declares the keyword, as oa.chain's does, for outer chains.
     assert "accum_weight" in inspect.signature(ms.update).parameters
+
+
+def test_flax_train_states():
+    """The usual home of optax.MultiSteps: flax's TrainState with
+    tx=ms.gradient_transformation(); and optaxaccum.flax.TrainState (fused
+    step, flush) with tx=oa.MultiSteps(...) as is."""
+    from flax.training import train_state
+
+    from optaxaccum.flax import TrainState
+
+    params = _params()
+    grads = _grads(5, params)
+    states = {
+        name: cls.create(apply_fn=None, params=params, tx=tx)
+        for name, cls, tx in (
+            (
+                "optax",
+                train_state.TrainState,
+                optax.MultiSteps(optax.adam(0.05), 2).gradient_transformation(),
+            ),
+            (
+                "oa",
+                train_state.TrainState,
+                oa.MultiSteps(optax.adam(0.05), 2).gradient_transformation(),
+            ),
+            ("oa fused", TrainState, oa.MultiSteps(optax.adam(0.05), 2)),
+        )
+    }
+    step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+    for g in grads:
+        states = {n: step(s, g) for n, s in states.items()}
+        for name in ("oa", "oa fused"):
+            chex.assert_trees_all_close(
+                states[name].params, states["optax"].params, **TOL
+            )
+    flushed = states["oa fused"].flush()  # the 5th micro-batch's window
+    assert int(flushed.opt_state.gradient_step) == 3
+    assert not bool(jnp.all(flushed.params["w"] == states["oa"].params["w"]))
