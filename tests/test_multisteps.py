@@ -580,3 +580,14 @@ def test_flax_train_states():
     flushed = states["oa fused"].flush()  # the 5th micro-batch's window
     assert int(flushed.opt_state.gradient_step) == 3
     assert not bool(jnp.all(flushed.params["w"] == states["oa"].params["w"]))
+
+
+def test_oa_has_updated_reads_a_multisteps_state():
+    """oa.has_updated works on oa.MultiSteps' state as on a chain's."""
+    ms = oa.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    params = jnp.zeros(1)
+    state = ms.init(params)
+    _, state = ms.update(jnp.ones(1), state, params)
+    assert not bool(oa.has_updated(state))
+    _, state = ms.update(jnp.ones(1), state, params)
+    assert bool(oa.has_updated(state)) and bool(ms.has_updated(state))

@@ -86,21 +86,19 @@ def _skip_gate(should_skip_update_fn: Callable) -> base.GatedTransformation:
         )
 
     def gate_update_fn(
-        updates, state, params=None, *, _gate_passed=True, **extra_args
+        updates, state, params=None, *, passed=True, **extra_args
     ):
         del extra_args
         should_skip, skip_state = ask(updates, state.gradient_step, params)
         # A call refused by a gate before this one leaves it as it was.
-        skip_state = base.select(_gate_passed, skip_state, state.skip_state)
+        skip_state = base.select(passed, skip_state, state.skip_state)
         new = state._replace(skip_state=skip_state)
-        passed = base.both(_gate_passed, jnp.logical_not(should_skip))
+        opens = base.both(passed, jnp.logical_not(should_skip))
         return base.GateResult(
-            new, passed, lambda: (updates, new, True), eager=True
+            new, opens, lambda: (updates, new, True), eager=True
         )
 
-    return base.GatedTransformation(
-        init_fn, gate_update_fn, None, takes_gate_passed=True
-    )
+    return base.GatedTransformation(init_fn, gate_update_fn)
 
 
 class MultiSteps(base.GatedTransformation):
@@ -170,9 +168,11 @@ class MultiSteps(base.GatedTransformation):
         def init_fn(params):
             return views.outer(inner.init(params))
 
-        def gate_update_fn(updates, state, params=None, **extra_args):
-            res = inner.gate_update(
-                updates, views.inner(state), params, **extra_args
+        def gate_update_fn(
+            updates, state, params=None, *, passed=True, **extra_args
+        ):
+            res = base.call_gate(
+                inner, passed, updates, views.inner(state), params, **extra_args
             )
             return views.result(res)
 
@@ -188,7 +188,6 @@ class MultiSteps(base.GatedTransformation):
             init_fn,
             utils.with_signature(gate_update_fn, declared),
             gate_flush_fn,
-            inner.takes_gate_passed,
         )
         self._opt = optax.with_extra_args_support(opt)
         self._config = (
@@ -325,7 +324,7 @@ def _check_args(opt, every_k_schedule, use_grad_mean, should_skip_update_fn):
             f"opt={opt!r} of type {type(opt).__name__}"
         )
     if not callable(every_k_schedule):
-        base.check_positive_int("every_k_schedule", every_k_schedule)
+        utils.check_positive_int("every_k_schedule", every_k_schedule)
     if not isinstance(use_grad_mean, (bool, np.bool_)):
         raise TypeError(
             f"use_grad_mean must be a bool, got use_grad_mean={use_grad_mean!r}"
@@ -352,3 +351,5 @@ def _unflatten(config, children) -> MultiSteps:
 # As a NamedTuple subclass it would otherwise be rebuilt by jax.tree functions
 # as MultiSteps(init, update) (see base.GatedTransformation).
 jax.tree_util.register_pytree_node(MultiSteps, _flatten, _unflatten)
+# oa.has_updated and the Flax layer find the window's flag in this state too.
+_accumulate.WINDOW_STATES.append(MultiStepsState)

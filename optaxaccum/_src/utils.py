@@ -158,6 +158,7 @@ def with_signature(fn: Callable, names: Iterable[str]) -> Callable:
     """Gives an ``update(updates, state, params=None, **extra_args)`` function
     a signature that declares ``names`` as keyword-only arguments, so that
     :func:`declared_extra_args` (and ``inspect``) see them."""
+    names = set(names) | declared_extra_args(fn)  # and its own keywords
     p = inspect.Parameter
     params = [
         p("updates", p.POSITIONAL_OR_KEYWORD),
@@ -271,7 +272,7 @@ def check_axis_name(value: Any) -> Any:
     return value
 
 
-def find_state(state: Any, cls: type, caller: str) -> Any:
+def find_state(state: Any, cls: type | tuple[type, ...], caller: str) -> Any:
     """The first (outermost, leftmost) instance of ``cls`` inside ``state``.
 
     Raises:
@@ -283,8 +284,10 @@ def find_state(state: Any, cls: type, caller: str) -> Any:
         if isinstance(s, cls)
     ]
     if not found:
+        classes = cls if isinstance(cls, tuple) else (cls,)
+        names = " or ".join(c.__name__ for c in classes)
         raise ValueError(
-            f"{caller} found no {cls.__name__} in the state given "
+            f"{caller} found no {names} in the state given "
             f"({jax.tree.structure(state)})"
         )
     return found[0]
