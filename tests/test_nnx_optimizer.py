@@ -51,6 +51,9 @@ def _loss(model, x, y, scale=1.0):
     return scale * optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+_flush = nnx.jit(lambda model, opt: opt.flush(model), donate_argnums=(0, 1))
+
+
 def _stock_flush(model, opt):
     """What users wrote before issue 14: close both windows by hand."""
     oa_nnx.flush_batch_stats(model)
@@ -75,7 +78,7 @@ def _train(opt_cls, tx, *, wrt=nnx.Param, lora=False, accum_steps=K, poison=(),
         opt.update(model, grads, accum_weight=w)
 
     if opt_cls is oa_nnx.Optimizer:
-        end = nnx.jit(lambda model, opt: opt.flush(model), donate_argnums=(0, 1))
+        end = _flush
     else:
         end = nnx.jit(_stock_flush, donate_argnums=(0, 1))
     i = 0
@@ -131,11 +134,16 @@ def test_optimizer_equals_big_batch_adam_with_token_weights():
     ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
     sizes = (2, 5, 3)
     batches = [_batch(i, n) for i, n in enumerate(sizes)]
+
+    @nnx.jit
+    def step(model, opt, x, y):
+        opt.update(model, nnx.grad(_loss)(model, x, y), accum_weight=len(x))
+
     for x, y in batches:
-        opt.update(model, nnx.grad(_loss)(model, x, y), accum_weight=float(len(x)))
+        step(model, opt, x, y)
     x = jnp.concatenate([b[0] for b in batches])
     y = jnp.concatenate([b[1] for b in batches])
-    ref_opt.update(ref, nnx.grad(_loss)(ref, x, y))
+    nnx.jit(lambda m, o: o.update(m, nnx.grad(_loss)(m, x, y)))(ref, ref_opt)
     chex.assert_trees_all_close(nnx.state(model), nnx.state(ref), rtol=1e-5, atol=1e-6)
 
 
@@ -196,14 +204,18 @@ def test_flush_closes_optimizer_and_batchnorm_windows():
     ref_opt = nnx.Optimizer(ref, optax.sgd(0.5), wrt=nnx.Param)
     batches = [_batch(i) for i in range(2)]  # 2 of 4: a partial window
     loss = lambda m, x, y: optax.squared_error(m(x)[:, 0], y.astype(float)).mean()
-    grads = []
-    for x, y in batches:
-        grads.append(nnx.grad(loss)(model, x, y))
-        opt.update(model, grads[-1])
+
+    @nnx.jit
+    def step(model, opt, x, y):
+        grads = nnx.grad(loss)(model, x, y)
+        opt.update(model, grads)
+        return grads
+
+    grads = [step(model, opt, x, y) for x, y in batches]
     assert int(model.bn.window_step[...]) == 2
     # nnx.BatchNorm run once on the concatenated partial window.
     ref(jnp.concatenate([b[0] for b in batches]))
-    opt.flush(model)
+    nnx.jit(lambda m, o: o.flush(m))(model, opt)
     # Optimizer: one SGD step on the mean of the two gradients (not / 4).
     ref_opt.update(ref, jax.tree.map(lambda a, b: (a + b) / 2, *grads))
     chex.assert_trees_all_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param),
@@ -229,13 +241,13 @@ def test_flush_passes_extra_args_and_needs_an_accumulate():
     tx = oa.chain(oa.accumulate(4), optax.sgd(0.1),
                   optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
     opt = oa_nnx.Optimizer(model, tx)
-    opt.update(model, nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model), value=1.0)
-    opt.flush(model, value=2.0)
+    grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
+    opt.update(model, grads, value=1.0)
+    nnx.jit(lambda m, o, v: o.flush(m, value=v))(model, opt, 2.0)
     assert int(opt.opt_state[0].gradient_step[...]) == 1
     assert float(opt.opt_state[2].best_value[...]) == 2.0  # saw value=2.0
     with pytest.raises(TypeError, match="accum_weight"):
-        opt.update(model, nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model),
-                   value=1.0, acum_weight=2.0)
+        opt.update(model, grads, value=1.0, acum_weight=2.0)
     plain = oa_nnx.Optimizer(model, optax.sgd(0.1))
     with pytest.raises(ValueError, match="oa.flush needs an oa.accumulate"):
         plain.flush(model)
@@ -271,7 +283,7 @@ def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):
     full, full_opt = fresh()
     for i in range(n_steps):
         step(full, full_opt, *_batch(i))
-    full_opt.flush(full)
+    _flush(full, full_opt)
 
     first, first_opt = fresh()
     for i in range(stop):
@@ -293,6 +305,6 @@ def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):
                                 (nnx.state(first), nnx.state(first_opt)))
     for i in range(stop, n_steps):
         step(model, opt, *_batch(i))
-    opt.flush(model)
+    _flush(model, opt)
     chex.assert_trees_all_equal(nnx.state(model), nnx.state(full))
     chex.assert_trees_all_equal(nnx.state(opt), nnx.state(full_opt))
