@@ -35,15 +35,22 @@ def make_step(tx):
         grads = eqx.filter_grad(_loss)(model, x, y)
         params, static = eqx.partition(model, eqx.is_inexact_array)
         params, opt_state = oa.apply_gradients(
-            tx, grads, opt_state, params, accum_weight=x.shape[0])
+            tx, grads, opt_state, params, accum_weight=x.shape[0]
+        )
         return eqx.combine(params, static), opt_state
 
     return step
 
 
 def _model():
-    return eqx.nn.MLP(3, 2, width_size=8, depth=2, activation=jax.nn.tanh,
-                      key=jax.random.key(0))
+    return eqx.nn.MLP(
+        3,
+        2,
+        width_size=8,
+        depth=2,
+        activation=jax.nn.tanh,
+        key=jax.random.key(0),
+    )
 
 
 def test_equinox_recipe_equals_big_batch_adam():
@@ -62,9 +69,12 @@ def test_equinox_recipe_equals_big_batch_adam():
         grads = eqx.filter_grad(_loss)(ref, x, y)
         updates, ref_state = ref_tx.update(grads, ref_state, ref)
         ref = eqx.apply_updates(ref, updates)
-        chex.assert_trees_all_close(eqx.filter(model, eqx.is_inexact_array),
-                                    eqx.filter(ref, eqx.is_inexact_array),
-                                    rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(
+            eqx.filter(model, eqx.is_inexact_array),
+            eqx.filter(ref, eqx.is_inexact_array),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     assert int(opt_state[0].gradient_step) == 2
     # And not vacuous: the model moved away from its initialization.
     assert not np.allclose(model.layers[0].weight, _model().layers[0].weight)

@@ -30,10 +30,16 @@ class Net(nnx.Module):
 
     def __init__(self, rngs, *, accum_steps=1, lora=False):
         self.l1 = nnx.Linear(4, 8, use_bias=False, rngs=rngs)
-        self.bn = oa_nnx.AccumBatchNorm(8, accum_steps=accum_steps, momentum=0.8, rngs=rngs)
-        self.bn2 = oa_nnx.AccumBatchNorm(3, accum_steps=accum_steps, momentum=0.5, rngs=rngs)
+        self.bn = oa_nnx.AccumBatchNorm(
+            8, accum_steps=accum_steps, momentum=0.8, rngs=rngs
+        )
+        self.bn2 = oa_nnx.AccumBatchNorm(
+            3, accum_steps=accum_steps, momentum=0.5, rngs=rngs
+        )
         head = nnx.Linear(8, 3, use_bias=False, rngs=rngs)
-        self.head = nnx.LoRA(8, 2, 3, base_module=head, rngs=rngs) if lora else head
+        self.head = (
+            nnx.LoRA(8, 2, 3, base_module=head, rngs=rngs) if lora else head
+        )
 
     def __call__(self, x):
         return self.bn2(self.head(nnx.relu(self.bn(self.l1(x)))))
@@ -48,7 +54,10 @@ def _batch(i, n=MICRO):
 
 def _loss(model, x, y, scale=1.0):
     logits = model(x)
-    return scale * optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return (
+        scale
+        * optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    )
 
 
 _flush = nnx.jit(lambda model, opt: opt.flush(model), donate_argnums=(0, 1))
@@ -63,8 +72,19 @@ def _stock_flush(model, opt):
     nnx.update(opt.opt_state, nnx.state(opt_state))
 
 
-def _train(opt_cls, tx, *, wrt=nnx.Param, lora=False, accum_steps=K, poison=(),
-           weights=None, epochs=2, per_epoch=2 * K + 1, scale=1.0):
+def _train(
+    opt_cls,
+    tx,
+    *,
+    wrt=nnx.Param,
+    lora=False,
+    accum_steps=K,
+    poison=(),
+    weights=None,
+    epochs=2,
+    per_epoch=2 * K + 1,
+    scale=1.0,
+):
     """Trains a fresh Net; returns (model, optimizer). ``poison``: the
     micro-steps whose gradients are multiplied by inf (loss-scale overflow)."""
     model = Net(nnx.Rngs(0), accum_steps=accum_steps, lora=lora)
@@ -92,14 +112,24 @@ def _train(opt_cls, tx, *, wrt=nnx.Param, lora=False, accum_steps=K, poison=(),
 
 
 CASES = {
-    "weights": dict(tx=lambda: oa.chain(oa.agc(0.1), oa.accumulate(K), optax.adam(1e-2)),
-                    weights=(1.0, 3.0, 0.5, 2.0, 0.0)),
+    "weights": dict(
+        tx=lambda: oa.chain(oa.agc(0.1), oa.accumulate(K), optax.adam(1e-2)),
+        weights=(1.0, 3.0, 0.5, 2.0, 0.0),
+    ),
     "loss_scale_overflow": dict(
-        tx=lambda: oa.chain(oa.dynamic_loss_scale(2.0**4, period=2), oa.accumulate(K),
-                            optax.adam(1e-2)),
-        poison=(1, 5, 6, 9), scale=2.0**4),
-    "wrt_lora": dict(tx=lambda: oa.chain(oa.accumulate(K), optax.adamw(1e-2)),
-                     wrt=nnx.LoRAParam, lora=True),
+        tx=lambda: oa.chain(
+            oa.dynamic_loss_scale(2.0**4, period=2),
+            oa.accumulate(K),
+            optax.adam(1e-2),
+        ),
+        poison=(1, 5, 6, 9),
+        scale=2.0**4,
+    ),
+    "wrt_lora": dict(
+        tx=lambda: oa.chain(oa.accumulate(K), optax.adamw(1e-2)),
+        wrt=nnx.LoRAParam,
+        lora=True,
+    ),
 }
 
 
@@ -109,18 +139,29 @@ def test_optimizer_equals_stock_nnx_optimizer_over_windows(case):
     tx = kw.pop("tx")
     ours, ours_opt = _train(oa_nnx.Optimizer, tx(), **kw)
     ref, ref_opt = _train(nnx.Optimizer, tx(), **kw)
-    chex.assert_trees_all_close(nnx.state(ours), nnx.state(ref), rtol=1e-6, atol=1e-7)
-    chex.assert_trees_all_close(nnx.state(ours_opt), nnx.state(ref_opt), rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(
+        nnx.state(ours), nnx.state(ref), rtol=1e-6, atol=1e-7
+    )
+    chex.assert_trees_all_close(
+        nnx.state(ours_opt), nnx.state(ref_opt), rtol=1e-6, atol=1e-7
+    )
     # The windows really closed, the last partial one by the flush:
     state = nnx.as_pure(ours_opt.opt_state)
-    found = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, oa.AccumulateState))
-             if isinstance(s, oa.AccumulateState)]
+    found = [
+        s
+        for s in jax.tree.leaves(
+            state, is_leaf=lambda s: isinstance(s, oa.AccumulateState)
+        )
+        if isinstance(s, oa.AccumulateState)
+    ]
     assert int(found[0].gradient_step) >= 4 and int(found[0].mini_step) == 0
     assert int(ours.bn.window_step[...]) == 0
     if kw.get("lora"):  # the base kernel was not optimized
         fresh = Net(nnx.Rngs(0), accum_steps=K, lora=True)
-        np.testing.assert_array_equal(ours.head.base_module.kernel[...],
-                                      fresh.head.base_module.kernel[...])
+        np.testing.assert_array_equal(
+            ours.head.base_module.kernel[...],
+            fresh.head.base_module.kernel[...],
+        )
         assert not np.array_equal(ours.head.lora_a[...], fresh.head.lora_a[...])
     if case == "loss_scale_overflow":
         assert float(oa.loss_scale(state)) < 2.0**4 * 2  # the scale did move
@@ -144,7 +185,9 @@ def test_optimizer_equals_big_batch_adam_with_token_weights():
     x = jnp.concatenate([b[0] for b in batches])
     y = jnp.concatenate([b[1] for b in batches])
     nnx.jit(lambda m, o: o.update(m, nnx.grad(_loss)(m, x, y)))(ref, ref_opt)
-    chex.assert_trees_all_close(nnx.state(model), nnx.state(ref), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        nnx.state(model), nnx.state(ref), rtol=1e-5, atol=1e-6
+    )
 
 
 def _param_bytes(model):
@@ -152,8 +195,10 @@ def _param_bytes(model):
 
 
 def test_non_closing_update_writes_no_params_and_builds_no_update_tree():
-    model = nnx.Sequential(nnx.Linear(256, 512, rngs=nnx.Rngs(0)),
-                           nnx.Linear(512, 256, rngs=nnx.Rngs(1)))
+    model = nnx.Sequential(
+        nnx.Linear(256, 512, rngs=nnx.Rngs(0)),
+        nnx.Linear(512, 256, rngs=nnx.Rngs(1)),
+    )
     # A -0.0 survives only if the param is not written: -0.0 + 0.0 == +0.0.
     model.layers[0].bias[...] = jnp.full((512,), -0.0)
     tx = oa.chain(oa.accumulate(4), optax.adam(1e-3))
@@ -173,7 +218,9 @@ def test_non_closing_update_writes_no_params_and_builds_no_update_tree():
     assert temps[oa_nnx.Optimizer] < _param_bytes(model) // 100
 
     opt = oa_nnx.Optimizer(model, tx)
-    before = jax.tree.map(lambda a: np.asarray(a).copy(), nnx.state(model, nnx.Param))
+    before = jax.tree.map(
+        lambda a: np.asarray(a).copy(), nnx.state(model, nnx.Param)
+    )
     f = nnx.jit(step, donate_argnums=(0, 1))
     for _ in range(3):  # the window stays open
         f(model, opt, grads)
@@ -181,7 +228,9 @@ def test_non_closing_update_writes_no_params_and_builds_no_update_tree():
         assert np.signbit(model.layers[0].bias[...]).all()
     assert int(opt.step[...]) == 3 and int(opt.opt_state[0].mini_step[...]) == 3
     f(model, opt, grads)  # closes: Adam's first step moves every param
-    assert not np.array_equal(model.layers[0].kernel[...], before["layers"][0]["kernel"])
+    assert not np.array_equal(
+        model.layers[0].kernel[...], before["layers"][0]["kernel"]
+    )
 
 
 class TwoBN(nnx.Module):
@@ -203,7 +252,9 @@ def test_flush_closes_optimizer_and_batchnorm_windows():
     opt = oa_nnx.Optimizer(model, oa.chain(oa.accumulate(4), optax.sgd(0.5)))
     ref_opt = nnx.Optimizer(ref, optax.sgd(0.5), wrt=nnx.Param)
     batches = [_batch(i) for i in range(2)]  # 2 of 4: a partial window
-    loss = lambda m, x, y: optax.squared_error(m(x)[:, 0], y.astype(float)).mean()
+    loss = lambda m, x, y: optax.squared_error(
+        m(x)[:, 0], y.astype(float)
+    ).mean()
 
     @nnx.jit
     def step(model, opt, x, y):
@@ -218,8 +269,12 @@ def test_flush_closes_optimizer_and_batchnorm_windows():
     nnx.jit(lambda m, o: o.flush(m))(model, opt)
     # Optimizer: one SGD step on the mean of the two gradients (not / 4).
     ref_opt.update(ref, jax.tree.map(lambda a, b: (a + b) / 2, *grads))
-    chex.assert_trees_all_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param),
-                                rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(
+        nnx.state(model, nnx.Param),
+        nnx.state(ref, nnx.Param),
+        rtol=1e-6,
+        atol=1e-7,
+    )
     acc = opt.opt_state[0]
     assert (int(acc.mini_step[...]), int(acc.gradient_step[...])) == (0, 1)
     assert int(opt.step[...]) == 2
@@ -227,8 +282,12 @@ def test_flush_closes_optimizer_and_batchnorm_windows():
     for name in ("bn", "bn2"):
         ours, want = getattr(model, name), getattr(ref, name)
         assert int(ours.window_step[...]) == 0
-        np.testing.assert_allclose(ours.mean[...], want.mean[...], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(ours.var[...], want.var[...], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            ours.mean[...], want.mean[...], rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            ours.var[...], want.var[...], rtol=1e-5, atol=1e-6
+        )
     assert not np.allclose(model.bn.var[...], model.bn2.var[...])
     # A second flush finds both windows empty and changes nothing.
     before = jax.tree.map(np.asarray, (nnx.state(model), nnx.state(opt)))
@@ -238,8 +297,11 @@ def test_flush_closes_optimizer_and_batchnorm_windows():
 
 def test_flush_passes_extra_args_and_needs_an_accumulate():
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    tx = oa.chain(oa.accumulate(4), optax.sgd(0.1),
-                  optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
+    tx = oa.chain(
+        oa.accumulate(4),
+        optax.sgd(0.1),
+        optax.contrib.reduce_on_plateau(patience=0, factor=0.5),
+    )
     opt = oa_nnx.Optimizer(model, tx)
     grads = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
     opt.update(model, grads, value=1.0)
@@ -267,8 +329,12 @@ def test_update_returns_none_and_is_a_flax_optimizer():
 
 
 def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):
-    tx = oa.chain(oa.dynamic_loss_scale(2.0**8, period=2), oa.agc(0.05),
-                  oa.accumulate(K), optax.adam(1e-2))
+    tx = oa.chain(
+        oa.dynamic_loss_scale(2.0**8, period=2),
+        oa.agc(0.05),
+        oa.accumulate(K),
+        optax.adam(1e-2),
+    )
     n_steps, stop = 3 * K + 1, K + 2  # stop mid-window
 
     @nnx.jit(donate_argnums=(0, 1))
@@ -292,7 +358,10 @@ def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):
     assert int(first.bn.window_step[...]) == stop - K
     assert float(first_opt.opt_state[0].scale[...]) > 2.0**8  # it moved
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(tmp_path / "ckpt", {"model": nnx.state(first), "opt": nnx.state(first_opt)})
+    ckptr.save(
+        tmp_path / "ckpt",
+        {"model": nnx.state(first), "opt": nnx.state(first_opt)},
+    )
     ckptr.wait_until_finished()
 
     model, opt = nnx.eval_shape(fresh)
@@ -301,8 +370,10 @@ def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):
     model, opt = fresh()
     nnx.update(model, restored["model"])
     nnx.update(opt, restored["opt"])
-    chex.assert_trees_all_equal((nnx.state(model), nnx.state(opt)),
-                                (nnx.state(first), nnx.state(first_opt)))
+    chex.assert_trees_all_equal(
+        (nnx.state(model), nnx.state(opt)),
+        (nnx.state(first), nnx.state(first_opt)),
+    )
     for i in range(stop, n_steps):
         step(model, opt, *_batch(i))
     _flush(model, opt)
