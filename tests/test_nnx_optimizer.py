@@ -379,3 +379,24 @@ def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):
     _flush(model, opt)
     chex.assert_trees_all_equal(nnx.state(model), nnx.state(full))
     chex.assert_trees_all_equal(nnx.state(opt), nnx.state(full_opt))
+
+
+def test_bench_nnx_runs_and_measures_memory():
+    """Smoke test of benchmarks/bench_nnx.py on toy sizes: it runs end to
+    end and its compile-time memory targets hold (timings are not checked)."""
+    import importlib.util
+    import pathlib
+
+    path = (
+        pathlib.Path(__file__).resolve().parent.parent
+        / "benchmarks"
+        / "bench_nnx.py"
+    )
+    spec = importlib.util.spec_from_file_location("bench_nnx", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.main(tiny=True, rounds=1)
+    assert all(len(row) == len(res["headers"]) for row in res["rows"])
+    assert len(res["rows"]) == 7 and all(r > 0 for r in res["ratios"].values())
+    memory = [t for t in res["targets"] if "temp" in t["target"]]
+    assert len(memory) == 2 and all(t["met"] for t in memory), memory
