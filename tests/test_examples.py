@@ -135,7 +135,9 @@ def test_transformer_lm(tmp_path):
     # (b) takes the updates of (a), to float tolerance; (c) does not.
     assert row(a, 0) == row(b, 0) == row(c, 0)  # optimizer steps
     assert row(b, 4) < 1e-5 and row(c, 4) > 1e-3  # gradient error at init
-    assert row(b, 3) < 1e-5 and row(c, 3) > 1e-3  # max |params - params(a)|
-    assert abs(row(b, 1) - row(a, 1)) < 1e-4  # train loss
+    # max |params - params(a)| after training: Adam turns the rounding of
+    # near-zero gradients into differences of ~1e-5; (c)'s is ~1e-2.
+    assert row(b, 3) < 1e-4 and row(c, 3) > 1e-3
+    assert abs(row(b, 1) - row(a, 1)) < 1e-4  # final train loss
     png = tmp_path / "figures" / "transformer_lm.png"
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
