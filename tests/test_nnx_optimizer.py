@@ -397,6 +397,6 @@ def test_bench_nnx_runs_and_measures_memory():
     spec.loader.exec_module(bench)
     res = bench.main(tiny=True, rounds=1)
     assert all(len(row) == len(res["headers"]) for row in res["rows"])
-    assert len(res["rows"]) == 7 and all(r > 0 for r in res["ratios"].values())
+    assert len(res["rows"]) == 8 and all(r > 0 for r in res["ratios"].values())
     memory = [t for t in res["targets"] if "temp" in t["target"]]
     assert len(memory) == 2 and all(t["met"] for t in memory), memory
