@@ -10,7 +10,8 @@ Each benchmark module has ``main(tiny: bool = False) -> dict`` returning
 * optionally ``notes``: a list of sentences printed under its tables;
 * anything else (raw seconds, bytes), kept out of the report.
 
-B1 (``bench_step``) and B2 (``bench_microbatch``) always run; the
+B1 (``bench_step``), B1-nnx (``bench_nnx``) and B2 (``bench_microbatch``)
+always run; the
 multi-device benchmark (``bench_multidevice``) runs when its module is there.
 
 Run: ``python benchmarks/run_all.py [--tiny] [--out DIR]`` (``make bench``).
@@ -32,7 +33,7 @@ sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
 
-BENCHMARKS = ("bench_step", "bench_microbatch")
+BENCHMARKS = ("bench_step", "bench_nnx", "bench_microbatch")
 OPTIONAL = ("bench_multidevice",)
 
 NOISE_NOTE = (
@@ -50,7 +51,7 @@ def _load() -> str:
 
 
 def run_benchmarks(tiny: bool = False) -> list[dict]:
-    """Runs B1, B2 and, if present, the multi-device benchmark."""
+    """Runs B1, B1-nnx, B2 and, if present, the multi-device benchmark."""
     names = list(BENCHMARKS)
     names += [
         n for n in OPTIONAL if os.path.exists(os.path.join(HERE, f"{n}.py"))
