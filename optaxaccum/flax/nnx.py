@@ -210,7 +210,7 @@ class Optimizer(nnx.Optimizer):
         nnx.update(model, params)
         nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
 
-    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
         """One micro-batch through :func:`optaxaccum.apply_gradients`.
 
         Args:
