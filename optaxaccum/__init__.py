@@ -21,6 +21,11 @@ from optaxaccum._src.microbatch import (
     microbatched_value_and_grad,
     plan_microbatches,
 )
+from optaxaccum._src.sharding import (
+    map_accumulators,
+    state_shardings,
+    unreduced_value_and_grad,
+)
 
 __version__ = "0.1.0"
 
@@ -39,10 +44,13 @@ __all__ = [
     "has_updated",
     "is_gate",
     "loss_scale",
+    "map_accumulators",
     "microbatched_step_memory",
     "microbatched_value_and_grad",
     "plan_microbatches",
     "scaled_value_and_grad",
+    "state_shardings",
     "static_loss_scale",
     "unitwise_norm",
+    "unreduced_value_and_grad",
 ]

@@ -8,9 +8,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
-from optaxaccum._src import base
+from optaxaccum._src import base, sharding
 
 __all__ = ["AccumulateState", "accumulate", "has_updated"]
 
@@ -137,7 +136,7 @@ def accumulate(
         return AccumulateState(
             mini_step=jnp.zeros([], jnp.int32),
             gradient_step=jnp.zeros([], jnp.int32),
-            acc=jax.tree.map(lambda p: jnp.zeros_like(p, acc_dtype), params),
+            acc=sharding.window_zeros(params, acc_dtype, axis_name),
             weight=jnp.zeros([], weight_dtype),
             updated=jnp.zeros([], bool),
         )
@@ -156,11 +155,9 @@ def accumulate(
         def emit():
             acc, weight = state.acc, state.weight
             if axis_name is not None:
-                weight = lax.psum(weight, axis_name)
-                if reduction == "mean":
-                    acc = lax.psum(acc, axis_name)
-                else:
-                    acc = lax.pmean(acc, axis_name)
+                acc, weight = sharding.reduce_window(
+                    acc, weight, axis_name, reduction
+                )
             opened = True if nonzero_weight else weight != 0
             if reduction == "mean":
                 scale = jnp.where(opened, 1 / jnp.where(opened, weight, 1), 0)
@@ -192,7 +189,7 @@ def accumulate(
         fresh = state.mini_step == 0
 
         def add(a, g):
-            wg = w.astype(acc_dtype) * g.astype(acc_dtype)
+            wg = sharding.times(w.astype(acc_dtype), g.astype(acc_dtype), a)
             return jnp.where(fresh, wg, a + wg)
 
         acc = jax.tree.map(add, state.acc, updates)
@@ -203,9 +200,7 @@ def accumulate(
         # oa.chain), and skip_nonfinite refuses non-finite gradients.
         counted = _gate_passed
         if skip_nonfinite:
-            finite = base.all_finite(updates)
-            if axis_name is not None:
-                finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+            finite = sharding.all_finite(updates, axis_name)
             counted = base.both(counted, finite)
         if counted is not True:
             acc = optax.tree.where(counted, acc, state.acc)
