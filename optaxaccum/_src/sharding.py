@@ -76,7 +76,8 @@ def deferred_spec(spec: P, names: Sequence[Hashable], kind: str) -> P:
         if entry is None:
             return None
         kept = tuple(
-            a for a in (entry if isinstance(entry, tuple) else (entry,))
+            a
+            for a in (entry if isinstance(entry, tuple) else (entry,))
             if a not in names
         )
         return None if not kept else kept[0] if len(kept) == 1 else kept
@@ -142,18 +143,16 @@ def unreduced_value_and_grad(
       >>> import jax, jax.numpy as jnp
       >>> import optaxaccum as oa
       >>> from jax.sharding import AxisType, PartitionSpec as P
-      >>> mesh = jax.make_mesh((2,), ("data",), (AxisType.Explicit,),
-      ...                      devices=jax.devices()[:2])
+      >>> mesh = jax.make_mesh((1,), ("data",), (AxisType.Explicit,),
+      ...                      devices=jax.devices()[:1])
       >>> with jax.set_mesh(mesh):
       ...   w = jax.device_put(jnp.ones(3), P())
       ...   x = jax.device_put(jnp.ones((4, 3)), P("data", None))
       ...   f = oa.unreduced_value_and_grad(
       ...       lambda w, x: jnp.mean(x @ w), "data")
       ...   loss, g = jax.jit(f)(w, x)
-      >>> jax.typeof(g)
-      ShapedArray(float32[3]{U:data})
-      >>> jax.reshard(g, P())
-      Array([1., 1., 1.], dtype=float32)
+      ...   print(jax.typeof(g), jax.reshard(g, P()))
+      float32[3]{U:data} [1. 1. 1.]
     """
     names = axis_names(axis_name)
     value_and_grad = jax.value_and_grad(
@@ -182,8 +181,9 @@ def window_zeros(params: Any, dtype: Any, axis_name: Any) -> Any:
         z = jnp.zeros_like(p, dtype)
         if not is_explicit(p, axis_name):
             return z
-        spec = deferred_spec(_sharding(p).spec, axis_names(axis_name),
-                             "unreduced")
+        spec = deferred_spec(
+            _sharding(p).spec, axis_names(axis_name), "unreduced"
+        )
         return jax.reshard(z, spec)
 
     return jax.tree.map(zeros, params)
@@ -285,18 +285,19 @@ def state_shardings(
       >>> import jax, jax.numpy as jnp, optax
       >>> import optaxaccum as oa
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
-      >>> mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+      >>> mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
       >>> params = jax.device_put(jnp.ones((4, 3)),
       ...                         NamedSharding(mesh, P("fsdp", None)))
       >>> tx = oa.chain(oa.accumulate(2), optax.adam(1e-3))
       >>> shardings = oa.state_shardings(tx, params)
       >>> shardings[1][0].mu.spec, shardings[0].mini_step.spec
-      (PartitionSpec('fsdp', None), PartitionSpec())
+      (P('fsdp', None), P())
       >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
     """
     if mesh is None:
         found = [
-            p.sharding for p in jax.tree.leaves(params)
+            p.sharding
+            for p in jax.tree.leaves(params)
             if isinstance(getattr(p, "sharding", None), NamedSharding)
         ]
         if not found:
@@ -306,12 +307,21 @@ def state_shardings(
             )
         mesh = found[0].mesh
     replicated = NamedSharding(mesh, P())
+
+    def typed(s):
+        """The sharding in ``s``'s type (explicit axes), else None."""
+        sharding = getattr(s, "sharding", None)
+        explicit = isinstance(sharding, NamedSharding) and bool(
+            sharding.mesh.explicit_axes
+        )
+        return sharding if explicit else None
+
     return optax.tree_map_params(
         tx,
-        lambda p, *_: p.sharding,
+        lambda s, p: typed(s) or p.sharding,
         jax.eval_shape(tx.init, params),
         params,
-        transform_non_params=lambda _: replicated,
+        transform_non_params=lambda s: typed(s) or replicated,
     )
 
 
