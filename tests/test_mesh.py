@@ -169,10 +169,17 @@ def _step_fn(tx, mesh, *, ours=True, fused=True, weighted=True):
     return step
 
 
-def _run(tx, mesh, data, **kwargs):
+def _run(tx, mesh, data, eager_init=False, **kwargs):
+    """Feeds ``data``'s micro-steps to the jitted step. The state comes from
+    ``jax.jit(tx.init)`` under the mesh (unreduced accumulator), or with
+    ``eager_init`` from ``tx.init`` outside any mesh context (plain zeros,
+    made unreduced by the first step)."""
+    if eager_init:
+        state = tx.init(_put_params(mesh, _init_params()))
     with jax.set_mesh(mesh):
         params = _put_params(mesh, _init_params())
-        state = jax.jit(tx.init)(params)
+        if not eager_init:
+            state = jax.jit(tx.init)(params)
         step = jax.jit(_step_fn(tx, mesh, **kwargs), donate_argnums=(0, 1))
         for t in range(len(data[0])):
             micro = _put_batch(mesh, *(a[t] for a in data))
@@ -246,16 +253,18 @@ def test_unreduced_value_and_grad_type_and_value(mesh_name):
 
 
 @pytest.mark.parametrize(
-    "mesh_name,opt_name,fused",
+    "mesh_name,opt_name,fused,eager_init",
     [
-        ("data2xfsdp4", "sgd", True),
-        ("data2xfsdp4", "adam", True),
-        ("data2xfsdp4", "adam", False),
-        ("data8", "adam", True),
-        ("data8", "sgd", False),
+        ("data2xfsdp4", "sgd", True, False),
+        ("data2xfsdp4", "adam", True, False),
+        ("data2xfsdp4", "adam", False, True),
+        ("data8", "adam", True, True),
+        ("data8", "sgd", False, False),
     ],
 )
-def test_accumulate_axis_name_equals_big_batch(mesh_name, opt_name, fused):
+def test_accumulate_axis_name_equals_big_batch(
+    mesh_name, opt_name, fused, eager_init
+):
     """Unreduced micro-batch gradients, weighted by their global token
     counts, K per window, several windows: the params equal one optax step
     per window on the window's whole batch (single device); the accumulator
@@ -264,7 +273,7 @@ def test_accumulate_axis_name_equals_big_batch(mesh_name, opt_name, fused):
     opt = {"sgd": optax.sgd(0.3), "adam": optax.adam(0.05)}[opt_name]
     data = _make_data(K * WINDOWS)
     tx = oa.chain(oa.accumulate(K, axis_name="data"), opt)
-    params, state = _run(tx, mesh, data, fused=fused)
+    params, state = _run(tx, mesh, data, eager_init, fused=fused)
     want = _reference(opt, _init_params(), *data)
     chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
     acc = state[0]

@@ -180,6 +180,7 @@ def accumulate(
         base.check_same_structure(
             "the gradients", updates, state.acc, "the accumulator (params)"
         )
+        state = state._replace(acc=sharding.match_grads(state.acc, updates))
         if jnp.ndim(accum_weight) != 0:
             raise ValueError(
                 "accum_weight must be a scalar, got an array of shape "

@@ -172,14 +172,28 @@ def unreduced_value_and_grad(
 # ----------------------------------------- helpers of oa.accumulate
 
 
+def _in_explicit_context(axis_name: Any) -> bool:
+    """Whether the current mesh context (``jax.set_mesh``) has the axes
+    ``axis_name``, all Explicit."""
+    if axis_name is None:
+        return False
+    explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
+    return all(n in explicit for n in axis_names(axis_name))
+
+
 def window_zeros(params: Any, dtype: Any, axis_name: Any) -> Any:
-    """The accumulator of a window: zeros like ``params`` in ``dtype``;
-    under an explicit mesh naming ``axis_name``, unreduced over it (as the
-    gradients of :func:`unreduced_value_and_grad` are)."""
+    """The accumulator of a window: zeros like ``params`` in ``dtype``.
+
+    Under ``jax.set_mesh`` of a mesh whose axes ``axis_name`` are Explicit,
+    unreduced over them, as the gradients of :func:`unreduced_value_and_grad`
+    are (outside such a context, e.g. for ``shard_map``, plain zeros:
+    :func:`match_grads` makes them unreduced on the first call that needs
+    it).
+    """
 
     def zeros(p):
         z = jnp.zeros_like(p, dtype)
-        if not is_explicit(p, axis_name):
+        if not (_in_explicit_context(axis_name) and is_explicit(p, axis_name)):
             return z
         spec = deferred_spec(
             _sharding(p).spec, axis_names(axis_name), "unreduced"
@@ -187,6 +201,18 @@ def window_zeros(params: Any, dtype: Any, axis_name: Any) -> Any:
         return jax.reshard(z, spec)
 
     return jax.tree.map(zeros, params)
+
+
+def match_grads(acc: Any, grads: Any) -> Any:
+    """``acc`` with each plain leaf cast to the unreduced sharding of the
+    corresponding gradient (a local cast: no data moves between devices)."""
+
+    def match(a, g):
+        if unreduced_axes(g) and not unreduced_axes(a):
+            return jax.reshard(a, _sharding(g).spec)
+        return a
+
+    return jax.tree.map(match, acc, grads)
 
 
 def times(s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
