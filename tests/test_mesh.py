@@ -515,3 +515,44 @@ def test_unreduced_value_and_grad_bad_input():
     f = oa.unreduced_value_and_grad(lambda p: jnp.sum(p), "data")
     with pytest.raises(ValueError, match="Explicit"):
         f(jnp.ones(3))  # no mesh
+
+
+# ------------------------------------------------------- the benchmark B4
+
+
+def test_bench_mesh_tiny():
+    """B4 on toy sizes, in its own process: per window, one call reduces
+    the gradient over 'data' (one op) against K for the naive jit step, on
+    both meshes; the accumulator is tree / fsdp per device."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_mesh.py", "--tiny", "--json"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for mesh_name, r in res["results"].items():
+        ours = r["census"]["oa.unreduced_value_and_grad"]
+        naive = r["census"]["naive jit"]
+        assert ours["data_grad_calls"] == 1 and ours["data_grad_ops"] == 1
+        assert ours["top_data_grad_ops"] == 0
+        assert naive["data_grad_calls"] == res["k"], (mesh_name, naive)
+        fsdp = 4 if "fsdp" in mesh_name else 1
+        assert (
+            r["acc_bytes"]["oa.unreduced_value_and_grad"] * fsdp
+            == (r["tree_bytes"])
+        )
+    assert len(res["rows"]) == 4
