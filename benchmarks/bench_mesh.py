@@ -207,7 +207,7 @@ def _measure_mesh(shape, cfg):
             s = jax.jit(tx.init)(p)
             compiled[name] = step.lower(p, s, xs[0], ys[0]).compile()
             census[name] = _census_row(
-                collectives.census(compiled[name].as_text(), mesh)
+                collectives.collective_census(compiled[name].as_text(), mesh)
             )
             acc_bytes[name] = sum(
                 a.addressable_shards[0].data.nbytes

@@ -8,6 +8,7 @@ from optaxaccum._src.accumulate import AccumulateState, accumulate, has_updated
 from optaxaccum._src.agc import agc, unitwise_norm
 from optaxaccum._src.base import GatedTransformation, GateResult, is_gate
 from optaxaccum._src.chain import apply_gradients, chain, flush
+from optaxaccum._src.collectives import collective_census
 from optaxaccum._src.loss_scale import (
     DynamicLossScaleState,
     StaticLossScaleState,
@@ -39,6 +40,7 @@ __all__ = [
     "agc",
     "apply_gradients",
     "chain",
+    "collective_census",
     "dynamic_loss_scale",
     "flush",
     "has_updated",

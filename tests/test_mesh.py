@@ -299,7 +299,7 @@ def _compiled_census(mesh, tx, ours):
         lowered = jax.jit(_step_fn(tx, mesh, ours=ours)).lower(
             params, state, *batch
         )
-        ops = collectives.census(lowered.compile().as_text(), mesh)
+        ops = collectives.collective_census(lowered.compile().as_text(), mesh)
     return ops, lowered.as_text(), params
 
 
@@ -371,7 +371,9 @@ def test_hlo_plain_gather_reduces_every_micro_batch():
         g = jax.jit(grads)(params, *batch)
         text = jax.jit(grads).lower(params, *batch).compile().as_text()
     assert all(x.sharding.spec.unreduced == {"data"} for x in g)
-    per_step = collectives.over(collectives.census(text, mesh), "data")
+    per_step = collectives.over(
+        collectives.collective_census(text, mesh), "data"
+    )
     w_bytes = 4 * (D_IN * HIDDEN + HIDDEN * D_OUT)
     assert any(
         o["op"] == "all-reduce" and o["bytes"] >= w_bytes // 2 for o in per_step
@@ -556,3 +558,33 @@ def test_bench_mesh_tiny():
             == (r["tree_bytes"])
         )
     assert len(res["rows"]) == 4
+
+
+def test_example_fsdp_runs_on_8_cpu_devices():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "examples/fsdp.py", "--steps", "8", "--accum", "4"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    import re
+
+    naive = re.search(r"naive jit +(\d+) ops", out)
+    ours = re.search(r"oa.unreduced_value_and_grad +(\d+) ops", out)
+    assert naive and int(naive[1]) >= 4, out  # every micro-step
+    assert ours and int(ours[1]) == 1, out
+    assert "optimizer steps 2" in out, out
+    assert "{U:data}" in out, out

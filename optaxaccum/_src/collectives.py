@@ -1,6 +1,5 @@
 """Collectives of a compiled (SPMD-partitioned) HLO module and the mesh axes
-they reduce over, for tests, benchmarks and examples that count
-communication (not part of the public API).
+they span: :func:`collective_census`, for checking where a step communicates.
 
 Each collective's ``replica_groups`` (explicit ``{{0,4},{1,5}}``, iota
 ``[4,2]<=[8]`` or mesh-style ``mesh['axis_0'=2,...] {'axis_0'}``) is turned
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -88,19 +88,34 @@ def group_axes(
     return frozenset(axes)
 
 
-def census(text: str, mesh) -> list[dict]:
-    """Every collective of a compiled module, where it runs and its axes.
+def collective_census(compiled: Any, mesh: Any) -> list[dict]:
+    """Every collective of a compiled step, where it runs and its mesh axes.
+
+    Reads the compiled (SPMD-partitioned) HLO: the lowered module holds no
+    collectives when Shardy partitions (JAX's default), so count in the
+    compiled one. A collective inside a ``lax.cond`` branch (e.g. the
+    window's reduction of :func:`accumulate`) runs only when that branch is
+    taken. XLA may combine several reductions into one op (a tuple).
 
     Args:
-      text: ``jax.jit(f).lower(...).compile().as_text()``.
-      mesh: the :class:`jax.sharding.Mesh` the module is partitioned over.
+      compiled: ``jax.jit(f).lower(*args).compile()`` or its ``as_text()``.
+      mesh: the :class:`jax.sharding.Mesh` the step is partitioned over.
 
     Returns:
       One dict per collective: ``op`` (e.g. ``"all-reduce"``), ``bytes``
       (of its result), ``axes`` (frozenset of mesh axis names it spans) and
       ``branches`` (the conditional branches leading to it; ``()`` when it
       runs on every call).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optaxaccum as oa
+      >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+      >>> compiled = jax.jit(jnp.sin).lower(jnp.ones(3)).compile()
+      >>> oa.collective_census(compiled, mesh)
+      []
     """
+    text = compiled if isinstance(compiled, str) else compiled.as_text()
     mesh_ids = np.vectorize(lambda d: d.id)(mesh.devices)
     names = tuple(mesh.axis_names)
     comps, entry = hlo.parse_hlo(text)
