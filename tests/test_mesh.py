@@ -146,10 +146,10 @@ def _put_batch(mesh, *arrays):
     return [jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays]
 
 
-def _step_fn(tx, mesh, *, ours=True, fused=True, weighted=True):
+def _step_fn(tx, mesh, *, ours=True, fused=True, weighted=True, axis="data"):
     loss = _loss(_batch_axes(mesh))
     vg = (
-        oa.unreduced_value_and_grad(loss, "data")
+        oa.unreduced_value_and_grad(loss, axis)
         if ours
         else jax.value_and_grad(loss)
     )
@@ -344,6 +344,34 @@ def test_hlo_one_data_reduction_per_window(mesh_name):
     top = collectives.over(naive, "data", top=True)
     assert sum(o["bytes"] for o in top) >= tree_bytes, naive
     assert not collectives.over(naive, "data", top=False), naive
+
+
+def test_naming_fsdp_too_defers_both_reductions():
+    """axis_name=("data", "fsdp"): no gradient reduction at all on
+    micro-steps (only the forward's all-gathers over fsdp), one all-reduce
+    of the whole tree over both axes per window, an unsharded accumulator;
+    the update still equals the big-batch one."""
+    mesh = _mesh("data2xfsdp4")
+    axis = ("data", "fsdp")
+    tx = oa.chain(oa.accumulate(K, axis_name=axis), optax.adam(0.05))
+    data = _make_data(K * WINDOWS)
+    params, state = _run(tx, mesh, data, axis=axis)
+    want = _reference(optax.adam(0.05), _init_params(), *data)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
+    tree_bytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(want))
+    assert _shard_bytes(state[0].acc) == tree_bytes
+    with jax.set_mesh(mesh):
+        p = _put_params(mesh, _init_params())
+        s = jax.jit(tx.init)(p)
+        batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
+        step = jax.jit(_step_fn(tx, mesh, axis=axis))
+        ops = oa.collective_census(step.lower(p, s, *batch).compile(), mesh)
+    top = [o for o in ops if not o["branches"] and o["bytes"] > 64]
+    assert {o["op"] for o in top} == {"all-gather"}, ops
+    assert all(o["axes"] == {"fsdp"} for o in top), ops
+    branch = [o for o in ops if o["branches"]]
+    assert len(branch) == 1 and branch[0]["axes"] == set(axis), ops
+    assert branch[0]["bytes"] == tree_bytes, ops
 
 
 def test_hlo_plain_gather_reduces_every_micro_batch():
