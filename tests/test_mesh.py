@@ -616,3 +616,38 @@ def test_example_fsdp_runs_on_8_cpu_devices():
     assert ours and int(ours[1]) == 1, out
     assert "optimizer steps 2" in out, out
     assert "{U:data}" in out, out
+
+
+# ------------------------------------------------- two processes (gloo)
+
+
+def test_two_processes_one_mesh_match_single_process(tmp_path):
+    """Two jax.distributed processes x 4 CPU devices, one explicit
+    data=2 x fsdp=4 mesh spanning both, unreduced gradients weighted by
+    token counts, several windows: the params equal a single-process
+    big-batch run on the same global batches."""
+    import importlib.util
+    import pathlib
+
+    from tests.test_multidevice import run_two_processes
+
+    path = pathlib.Path(__file__).resolve().parent / "_mesh_worker.py"
+    spec = importlib.util.spec_from_file_location("_mesh_worker", path)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+
+    out = run_two_processes(tmp_path, "_mesh_worker.py")
+    x, y, mask = worker.make_data(worker.WINDOWS * worker.K)
+    opt = optax.adam(worker.LEARNING_RATE)
+    params = worker.init_params()
+    state = opt.init(params)
+
+    def window_loss(p, x, y, mask):
+        return (mask * worker.per_example(p, x, y)).sum() / mask.sum()
+
+    for t in range(0, len(x), worker.K):
+        window = slice(t, t + worker.K)
+        g = jax.grad(window_loss)(params, x[window], y[window], mask[window])
+        updates, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(np.load(out), worker.flatten(params), **TOL)

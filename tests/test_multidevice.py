@@ -642,7 +642,7 @@ _GLOO_MISSING = ("not available", "unavailable", "not supported",
 _MULTIHOST_TIMEOUT = 120  # seconds, both processes together
 
 
-def _run_two_workers(tmp_path, out, attempt):
+def _run_two_workers(tmp_path, out, attempt, script):
     """Starts both worker processes, waits for them (killing any still
     running at the deadline); returns ``(all succeeded, report)``."""
     port = _free_port()
@@ -650,7 +650,6 @@ def _run_two_workers(tmp_path, out, attempt):
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    script = str(ROOT / "tests" / "_multihost_worker.py")
     logs = [tmp_path / f"worker{i}-{attempt}.log" for i in range(2)]
     procs = []
     deadline = time.monotonic() + _MULTIHOST_TIMEOUT
@@ -675,21 +674,29 @@ def _run_two_workers(tmp_path, out, attempt):
     return all(p.returncode == 0 for p in procs), report
 
 
-def test_two_processes_match_single_process(tmp_path):
-    """Two ``jax.distributed`` processes x 2 CPU devices (gloo collectives),
-    pmap + ``accumulate(axis_name)``, weighted by token counts: the params
-    equal a single-process big-batch run on the same global batches."""
+def run_two_processes(tmp_path, script):
+    """Runs ``script`` (``tests/<script>``) as two ``jax.distributed``
+    processes; returns the path of the params process 0 saved. Skips where
+    gloo CPU collectives are missing; fails with both logs otherwise."""
     out = tmp_path / "params.npy"
-    ok, report = _run_two_workers(tmp_path, out, 0)
+    script = str(ROOT / "tests" / script)
+    ok, report = _run_two_workers(tmp_path, out, 0, script)
     if not ok and "address already in use" in report.lower():
-        ok, report = _run_two_workers(tmp_path, out, 1)  # lost a port race
+        ok, report = _run_two_workers(tmp_path, out, 1, script)  # port race
     if not ok:
         lowered = report.lower()
         if "gloo" in lowered and any(r in lowered for r in _GLOO_MISSING):
             pytest.skip(f"gloo CPU collectives unavailable here:\n{report}")
         pytest.fail("a worker failed or ran past "
                     f"{_MULTIHOST_TIMEOUT} s:\n{report}")
+    return out
 
+
+def test_two_processes_match_single_process(tmp_path):
+    """Two ``jax.distributed`` processes x 2 CPU devices (gloo collectives),
+    pmap + ``accumulate(axis_name)``, weighted by token counts: the params
+    equal a single-process big-batch run on the same global batches."""
+    out = run_two_processes(tmp_path, "_multihost_worker.py")
     data = worker.make_data(2 * worker.LOCAL_DEVICES,
                             worker.WINDOWS * worker.K)
     want = _reference(optax.adam(worker.LEARNING_RATE), _params(), *data,
