@@ -651,3 +651,151 @@ def test_two_processes_one_mesh_match_single_process(tmp_path):
         updates, state = opt.update(g, state, params)
         params = optax.apply_updates(params, updates)
     np.testing.assert_allclose(np.load(out), worker.flatten(params), **TOL)
+
+
+# ------------------------------------------ in-step microbatching, BatchNorm
+
+
+def test_microbatched_unreduced_value_and_grad_under_mesh():
+    """unreduced_value_and_grad wrapping microbatched_value_and_grad (4
+    interleaved micro-batches, token weights): equals jax.value_and_grad
+    on one device; the gradients stay unreduced over 'data' through the
+    scan; the compiled step has no all-to-all and no data-axis gradient
+    reduction (only scalars)."""
+    import functools
+
+    mesh = _mesh("data2xfsdp4")
+    batch_axes = _batch_axes(mesh)
+    x, y, mask = (np.concatenate(a[:2]) for a in _make_data(2))
+
+    def loss(params, batch):
+        x, y, mask = batch
+        per = _per_example(params, x, y, batch_axes)
+        return (mask * per).sum() / jnp.maximum(mask.sum(), 1.0)
+
+    micro = functools.partial(
+        oa.microbatched_value_and_grad,
+        num_microbatches=4,
+        interleave=True,
+        weight_fn=lambda batch: batch[2].sum(),
+    )
+    f = oa.unreduced_value_and_grad(loss, "data", value_and_grad=micro)
+
+    def step(params, batch):
+        value, grads = f(params, batch)
+        assert all(
+            jax.typeof(g).sharding.spec.unreduced == {"data"}
+            for g in jax.tree.leaves(grads)
+        )
+        reduced = jax.tree.map(
+            lambda g: jax.reshard(
+                g, jax.typeof(g).sharding.spec.update(unreduced=frozenset())
+            ),
+            grads,
+        )
+        return value, reduced
+
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        batch = tuple(_put_batch(mesh, x, y, mask))
+        value, grads = jax.jit(step)(params, batch)
+        ops = oa.collective_census(
+            jax.jit(lambda p, b: f(p, b)).lower(params, batch).compile(), mesh
+        )
+    want_value, want = jax.value_and_grad(_loss(None))(
+        _init_params(), x, y, mask
+    )
+    chex.assert_trees_all_close(grads, want, **TOL)
+    np.testing.assert_allclose(value, want_value, **TOL)
+    assert not [o for o in ops if o["op"] == "all-to-all"], ops
+    data_grads = [o for o in collectives.over(ops, "data") if o["bytes"] > 64]
+    assert not data_grads, ops
+
+
+def test_accum_batch_norm_under_mesh():
+    """AccumBatchNorm(accum_steps=2) in a loss differentiated with
+    unreduced_value_and_grad on the data=8 mesh (its scale and bias cast
+    back to plain, as elementwise ops need): the running statistics equal
+    nn.BatchNorm's on the concatenated window, and each micro-batch's
+    gradients, unreduced over 'data', equal jax.grad on one device."""
+    import flax.linen as nn
+
+    from optaxaccum.flax import AccumBatchNorm
+
+    class Model(nn.Module):
+        norm: type = AccumBatchNorm
+        accum: bool = True
+
+        @nn.compact
+        def __call__(self, x, train):
+            kw = {"accum_steps": 2} if self.accum else {}
+            x = self.norm(use_running_average=not train, momentum=0.9, **kw)(x)
+            return jnp.tanh(x).sum(-1)
+
+    def plain(tree):  # drop the reduced axes: elementwise ops need it
+        return jax.tree.map(
+            lambda p: jax.reshard(
+                p, jax.typeof(p).sharding.spec.update(reduced=frozenset())
+            ),
+            tree,
+        )
+
+    model = Model()
+
+    def loss(params, stats, x):
+        out, new = model.apply(
+            {"params": plain(params), "batch_stats": stats},
+            x,
+            train=True,
+            mutable=["batch_stats"],
+        )
+        return jnp.mean(out**2), new["batch_stats"]
+
+    def reduce(tree):
+        return jax.tree.map(
+            lambda g: jax.reshard(
+                g, jax.typeof(g).sharding.spec.update(unreduced=frozenset())
+            ),
+            tree,
+        )
+
+    def step(params, stats, x):
+        (_, stats), grads = oa.unreduced_value_and_grad(
+            loss, "data", has_aux=True
+        )(params, stats, x)
+        types = jax.tree.leaves(jax.tree.map(jax.typeof, grads))
+        assert all(t.sharding.spec.unreduced == {"data"} for t in types)
+        return stats, reduce(grads)
+
+    xs = np.random.default_rng(0).normal(size=(2, 16, 4)).astype(np.float32)
+    mesh = _mesh("data8")
+    with jax.set_mesh(mesh):
+        put = lambda a: jax.device_put(a, P("data", None))  # noqa: E731
+        variables = jax.jit(
+            lambda x: model.init(jax.random.key(0), x, train=False)
+        )(put(xs[0]))
+        stats = variables["batch_stats"]
+        for x in xs:
+            stats, grads = jax.jit(step)(variables["params"], stats, put(x))
+    single = jax.tree.map(np.asarray, variables)
+    want = jax.grad(lambda p: loss(p, single["batch_stats"], xs[1])[0])
+    with jax.set_mesh(
+        jax.make_mesh(
+            (1,),
+            ("data",),
+            devices=jax.devices()[:1],
+            axis_types=(AxisType.Explicit,),
+        )
+    ):
+        ref_grads = jax.jit(want)(single["params"])
+    chex.assert_trees_all_close(grads, ref_grads, **TOL)
+    ref = Model(norm=nn.BatchNorm, accum=False)
+    ref_vars = ref.init(jax.random.key(0), xs[0], train=False)
+    _, new = ref.apply(
+        ref_vars, xs.reshape(-1, 4), train=True, mutable=["batch_stats"]
+    )
+    got = stats["AccumBatchNorm_0"]
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(
+            got[name], new["batch_stats"]["BatchNorm_0"][name], **TOL
+        )

@@ -106,6 +106,7 @@ def unreduced_value_and_grad(
     *,
     has_aux: bool = False,
     argnums: int | Sequence[int] = 0,
+    value_and_grad: Callable[..., Callable] = jax.value_and_grad,
 ) -> Callable[..., tuple[Any, Any]]:
     """:func:`jax.value_and_grad` leaving gradients unreduced over mesh axes.
 
@@ -129,6 +130,11 @@ def unreduced_value_and_grad(
         gradient is then as large as the unsharded parameter).
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       argnums: which positional argument(s) to differentiate.
+      value_and_grad: the differentiation to wrap, called as
+        ``value_and_grad(loss_fn, argnums=..., has_aux=...)``; e.g.
+        ``functools.partial(oa.microbatched_value_and_grad,
+        num_microbatches=4, interleave=True)`` to split the batch inside the
+        step as well (its accumulation stays unreduced too).
 
     Returns:
       A function with ``loss_fn``'s arguments returning ``(loss, grads)`` or
@@ -155,16 +161,14 @@ def unreduced_value_and_grad(
       float32[3]{U:data} [1. 1. 1.]
     """
     names = axis_names(axis_name)
-    value_and_grad = jax.value_and_grad(
-        loss_fn, argnums=argnums, has_aux=has_aux
-    )
+    grad_fn = value_and_grad(loss_fn, argnums=argnums, has_aux=has_aux)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     def wrapped(*args, **kwargs):
         args = list(args)
         for i in nums:
             args[i] = jax.tree.map(lambda p: _to_reduced(p, names), args[i])
-        return value_and_grad(*args, **kwargs)
+        return grad_fn(*args, **kwargs)
 
     return wrapped
 
@@ -201,6 +205,19 @@ def window_zeros(params: Any, dtype: Any, axis_name: Any) -> Any:
         return jax.reshard(z, spec)
 
     return jax.tree.map(zeros, params)
+
+
+def grad_zeros(p: Any, dtype: Any) -> jax.Array:
+    """Zeros of ``p``'s gradient type: like ``p`` in ``dtype``, unreduced
+    over the axes over which ``p`` is reduced (JAX's cotangent rule)."""
+    z = jnp.zeros_like(p, dtype)
+    sharding = _sharding(p)
+    if sharding is None or not sharding.spec.reduced:
+        return z
+    spec = sharding.spec
+    return jax.reshard(
+        z, spec.update(reduced=frozenset(), unreduced=spec.reduced)
+    )
 
 
 def match_grads(acc: Any, grads: Any) -> Any:
