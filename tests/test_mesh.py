@@ -799,3 +799,46 @@ def test_accum_batch_norm_under_mesh():
         np.testing.assert_allclose(
             got[name], new["batch_stats"]["BatchNorm_0"][name], **TOL
         )
+
+
+def test_plan_microbatches_counts_per_device_for_sharded_args():
+    """plan_microbatches compiles for the arguments' shardings, so with a
+    batch sharded over 8 devices it plans against one device's memory: a
+    budget that the sharded step fits whole is too small for any split of
+    the same step on one device."""
+    mesh = _mesh("data8")
+
+    def loss_fn(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def shapes(sharded):
+        def spec(s):
+            return NamedSharding(mesh, s) if sharded else None
+
+        return (
+            jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=spec(P())),
+            jax.ShapeDtypeStruct(
+                (512, 256), jnp.float32, sharding=spec(P("data", None))
+            ),
+        )
+
+    with jax.set_mesh(mesh):
+        per_device = oa.microbatched_step_memory(
+            loss_fn, *shapes(True), num_microbatches=1, interleave=True
+        )
+        whole = oa.microbatched_step_memory(
+            loss_fn, *shapes(False), num_microbatches=1, interleave=True
+        )
+        x_bytes = 512 * 256 * 4
+        assert per_device + x_bytes * 7 // 8 <= whole
+        n = oa.plan_microbatches(
+            loss_fn, *shapes(True), memory_budget=per_device, interleave=True
+        )
+        assert n == 1
+        with pytest.raises(ValueError, match="budget"):
+            oa.plan_microbatches(
+                loss_fn,
+                *shapes(False),
+                memory_budget=per_device,
+                interleave=True,
+            )
