@@ -288,6 +288,51 @@ def test_accumulate_axis_name_equals_big_batch(
     _same_sharding(params, _put_params(mesh, _init_params()))
 
 
+def test_accumulate_sum_reduction_is_the_global_weighted_sum():
+    """reduction="sum" in jit's global view: the window emits
+    sum_i w_i g_i of the micro-batches' (global) gradients, once."""
+    mesh = _mesh("data2xfsdp4")
+    lr = 0.01
+    data = _make_data(K)
+    tx = oa.chain(
+        oa.accumulate(K, reduction="sum", axis_name="data"), optax.sgd(lr)
+    )
+    params, _ = _run(tx, mesh, data, fused=False)
+    want = _init_params()
+    grads = [
+        _window_grad(want, *(a[t : t + 1] for a in data)) for t in range(K)
+    ]
+    weights = data[2].sum(-1)
+    want = jax.tree.map(
+        lambda p, *g: p - lr * sum(w * gi for w, gi in zip(weights, g)),
+        want,
+        *grads,
+    )
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, rtol=1e-4, atol=1e-5
+    )
+
+
+def test_flush_partial_window_under_mesh():
+    """oa.flush after 2 of K micro-batches reduces the unreduced
+    accumulator once and steps Adam with the mean over those 2."""
+    mesh = _mesh("data2xfsdp4")
+    opt = optax.adam(0.05)
+    tx = oa.chain(oa.accumulate(K, axis_name="data"), opt)
+    data = _make_data(2)
+    params, state = _run(tx, mesh, data)
+
+    def flush(params, state):
+        updates, state = oa.flush(tx, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+        params, state = jax.jit(flush)(params, state)
+    want = _reference(opt, _init_params(), *data, k=2)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
+    assert int(state[0].gradient_step) == 1
+
+
 # ------------------------------------------------------------ HLO census
 
 
@@ -550,6 +595,7 @@ def test_unreduced_value_and_grad_bad_input():
 # ------------------------------------------------------- the benchmark B4
 
 
+@pytest.mark.slow
 def test_bench_mesh_tiny():
     """B4 on toy sizes, in its own process: per window, one call reduces
     the gradient over 'data' (one op) against K for the naive jit step, on
@@ -588,6 +634,7 @@ def test_bench_mesh_tiny():
     assert len(res["rows"]) == 4
 
 
+@pytest.mark.slow
 def test_example_fsdp_runs_on_8_cpu_devices():
     import os
     import pathlib
@@ -621,6 +668,7 @@ def test_example_fsdp_runs_on_8_cpu_devices():
 # ------------------------------------------------- two processes (gloo)
 
 
+@pytest.mark.slow
 def test_two_processes_one_mesh_match_single_process(tmp_path):
     """Two jax.distributed processes x 4 CPU devices, one explicit
     data=2 x fsdp=4 mesh spanning both, unreduced gradients weighted by

@@ -78,7 +78,10 @@ def accumulate(
       axis_name: inside ``pmap``/``shard_map``, the mapped axis over which the
         window's gradient is averaged, once, when the window closes. With
         ``"mean"`` the window emits ``psum(sum_i w_i g_i) / psum(sum_i w_i)``;
-        with ``"sum"``, ``pmean(sum_i w_i g_i)``.
+        with ``"sum"``, ``pmean(sum_i w_i g_i)``. Under ``jax.jit`` on an
+        explicit mesh, the axis (or axes) over which gradients of
+        :func:`unreduced_value_and_grad` are unreduced: they are reduced
+        once, when the window closes (see ``docs/scaling.md``).
       skip_nonfinite: if true, a micro-batch gradient holding a NaN or Inf is
         dropped as if it had never been seen (window position, sums and
         weights unchanged); with ``axis_name`` all devices drop it together.

@@ -95,7 +95,8 @@ def collective_census(compiled: Any, mesh: Any) -> list[dict]:
     collectives when Shardy partitions (JAX's default), so count in the
     compiled one. A collective inside a ``lax.cond`` branch (e.g. the
     window's reduction of :func:`accumulate`) runs only when that branch is
-    taken. XLA may combine several reductions into one op (a tuple).
+    taken. XLA may combine several reductions into one op (a tuple); an
+    op inside a loop (``lax.scan``) is listed once, whatever its trip count.
 
     Args:
       compiled: ``jax.jit(f).lower(*args).compile()`` or its ``as_text()``.

@@ -249,20 +249,21 @@ def all_finite(
 ) -> jax.Array:
     """Whether every value of ``tree`` is finite, agreed by all devices.
 
-    Unreduced leaves: their partial sums are all finite (``sum(x * 0)`` is
-    finite, summed over the devices; one device's NaN or Inf makes it NaN).
-    Otherwise ``local(tree)`` (default: every element finite), combined with
-    ``lax.pmin`` over ``axis_name`` inside ``pmap``/``shard_map``; in
-    ``jit``'s global view it already is the global answer.
+    When a leaf is unreduced, every floating leaf is probed with
+    ``sum(x * 0)``, summed over the devices: finite unless some device's
+    partial sum holds a NaN or Inf. Otherwise ``local(tree)`` (default:
+    every element finite), combined with ``lax.pmin`` over ``axis_name``
+    inside ``pmap``/``shard_map``; in ``jit``'s global view it already is
+    the global answer.
     """
-    leaves = [x for x in jax.tree.leaves(tree) if unreduced_axes(x)]
-    if leaves:
+    leaves = jax.tree.leaves(tree)
+    if any(unreduced_axes(x) for x in leaves):
         probes = [
-            jnp.sum(times(jnp.zeros([], x.dtype), x)).astype(jnp.float32)
+            jax.reshard(jnp.sum(times(jnp.zeros([], x.dtype), x)), P())
             for x in leaves
+            if jnp.issubdtype(x.dtype, jnp.inexact)
         ]
-        total = sum(jax.reshard(p, P()) for p in probes)
-        return jnp.isfinite(total)
+        return jnp.stack([jnp.isfinite(p).all() for p in probes]).all()
     finite = (local or base.all_finite)(tree)
     if axis_name is not None and not is_explicit(finite, axis_name):
         finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
