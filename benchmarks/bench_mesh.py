@@ -12,7 +12,10 @@ variants on each, side by side in one run:
   ``data`` (the compiler cannot defer it);
 * ``oa.unreduced_value_and_grad``: ``+ oa.chain(oa.accumulate(K,
   axis_name="data"), adam)``: the gradients stay unreduced over ``data``,
-  the accumulator adds them locally and reduces once, in the closing branch.
+  the accumulator adds them locally and reduces once, in the closing branch;
+* on the FSDP mesh also ``unreduced over ("data", "fsdp")``: both axes
+  named, so no gradient reduction at all on micro-steps, at the cost of an
+  accumulator as large as the unsharded tree.
 
 Reported from the compiled step (the project's HLO reader, replica groups
 mapped to mesh axes): collectives over ``data`` executed per window (every
@@ -61,6 +64,8 @@ FULL = dict(widths=(256, 1024, 1024, 256), batch=64, rounds=11, warmup=1)
 TINY = dict(widths=(16, 32, 16), batch=16, rounds=2, warmup=0)
 OURS = "oa.unreduced_value_and_grad"
 NAIVE = "naive jit"
+BOTH = 'unreduced over ("data", "fsdp")'
+AXES = {NAIVE: None, OURS: "data", BOTH: ("data", "fsdp")}
 
 # ------------------------------------------------------------- the model
 
@@ -112,12 +117,12 @@ def _mesh(shape):
     )
 
 
-def _variant(mesh, ours):
+def _variant(mesh, axis):
     loss = make_loss(tuple(mesh.axis_names))
     adam = optax.adam(LEARNING_RATE)
-    if ours:
-        tx = oa.chain(oa.accumulate(K, axis_name="data"), adam)
-        value_and_grad = oa.unreduced_value_and_grad(loss, "data")
+    if axis is not None:
+        tx = oa.chain(oa.accumulate(K, axis_name=axis), adam)
+        value_and_grad = oa.unreduced_value_and_grad(loss, axis)
     else:
         tx = oa.chain(oa.accumulate(K), adam)
         value_and_grad = jax.value_and_grad(loss)
@@ -151,6 +156,15 @@ def _census_row(ops):
         "fsdp_ops": len(fsdp),
         "fsdp_bytes": sum(o["bytes"] for o in fsdp),
         "top_data_grad_ops": len(top),
+        "top_grad_reductions": len(
+            [
+                o
+                for o in ops
+                if not o["branches"]
+                and o["op"] in ("all-reduce", "reduce-scatter")
+                and o["bytes"] > SCALAR_BYTES
+            ]
+        ),
         # Calls of the window that reduce the gradient over data.
         "data_grad_calls": K * bool(top)
         + bool(
@@ -199,10 +213,11 @@ def _measure_mesh(shape, cfg):
             specs,
         )
 
+    names = [NAIVE, OURS] + [BOTH] * ("fsdp" in mesh.axis_names)
     compiled, census, loops, acc_bytes = {}, {}, {}, {}
     with jax.set_mesh(mesh):
-        for name in (NAIVE, OURS):
-            tx, step = _variant(mesh, ours=name == OURS)
+        for name in names:
+            tx, step = _variant(mesh, AXES[name])
             p = fresh_params()
             s = jax.jit(tx.init)(p)
             compiled[name] = step.lower(p, s, xs[0], ys[0]).compile()
@@ -229,18 +244,23 @@ def _measure_mesh(shape, cfg):
 
         return _common.Timed(call, prepare, keep)
 
-    for name in (NAIVE, OURS):  # sanity: one window moves both alike
+    for name in names:  # sanity: one window moves all alike
         window_call(name).run_once()
-    for a, b in zip(
-        jax.tree.leaves(loops[OURS]["params"]),
-        jax.tree.leaves(loops[NAIVE]["params"]),
-        strict=True,
-    ):
-        np.testing.assert_allclose(
-            np.asarray(a), np.asarray(b), rtol=0, atol=1e-2 * LEARNING_RATE
-        )
+    for name in names:
+        for a, b in zip(
+            jax.tree.leaves(loops[name]["params"]),
+            jax.tree.leaves(loops[NAIVE]["params"]),
+            strict=True,
+        ):
+            np.testing.assert_allclose(
+                np.asarray(a),
+                np.asarray(b),
+                rtol=0,
+                atol=1e-2 * LEARNING_RATE,
+                err_msg=name,
+            )
     seconds = _common.time_interleaved(
-        {name: window_call(name) for name in (NAIVE, OURS)},
+        {name: window_call(name) for name in names},
         rounds=cfg["rounds"],
         warmup=cfg["warmup"],
     )
@@ -266,7 +286,7 @@ def _measure(tiny: bool) -> dict:
             acc_bytes=acc_bytes,
             tree_bytes=tree_bytes,
         )
-        for name in (NAIVE, OURS):
+        for name in census:
             c = census[name]
             rows.append(
                 [
@@ -309,6 +329,20 @@ def _measure(tiny: bool) -> dict:
                 suffix="x faster",
             ),
         ]
+        if BOTH in census:
+            both = census[BOTH]
+            targets.append(
+                target(
+                    f"{mesh_name}, {BOTH}: no gradient reduction on "
+                    "micro-steps (fsdp: all-gathers only), accumulator = "
+                    "whole tree",
+                    f"{both['top_grad_reductions']} ops, "
+                    f"{fmt(acc_bytes[BOTH])}",
+                    both["top_grad_reductions"] == 0
+                    and both["data_grad_calls"] == 1
+                    and acc_bytes[BOTH] == tree_bytes,
+                )
+            )
     n_params = results["data=8"]["tree_bytes"] // 4
     return {
         "name": "B4",
@@ -332,8 +366,10 @@ def _measure(tiny: bool) -> dict:
         ],
         "rows": rows,
         "ratios": {
-            f"B4 {m} naive jit": r["seconds"][NAIVE] / r["seconds"][OURS]
+            f"B4 {m} {name}": r["seconds"][name] / r["seconds"][OURS]
             for m, r in results.items()
+            for name in r["seconds"]
+            if name != OURS
         },
         "ratio_label": f"window time / {OURS}",
         "targets": targets,

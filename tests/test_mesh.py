@@ -631,7 +631,11 @@ def test_bench_mesh_tiny():
             r["acc_bytes"]["oa.unreduced_value_and_grad"] * fsdp
             == (r["tree_bytes"])
         )
-    assert len(res["rows"]) == 4
+    both = res["results"]["data=2 x fsdp=4"]["census"][
+        'unreduced over ("data", "fsdp")'
+    ]
+    assert both["top_grad_reductions"] == 0 and both["data_grad_calls"] == 1
+    assert len(res["rows"]) == 5
 
 
 @pytest.mark.slow
