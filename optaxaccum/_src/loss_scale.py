@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, sharding
+from optaxaccum._src import base, sharding, utils
 
 __all__ = [
     "DynamicLossScaleState",
@@ -61,7 +61,7 @@ class StaticLossScaleState(NamedTuple):
 def _check_float32(name: str, value: Any, *, lower: float) -> np.float32:
     """``value`` as a float32 if it is real, finite (in float32) and
     ``> lower``."""
-    x = base.check_real(name, value)
+    x = utils.check_real(name, value)
     with np.errstate(over="ignore"):
         x32 = np.float32(x)
     if not (math.isfinite(x) and np.isfinite(x32)):
@@ -205,7 +205,7 @@ def dynamic_loss_scale(
       :func:`chain`.
     """
     init32 = _check_float32("init_scale", init_scale, lower=0.0)
-    period = base.check_positive_int("period", period)
+    period = utils.check_positive_int("period", period)
     if period > _INT32_MAX:
         raise ValueError(
             f"period must fit in int32 (<= {_INT32_MAX}), got {period=}"
@@ -239,10 +239,10 @@ def dynamic_loss_scale(
             )
         unscaled = _unscale(updates, state.scale)
         finite = sharding.all_finite(
-            unscaled,
-            axis_name,
-            lambda _: _unscaled_all_finite(updates, state.scale),
+            unscaled, lambda _: _unscaled_all_finite(updates, state.scale)
         )
+        if axis_name is not None:
+            finite = sharding.agree(finite, axis_name)
         new_state = _adjust(state, finite)
         return base.GateResult(
             new_state, finite, lambda: (unscaled, new_state, True), eager=True

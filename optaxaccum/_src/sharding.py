@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import base
+from optaxaccum._src import utils
 
 __all__ = [
     "map_accumulators",
@@ -185,26 +185,25 @@ def _in_explicit_context(axis_name: Any) -> bool:
     return all(n in explicit for n in axis_names(axis_name))
 
 
-def window_zeros(params: Any, dtype: Any, axis_name: Any) -> Any:
-    """The accumulator of a window: zeros like ``params`` in ``dtype``.
-
-    Under ``jax.set_mesh`` of a mesh whose axes ``axis_name`` are Explicit,
-    unreduced over them, as the gradients of :func:`unreduced_value_and_grad`
-    are (outside such a context, e.g. for ``shard_map``, plain zeros:
+def window_zeros(zeros: Any, axis_name: Any) -> Any:
+    """The accumulator's ``zeros`` (like the params), unreduced over
+    ``axis_name`` under ``jax.set_mesh`` of a mesh whose axes ``axis_name``
+    are Explicit, as the gradients of :func:`unreduced_value_and_grad` are.
+    Outside such a context (e.g. for ``shard_map``) they stay plain:
     :func:`match_grads` makes them unreduced on the first call that needs
-    it).
-    """
+    it."""
+    if not _in_explicit_context(axis_name):
+        return zeros
 
-    def zeros(p):
-        z = jnp.zeros_like(p, dtype)
-        if not (_in_explicit_context(axis_name) and is_explicit(p, axis_name)):
+    def unreduced(z):
+        if not is_explicit(z, axis_name):
             return z
         spec = deferred_spec(
-            _sharding(p).spec, axis_names(axis_name), "unreduced"
+            _sharding(z).spec, axis_names(axis_name), "unreduced"
         )
         return jax.reshard(z, spec)
 
-    return jax.tree.map(zeros, params)
+    return jax.tree.map(unreduced, zeros)
 
 
 def grad_zeros(p: Any, dtype: Any) -> jax.Array:
@@ -245,16 +244,14 @@ def times(s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
 
 
 def all_finite(
-    tree: Any, axis_name: Any, local: Callable[[Any], jax.Array] | None = None
+    tree: Any, local: Callable[[Any], jax.Array] | None = None
 ) -> jax.Array:
-    """Whether every value of ``tree`` is finite, agreed by all devices.
+    """Whether every value of ``tree`` is finite.
 
     When a leaf is unreduced, every floating leaf is probed with
     ``sum(x * 0)``, summed over the devices: finite unless some device's
-    partial sum holds a NaN or Inf. Otherwise ``local(tree)`` (default:
-    every element finite), combined with ``lax.pmin`` over ``axis_name``
-    inside ``pmap``/``shard_map``; in ``jit``'s global view it already is
-    the global answer.
+    partial sum holds a NaN or Inf (the answer is global). Otherwise
+    ``local(tree)`` (default: every element finite).
     """
     leaves = jax.tree.leaves(tree)
     if any(unreduced_axes(x) for x in leaves):
@@ -264,10 +261,16 @@ def all_finite(
             if jnp.issubdtype(x.dtype, jnp.inexact)
         ]
         return jnp.stack([jnp.isfinite(p).all() for p in probes]).all()
-    finite = (local or base.all_finite)(tree)
-    if axis_name is not None and not is_explicit(finite, axis_name):
-        finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-    return finite
+    return (local or utils.all_finite)(tree)
+
+
+def agree(flag: jax.Array, axis_name: Any) -> jax.Array:
+    """``flag`` true on every device of ``axis_name``: ``lax.pmin`` inside
+    ``pmap``/``shard_map``; in ``jit``'s global view (an explicit mesh
+    axis) the flag already is one global value."""
+    if is_explicit(flag, axis_name):
+        return flag
+    return lax.pmin(flag.astype(jnp.int32), axis_name) > 0
 
 
 def reduce_window(

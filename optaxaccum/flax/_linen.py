@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 from flax.linen import module as linen_module
 
-from optaxaccum._src import base
+from optaxaccum._src import utils
 from optaxaccum.flax import _stats
 
 
@@ -87,7 +87,7 @@ class AccumBatchNorm(nn.BatchNorm):
         # Frozen dataclass: store the checked value (e.g. np.int64 -> int).
         object.__setattr__(
             self, "accum_steps",
-            base.check_positive_int("accum_steps", self.accum_steps),
+            utils.check_positive_int("accum_steps", self.accum_steps),
         )
         super().__post_init__()
 

@@ -17,23 +17,6 @@ from optaxaccum._src import accumulate as accumulate_lib
 from optaxaccum._src import chain as chain_lib
 from optaxaccum.flax import _stats
 
-
-def _counted(old_opt_state: Any, new_opt_state: Any) -> jax.Array | bool:
-    """Whether the outermost accumulation took this call into its window."""
-    try:
-        old = accumulate_lib.find_state(
-            old_opt_state, accumulate_lib.AccumulateState, "TrainState"
-        )
-    except ValueError:
-        return True
-    new = accumulate_lib.find_state(
-        new_opt_state, accumulate_lib.AccumulateState, "TrainState"
-    )
-    return (new.mini_step != old.mini_step) | (
-        new.gradient_step != old.gradient_step
-    )
-
-
 # Extra args of this package's chain elements; a keyword close to one of these
 # or to a field name is taken for a typo rather than passed on.
 _KNOWN_EXTRA_ARGS = ("accum_weight",)
@@ -143,7 +126,7 @@ class TrainState(train_state.TrainState):
                 OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT],
             }
         if "batch_stats" in replace and self.batch_stats is not None:
-            counted = _counted(self.opt_state, new_opt_state)
+            counted = accumulate_lib.counted(self.opt_state, new_opt_state)
             if counted is not True:
                 new_bs = replace["batch_stats"]
                 old_bs = _with_windows_like(self.batch_stats, new_bs)
