@@ -81,8 +81,11 @@ def loss_fn(params, x, y, mask):
 
 
 def make_step(tx, ours):
-    grad_fn = (oa.unreduced_value_and_grad(loss_fn, "data") if ours
-               else jax.value_and_grad(loss_fn))
+    grad_fn = (
+        oa.unreduced_value_and_grad(loss_fn, "data")
+        if ours
+        else jax.value_and_grad(loss_fn)
+    )
 
     def step(params, state, x, y, mask):
         loss, grads = grad_fn(params, x, y, mask)
@@ -98,30 +101,50 @@ def census_per_window(compiled, mesh, k):
     """(ops, bytes) per window of the collectives over ``data`` that carry
     more than a few scalars: every call's k times, the closing branch's
     once."""
-    ops = [o for o in oa.collective_census(compiled, mesh)
-           if "data" in o["axes"] and o["bytes"] > 64]
+    ops = [
+        o
+        for o in oa.collective_census(compiled, mesh)
+        if "data" in o["axes"] and o["bytes"] > 64
+    ]
     runs = [k if not o["branches"] else 1 for o in ops]
     return sum(runs), sum(r * o["bytes"] for r, o in zip(runs, ops))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=80,
-                        help="micro-steps (calls of the train step)")
-    parser.add_argument("--accum", type=int, default=4,
-                        help="micro-batches per optimizer step (window)")
-    parser.add_argument("--batch", type=int, default=64,
-                        help="examples per micro-batch (all devices)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=80,
+        help="micro-steps (calls of the train step)",
+    )
+    parser.add_argument(
+        "--accum",
+        type=int,
+        default=4,
+        help="micro-batches per optimizer step (window)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=64,
+        help="examples per micro-batch (all devices)",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--hidden", type=int, default=128)
     args = parser.parse_args(argv)
 
-    mesh = jax.make_mesh((2, 4), BATCH_AXES,
-                         axis_types=(AxisType.Explicit,) * 2,
-                         devices=jax.devices()[:8])
-    print(f"mesh data=2 x fsdp=4 of {mesh.devices.size} "
-          f"{jax.devices()[0].platform} devices; window of {args.accum} "
-          f"micro-batches of {args.batch} examples")
+    mesh = jax.make_mesh(
+        (2, 4),
+        BATCH_AXES,
+        axis_types=(AxisType.Explicit,) * 2,
+        devices=jax.devices()[:8],
+    )
+    print(
+        f"mesh data=2 x fsdp=4 of {mesh.devices.size} "
+        f"{jax.devices()[0].platform} devices; window of {args.accum} "
+        f"micro-batches of {args.batch} examples"
+    )
     x_all, y_all, _, _ = load_data(images=False)
     rng = np.random.default_rng(0)
     batch_sharding = NamedSharding(mesh, P(BATCH_AXES))
@@ -139,8 +162,10 @@ def main(argv=None):
         # window's gradient the exact mean over all its real examples.
         keep = rng.integers(args.batch // 2, args.batch + 1)
         mask = (np.arange(args.batch) < keep).astype(np.float32)
-        return [jax.device_put(a, batch_sharding)
-                for a in (x_all[idx], y_all[idx], mask)]
+        return [
+            jax.device_put(a, batch_sharding)
+            for a in (x_all[idx], y_all[idx], mask)
+        ]
 
     sizes = [64, args.hidden, 10]
     with jax.set_mesh(mesh):
@@ -149,8 +174,9 @@ def main(argv=None):
             ("naive jit", False, None),
             ("oa.unreduced_value_and_grad", True, "data"),
         ):
-            tx = oa.chain(oa.accumulate(args.accum, axis_name=axis),
-                          optax.adam(args.lr))
+            tx = oa.chain(
+                oa.accumulate(args.accum, axis_name=axis), optax.adam(args.lr)
+            )
             params = put_params(init_mlp(jax.random.key(0), sizes))
             state = jax.jit(tx.init)(params)
             step = make_step(tx, ours)
@@ -164,13 +190,17 @@ def main(argv=None):
         x_replicated = jax.device_put(x_all, NamedSharding(mesh, P()))
         logits = jax.jit(logits_fn)(params, x_replicated)
     acc = state[0].acc[0]["w"]
-    print(f"accumulator w0: {jax.typeof(acc)}, "
-          f"{acc.addressable_shards[0].data.nbytes} of {acc.nbytes} bytes "
-          "per device")
+    print(
+        f"accumulator w0: {jax.typeof(acc)}, "
+        f"{acc.addressable_shards[0].data.nbytes} of {acc.nbytes} bytes "
+        "per device"
+    )
     accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_all))
     print(f"optimizer steps {int(state[0].gradient_step)}")
-    print(f"final loss {np.mean(losses[-args.accum:]):.4f}  "
-          f"train accuracy {accuracy:.3f}")
+    print(
+        f"final loss {np.mean(losses[-args.accum :]):.4f}  "
+        f"train accuracy {accuracy:.3f}"
+    )
 
 
 if __name__ == "__main__":
