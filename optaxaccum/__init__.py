@@ -22,6 +22,7 @@ from optaxaccum._src.microbatch import (
     microbatched_value_and_grad,
     plan_microbatches,
 )
+from optaxaccum._src.multisteps import MultiSteps, MultiStepsState
 from optaxaccum._src.sharding import (
     map_accumulators,
     state_shardings,
@@ -35,6 +36,8 @@ __all__ = [
     "DynamicLossScaleState",
     "GateResult",
     "GatedTransformation",
+    "MultiSteps",
+    "MultiStepsState",
     "StaticLossScaleState",
     "accumulate",
     "agc",

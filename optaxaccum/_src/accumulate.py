@@ -331,7 +331,16 @@ def has_updated(state: optax.OptState) -> jax.Array:
       False
     """
     warn_if_wrapped(state)
-    return utils.find_state(state, AccumulateState, "oa.has_updated").updated
+    found = utils.find_state(state, tuple(WINDOW_STATES), "oa.has_updated")
+    if found.updated is None:  # e.g. converted from optax's MultiStepsState
+        return (found.mini_step == 0) & (found.gradient_step > 0)
+    return found.updated
+
+
+# States holding a window's position (mini_step, gradient_step) and the
+# ``updated`` flag; has_updated and counted use the first one found.
+# oa.MultiSteps registers its state here.
+WINDOW_STATES: list[type] = [AccumulateState]
 
 
 # optax wrappers that count their own calls: around a gated chain they count
@@ -353,13 +362,13 @@ def warn_if_wrapped(state: Any) -> None:
     def wrapper(x):
         return isinstance(x, _COUNTING_WRAPPERS)
 
+    def window(x):
+        return isinstance(x, tuple(WINDOW_STATES))
+
     for outer in jax.tree.leaves(state, is_leaf=wrapper):
         if not wrapper(outer):
             continue
-        inner = jax.tree.leaves(
-            tuple(outer), is_leaf=lambda x: isinstance(x, AccumulateState)
-        )
-        if any(isinstance(x, AccumulateState) for x in inner):
+        if any(map(window, jax.tree.leaves(tuple(outer), is_leaf=window))):
             warnings.warn(
                 f"an optax wrapper ({type(outer).__name__}) holds an "
                 "oa.accumulate: the wrapper counts every call (every "
@@ -378,11 +387,12 @@ def counted(old_state: optax.OptState, new_state: optax.OptState) -> Any:
     """Whether the outermost accumulate of a chain took the call that turned
     ``old_state`` into ``new_state`` into its window (``True`` when the state
     holds no :class:`AccumulateState`: every call counts)."""
+    classes = tuple(WINDOW_STATES)
     try:
-        old = utils.find_state(old_state, AccumulateState, "counted")
+        old = utils.find_state(old_state, classes, "counted")
     except ValueError:
         return True
-    new = utils.find_state(new_state, AccumulateState, "counted")
+    new = utils.find_state(new_state, classes, "counted")
     return (new.mini_step != old.mini_step) | (
         new.gradient_step != old.gradient_step
     )

@@ -130,10 +130,18 @@ def declared_extra_args(fn: Any, skip: int = 3) -> frozenset[str]:
 
 
 def check_extra_args(
-    extra_args: Iterable[str], declared: Iterable[str]
+    extra_args: Iterable[str],
+    declared: Iterable[str],
+    where: str = "no element of the chain takes it",
 ) -> None:
-    """Raises ``TypeError`` for a keyword that no element takes but that is a
-    near-miss of one an element declares (``acum_weight``)."""
+    """Raises ``TypeError`` for a keyword that is not declared but is a
+    near-miss of one that is (``acum_weight`` for ``accum_weight``).
+
+    Args:
+      extra_args: the keywords given.
+      declared: the keywords the receivers declare.
+      where: why the keyword is unexpected, for the message.
+    """
     declared = sorted(declared)
     for key in extra_args:
         if key in declared or key.startswith("_"):
@@ -141,8 +149,8 @@ def check_extra_args(
         close = difflib.get_close_matches(key, declared, n=1, cutoff=0.75)
         if close:
             raise TypeError(
-                f"unexpected keyword argument {key!r}: no element of the "
-                f"chain takes it; did you mean {close[0]!r}?"
+                f"unexpected keyword argument {key!r}: {where}; "
+                f"did you mean {close[0]!r}?"
             )
 
 
@@ -150,6 +158,7 @@ def with_signature(fn: Callable, names: Iterable[str]) -> Callable:
     """Gives an ``update(updates, state, params=None, **extra_args)`` function
     a signature that declares ``names`` as keyword-only arguments, so that
     :func:`declared_extra_args` (and ``inspect``) see them."""
+    names = set(names) | declared_extra_args(fn)  # and its own keywords
     p = inspect.Parameter
     params = [
         p("updates", p.POSITIONAL_OR_KEYWORD),
@@ -263,7 +272,7 @@ def check_axis_name(value: Any) -> Any:
     return value
 
 
-def find_state(state: Any, cls: type, caller: str) -> Any:
+def find_state(state: Any, cls: type | tuple[type, ...], caller: str) -> Any:
     """The first (outermost, leftmost) instance of ``cls`` inside ``state``.
 
     Raises:
@@ -275,8 +284,10 @@ def find_state(state: Any, cls: type, caller: str) -> Any:
         if isinstance(s, cls)
     ]
     if not found:
+        classes = cls if isinstance(cls, tuple) else (cls,)
+        names = " or ".join(c.__name__ for c in classes)
         raise ValueError(
-            f"{caller} found no {cls.__name__} in the state given "
+            f"{caller} found no {names} in the state given "
             f"({jax.tree.structure(state)})"
         )
     return found[0]
