@@ -11,8 +11,8 @@ Each benchmark module has ``main(tiny: bool = False) -> dict`` returning
 * anything else (raw seconds, bytes), kept out of the report.
 
 B1 (``bench_step``), B1-nnx (``bench_nnx``) and B2 (``bench_microbatch``)
-always run; the
-multi-device benchmark (``bench_multidevice``) runs when its module is there.
+always run; the multi-device benchmarks (B3 ``bench_multidevice``, B4
+``bench_mesh``) run when their modules are there.
 
 Run: ``python benchmarks/run_all.py [--tiny] [--out DIR]`` (``make bench``).
 ``--tiny`` runs on toy sizes (a smoke test; the figures mean nothing) and
@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 import _common  # noqa: E402
 
 BENCHMARKS = ("bench_step", "bench_nnx", "bench_microbatch")
-OPTIONAL = ("bench_multidevice",)
+OPTIONAL = ("bench_multidevice", "bench_mesh")
 
 NOISE_NOTE = (
     "Timings are medians of interleaved rounds, reported as ratios. On a "
