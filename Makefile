@@ -20,6 +20,7 @@ demo: $(VENV)/.installed-examples
 	$(PY) examples/quickstart.py
 
 test: $(VENV)/.installed-dev
+	$(MAKE) lint
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
 	$(MAKE) docs
 
@@ -31,8 +32,13 @@ docs: $(VENV)/.installed-docs
 bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/run_all.py
 
+# ruff (lint and format) and pyright's standard mode (basedpyright: a wheel
+# with its own Node runtime; configured in pyproject.toml).
+LINTED := optaxaccum tests examples benchmarks docs/conf.py docs/_ext
 lint: $(VENV)/.installed-dev
-	$(PY) -m ruff check optaxaccum tests examples benchmarks
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
+	$(VENV)/bin/basedpyright
 
 clean:
 	rm -rf $(VENV) docs/_build .pytest_cache

@@ -51,6 +51,14 @@ def _sharding(x: Any) -> NamedSharding | None:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
+def _spec(x: Any) -> P:
+    """The partition spec of ``x``'s named sharding (``x`` must have one)."""
+    sharding = _sharding(x)
+    if sharding is None:
+        raise ValueError(f"expected an array on a named mesh, got {x!r}")
+    return sharding.spec
+
+
 def is_explicit(x: Any, axis_name: Any) -> bool:
     """Whether every axis of ``axis_name`` is an Explicit axis of the mesh of
     ``x``'s type: ``jit``'s global view, not ``pmap``/``shard_map``."""
@@ -70,7 +78,7 @@ def unreduced_axes(x: Any) -> frozenset:
 def deferred_spec(spec: P, names: Sequence[Hashable], kind: str) -> P:
     """``spec`` with the axes ``names`` taken out of its dimensions and added
     to its ``kind`` (``"reduced"`` or ``"unreduced"``) set."""
-    names = frozenset(names)
+    taken = frozenset(names)
 
     def drop(entry):
         if entry is None:
@@ -78,12 +86,12 @@ def deferred_spec(spec: P, names: Sequence[Hashable], kind: str) -> P:
         kept = tuple(
             a
             for a in (entry if isinstance(entry, tuple) else (entry,))
-            if a not in names
+            if a not in taken
         )
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     dims = tuple(drop(e) for e in spec.partitions)
-    return spec.update(partitions=dims, **{kind: getattr(spec, kind) | names})
+    return spec.update(partitions=dims, **{kind: getattr(spec, kind) | taken})
 
 
 def _to_reduced(p: Any, names: tuple[Hashable, ...]) -> Any:
@@ -96,7 +104,7 @@ def _to_reduced(p: Any, names: tuple[Hashable, ...]) -> Any:
             f"with AxisType.Explicit); got an argument of type "
             f"{jax.typeof(p)}"
         )
-    spec = _sharding(p).spec
+    spec = _spec(p)
     return jax.reshard(p, deferred_spec(spec, names, "reduced"))
 
 
@@ -199,7 +207,7 @@ def window_zeros(zeros: Any, axis_name: Any) -> Any:
         if not is_explicit(z, axis_name):
             return z
         spec = deferred_spec(
-            _sharding(z).spec, axis_names(axis_name), "unreduced"
+            _spec(z), axis_names(axis_name), "unreduced"
         )
         return jax.reshard(z, spec)
 
@@ -225,7 +233,7 @@ def match_grads(acc: Any, grads: Any) -> Any:
 
     def match(a, g):
         if unreduced_axes(g) and not unreduced_axes(a):
-            return jax.reshard(a, _sharding(g).spec)
+            return jax.reshard(a, _spec(g))
         return a
 
     return jax.tree.map(match, acc, grads)
@@ -236,7 +244,7 @@ def times(s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
     then cast to reduced); with ``like`` (an unreduced accumulator) a plain
     ``x`` is first cast to ``like``'s sharding."""
     if like is not None and unreduced_axes(like) and not unreduced_axes(x):
-        x = jax.reshard(x, _sharding(like).spec)
+        x = jax.reshard(x, _spec(like))
     axes = unreduced_axes(x)
     if axes:
         s = jax.reshard(s, P(reduced=axes))
@@ -291,7 +299,7 @@ def reduce_window(
             axes = unreduced_axes(a)
             if not axes:
                 return a
-            spec = _sharding(a).spec
+            spec = _spec(a)
             return jax.reshard(a, spec.update(unreduced=frozenset()))
 
         return jax.tree.map(reduce, acc), weight
