@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
-from optaxaccum._src.microbatch import microbatched_step_memory
+
 
 JIT_OR_NOT = [lambda f: f, jax.jit]
 
@@ -583,7 +583,7 @@ def test_microbatched_value_and_grad_temp_memory_decreases():
     assert len({stats[n].argument_size_in_bytes for n in _COUNTS}) == 1
     assert len({stats[n].output_size_in_bytes for n in _COUNTS}) == 1
     # microbatched_step_memory reports the same footprint.
-    assert microbatched_step_memory(
+    assert oa.microbatched_step_memory(
         _deep_loss, _DEEP_PARAMS, _DEEP_X, num_microbatches=4
     ) == _footprint(stats[4])
 

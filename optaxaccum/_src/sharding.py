@@ -129,20 +129,15 @@ def unreduced_value_and_grad(
 
     Args:
       loss_fn: the loss, as for :func:`jax.value_and_grad`; it must keep the
-        arguments' reduced axes through any reshard of them (gather a weight
-        sharded over ``"fsdp"`` with
-        ``jax.reshard(w, P(None, None, reduced={"data", "fsdp"}))``, not
-        ``P(None, None)``, which drops them: see ``docs/scaling.md``).
-      axis_name: a mesh axis name (e.g. ``"data"``) or a tuple of them. An
-        axis that shards a parameter is taken out of its dimensions (the
-        gradient is then as large as the unsharded parameter).
+        arguments' reduced axes through any reshard of them (see
+        docs/scaling.md: gather to ``P(None, reduced={"data", "fsdp"})``).
+      axis_name: a mesh axis name (e.g. ``"data"``) or a tuple of them; an
+        axis that shards a parameter is taken out of its dimensions.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       argnums: which positional argument(s) to differentiate.
       value_and_grad: the differentiation to wrap, called as
-        ``value_and_grad(loss_fn, argnums=..., has_aux=...)``; e.g.
-        ``functools.partial(oa.microbatched_value_and_grad,
-        num_microbatches=4, interleave=True)`` to split the batch inside the
-        step as well (its accumulation stays unreduced too).
+        ``value_and_grad(loss_fn, argnums=..., has_aux=...)`` (e.g. a
+        ``functools.partial`` of :func:`microbatched_value_and_grad`).
 
     Returns:
       A function with ``loss_fn``'s arguments returning ``(loss, grads)`` or
