@@ -311,8 +311,8 @@ def microbatched_value_and_grad(
     micro-batches and accumulates loss and gradients (float32 or wider) in
     one :func:`jax.lax.scan`: a compiled step holds one micro-batch's
     activations. With weights :math:`w_i` (1 without ``weight_fn``),
-    :math:`\ell = \sum_i w_i \ell_i / \sum_i w_i`, likewise the gradients
-    (more in the docs' concepts page, "In-step microbatching").
+    :math:`\ell = \sum_i w_i \ell_i / \sum_i w_i`, likewise the gradients.
+    Weights, state, interleaving, devices: see :ref:`microbatching`.
 
     Args:
       loss_fn: returns a scalar loss (``(loss, aux)`` with ``has_aux``).
@@ -494,9 +494,9 @@ def plan_microbatches(
     Tries the divisors of the batch size (or ``candidates``) in increasing
     order and returns the first ``num_microbatches`` for which
     :func:`microbatched_step_memory` (argument + output - alias + temporary
-    bytes of the compiled step) is at most ``memory_budget``. Each candidate
-    is only compiled, for the default backend; nothing is run. The count is
-    for the gradient alone: leave room for the rest of the training step.
+    bytes of the compiled step) is at most ``memory_budget``. Candidates are
+    only compiled, on the backend that would run them; nothing is run. The
+    count is for the gradient alone: leave room for the rest of the step.
 
     Args:
       loss_fn: as for :func:`microbatched_value_and_grad`.
