@@ -199,5 +199,5 @@ def versions() -> dict[str, str]:
 
 def today() -> str:
     """The current date and time (UTC), ISO format, to the minute."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     return now.strftime("%Y-%m-%d %H:%M UTC")

@@ -70,7 +70,8 @@ MUTANTS = {
     ),
     "dropped_micro_batch_advances": (
         "accumulate.py",
-        "mini_step = base.select(counted, state.mini_step + 1, state.mini_step)",
+        "mini_step = base.select(counted, state.mini_step + 1, "
+        "state.mini_step)",
         "mini_step = state.mini_step + 1",
         CORE_TESTS,
     ),

@@ -55,7 +55,11 @@ autosummary_generate = False
 doctest_test_doctest_blocks = ""
 
 # -- coverage_check (docs/_ext/coverage_check.py) ----------------------------
-coverage_check_modules = ["optaxaccum", "optaxaccum.flax", "optaxaccum.flax.nnx"]
+coverage_check_modules = [
+    "optaxaccum",
+    "optaxaccum.flax",
+    "optaxaccum.flax.nnx",
+]
 
 # -- HTML ----------------------------------------------------------------------
 html_theme = "alabaster"

@@ -20,7 +20,6 @@ from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 
-
 JIT_OR_NOT = [lambda f: f, jax.jit]
 
 # Tolerances by dtype of params and inputs. bf16 has an 8-bit significand
