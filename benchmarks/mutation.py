@@ -52,8 +52,8 @@ MUTANTS = {
     ),
     "invalid_weight_counts_as_finite": (
         "accumulate.py",
-        "finite = valid & (zero | utils.all_finite(updates))",
-        "finite = zero | utils.all_finite(updates)",
+        "finite = valid & (zero | sharding.all_finite(updates))",
+        "finite = zero | sharding.all_finite(updates)",
         CORE_TESTS,
     ),
     "stale_accumulator_not_reset": (
