@@ -201,3 +201,59 @@ def today() -> str:
     """The current date and time (UTC), ISO format, to the minute."""
     now = datetime.datetime.now(datetime.UTC)
     return now.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def init_mlp(widths: Sequence[int], seed: int = 0) -> list[dict[str, Any]]:
+    """Float32 MLP params: a ``{"w", "b"}`` dict per layer, ``w`` scaled by
+    ``1/sqrt(fan_in)``."""
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(seed), len(widths) - 1)
+    return [
+        {
+            "w": jax.random.normal(k, (a, b), jnp.float32) / a**0.5,
+            "b": jnp.zeros((b,), jnp.float32),
+        }
+        for k, a, b in zip(keys, widths[:-1], widths[1:], strict=True)
+    ]
+
+
+def on_devices(
+    script: str, measure: Callable[[bool], dict], tiny: bool, n: int
+) -> dict:
+    """``measure(tiny)`` here if this process has ``n`` devices, else
+    ``script --json`` in a fresh process with ``n`` simulated CPU devices
+    (the device count is fixed when JAX starts); its results either way."""
+    import json
+    import subprocess
+
+    if jax.device_count() >= n:
+        return measure(tiny)
+    env = dict(os.environ)
+    flag = f"--xla_force_host_platform_device_count={n}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}"
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, os.path.abspath(script), "--json"]
+    if tiny:
+        cmd.append("--tiny")
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_script(main: Callable[..., dict]) -> None:
+    """A benchmark's ``__main__``: ``--tiny`` for toy sizes, ``--json`` to
+    print the results as one JSON line (for :func:`on_devices`)."""
+    import json
+
+    args = sys.argv[1:]
+    res = main(tiny="--tiny" in args)
+    if "--json" in args:
+        print(json.dumps(res))
+    else:
+        print_result(res)

@@ -33,9 +33,7 @@ measures in a subprocess with
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 N_DEVICES = 8
@@ -53,6 +51,10 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
 import optaxaccum as oa  # noqa: E402
 from optaxaccum._src import collectives  # noqa: E402
 
@@ -68,17 +70,6 @@ BOTH = 'unreduced over ("data", "fsdp")'
 AXES = {NAIVE: None, OURS: "data", BOTH: ("data", "fsdp")}
 
 # ------------------------------------------------------------- the model
-
-
-def init_mlp(widths, seed=0):
-    keys = jax.random.split(jax.random.key(seed), len(widths) - 1)
-    return [
-        {
-            "w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
-            "b": jnp.zeros((b,), jnp.float32),
-        }
-        for k, a, b in zip(keys, widths[:-1], widths[1:], strict=True)
-    ]
 
 
 def gather(w, batch_axes):
@@ -178,7 +169,6 @@ def _census_row(ops):
 
 
 def _measure_mesh(shape, cfg):
-    import _common
 
     mesh = _mesh(shape)
     widths, batch = cfg["widths"], cfg["batch"]
@@ -209,7 +199,7 @@ def _measure_mesh(shape, cfg):
     def fresh_params():
         return jax.tree.map(
             lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
-            init_mlp(widths),
+            _common.init_mlp(widths),
             specs,
         )
 
@@ -265,13 +255,12 @@ def _measure_mesh(shape, cfg):
         warmup=cfg["warmup"],
     )
     tree_bytes = 4 * sum(
-        int(np.prod(a.shape)) for a in jax.tree.leaves(init_mlp(widths))
+        int(np.prod(a.shape)) for a in jax.tree.leaves(_common.init_mlp(widths))
     )
     return census, seconds, acc_bytes, tree_bytes
 
 
 def _measure(tiny: bool) -> dict:
-    import _common
 
     cfg = TINY if tiny else FULL
     fmt = _common.format_bytes
@@ -388,31 +377,8 @@ def _measure(tiny: bool) -> dict:
 
 def main(tiny: bool = False) -> dict:
     """Runs the benchmark; returns the results (see ``run_all.py``)."""
-    if jax.device_count() >= N_DEVICES:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        return _measure(tiny)
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_FLAG}"
-    env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, os.path.abspath(__file__), "--json"]
-    if tiny:
-        cmd.append("--tiny")
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}"
-        )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _common.on_devices(__file__, _measure, tiny, N_DEVICES)
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    res = main(tiny="--tiny" in args)
-    if "--json" in args:
-        print(json.dumps(res))
-    else:
-        import _common
-
-        _common.print_result(res)
+    _common.run_script(main)

@@ -42,17 +42,6 @@ NUM_MICROBATCHES = 8
 SWEEP = (2, 4, 8, 16)
 
 
-def init_mlp(widths, seed=0):
-    keys = jax.random.split(jax.random.key(seed), len(widths) - 1)
-    return [
-        {
-            "w": jax.random.normal(k, (a, b), jnp.float32) / a**0.5,
-            "b": jnp.zeros((b,), jnp.float32),
-        }
-        for k, a, b in zip(keys, widths[:-1], widths[1:], strict=True)
-    ]
-
-
 def loss_fn(params, batch):
     """Mean softmax cross-entropy of the MLP over the batch."""
     x, labels = batch
@@ -105,7 +94,7 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     cfg = TINY if tiny else FULL
     rounds = cfg["rounds"] if rounds is None else rounds
     widths, batch_size = cfg["widths"], cfg["batch"]
-    params = init_mlp(widths)
+    params = _common.init_mlp(widths)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     kx, ky = jax.random.split(jax.random.key(1))
     batch = (

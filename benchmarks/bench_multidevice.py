@@ -30,9 +30,7 @@ measures in a fresh subprocess with
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 N_DEVICES = 8
@@ -53,6 +51,10 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
 import optaxaccum as oa  # noqa: E402
 from optaxaccum._src.hlo import summarize  # noqa: E402
 
@@ -63,17 +65,6 @@ FULL = dict(widths=(256, 1024, 1024, 256), batch=8, rounds=15, warmup=1)
 TINY = dict(widths=(16, 32, 16), batch=2, rounds=3, warmup=0)
 
 # ------------------------------------------------------------- the model
-
-
-def init_mlp(widths, seed=0):
-    keys = jax.random.split(jax.random.key(seed), len(widths) - 1)
-    return [
-        {
-            "w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
-            "b": jnp.zeros((b,), jnp.float32),
-        }
-        for k, a, b in zip(keys, widths[:-1], widths[1:], strict=True)
-    ]
 
 
 def mlp_loss(params, x, y):
@@ -165,7 +156,6 @@ def make_steps(mesh, params):
 
 
 def _measure(tiny: bool) -> dict:
-    import _common
 
     cfg = TINY if tiny else FULL
     devices = jax.devices()[:N_DEVICES]
@@ -176,7 +166,7 @@ def _measure(tiny: bool) -> dict:
     data_sharding = NamedSharding(mesh, P(AXIS))
 
     def fresh_params():
-        return jax.device_put(init_mlp(widths), replicated)
+        return jax.device_put(_common.init_mlp(widths), replicated)
 
     params = fresh_params()
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
@@ -291,30 +281,8 @@ def _measure(tiny: bool) -> dict:
 
 def main(tiny: bool = False) -> dict:
     """Runs the benchmark; returns the results (see ``run_all.py``)."""
-    if jax.device_count() >= N_DEVICES:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        return _measure(tiny)
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_FLAG}"
-    env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, os.path.abspath(__file__), "--json"]
-    if tiny:
-        cmd.append("--tiny")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}"
-        )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return _common.on_devices(__file__, _measure, tiny, N_DEVICES)
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    res = main(tiny="--tiny" in args)
-    if "--json" in args:
-        print(json.dumps(res))
-    else:
-        import _common
-
-        _common.print_result(res)
+    _common.run_script(main)
