@@ -61,13 +61,11 @@ def accumulate(
 ) -> base.GatedTransformation:
     r"""Accumulates gradients over windows of ``every_k`` micro-batches.
 
-    Each call adds ``accum_weight * grads`` (``tx.update(grads, state, params,
-    accum_weight=w)``, default 1) to a running sum. The call that completes
-    the window emits the weighted mean :math:`\sum_i w_i g_i / \sum_i w_i`
-    (``reduction="mean"``) or the weighted sum. Inside :func:`chain` the
-    elements after it run only then (an optimizer steps once per window);
-    alone or in ``optax.chain`` it emits zeros on the other calls. Weights
-    (token counts), nesting, dtypes: see docs/concepts.md.
+    Each call adds ``w * grads`` (``update(..., accum_weight=w)``, default
+    1) to a running sum; the call that completes the window emits the
+    weighted mean :math:`\sum_i w_i g_i / \sum_i w_i` (or the sum), and in
+    :func:`chain` only then do the elements after it run. Weights, nesting,
+    dtypes: docs/concepts.md.
 
     Args:
       every_k: window length, a positive int, or a jit-traceable callable
@@ -78,12 +76,11 @@ def accumulate(
         float32 or the leaf's own dtype if wider. Complex leaves accumulate
         in the complex dtype of that precision; updates are emitted in the
         gradients' dtypes.
-      axis_name: inside ``pmap``/``shard_map``, the axis over which the
-        window is reduced once, when it closes: ``psum(sum_i w_i g_i) /
-        psum(sum_i w_i)`` (``"sum"``: ``pmean(sum_i w_i g_i)``). Under
-        ``jax.jit`` on an explicit mesh: the axis (or axes) over which the
-        gradients of :func:`unreduced_value_and_grad` are unreduced, reduced
-        once when the window closes (docs/scaling.md).
+      axis_name: the device axis (or axes) over which the window is
+        reduced once, when it closes: the mapped axis of ``pmap`` /
+        ``shard_map``, or the mesh axes over which
+        :func:`unreduced_value_and_grad` left the gradients unreduced under
+        ``jax.jit`` (docs/scaling.md).
       skip_nonfinite: drop a micro-batch whose weighted gradient holds a
         NaN/Inf as if never seen (all devices agree under ``axis_name``).
 
@@ -94,8 +91,7 @@ def accumulate(
       TypeError, ValueError: for a bad argument, naming it.
 
     Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> import optaxaccum as oa
+      >>> import jax.numpy as jnp, optax, optaxaccum as oa
       >>> tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
       >>> params = jnp.zeros(1)
       >>> state = tx.init(params)
