@@ -348,3 +348,21 @@ def test_fused_closed_step_returns_params_bit_for_bit():
         np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
         np.testing.assert_array_equal(np.asarray(a).view(np.uint32),
                                       np.asarray(b).view(np.uint32))
+
+
+@pytest.mark.parametrize("wrap", ["lookahead", "multisteps"])
+def test_other_counting_wrappers_around_a_gated_chain_warn(wrap):
+    """optax.lookahead / optax.MultiSteps around an oa.chain count
+    micro-batches too (lookahead syncs, MultiSteps steps per call): warned."""
+    inner = oa.chain(oa.accumulate(2), optax.sgd(0.1))
+    params = jnp.zeros(1)
+    if wrap == "lookahead":
+        tx = optax.lookahead(inner, sync_period=2, slow_step_size=0.5)
+        params = optax.LookaheadParams.init_synced(params)
+        grads = jnp.ones(1)
+    else:
+        tx = optax.MultiSteps(inner, every_k_schedule=2).gradient_transformation()
+        grads = jnp.ones(1)
+    state = tx.init(params)
+    with pytest.warns(UserWarning, match="counts every call"):
+        oa.apply_gradients(tx, grads, state, params)
