@@ -9,9 +9,12 @@ params and optimizer state donated to ``jax.jit``, this times side by side:
 * ``fused``: ``oa.apply_gradients(oa.chain(oa.accumulate(4), adam), ...)``;
 * ``plain``: the ``tx.update`` + ``optax.apply_updates`` protocol on the same
   chain, jitted together;
-* ``MultiSteps``: ``optax.MultiSteps(adam, 4)``, the same protocol.
+* ``MultiSteps``: ``optax.MultiSteps(adam, 4)``, the same protocol;
+* ``oa.MultiSteps(fused)``, ``oa.MultiSteps(plain)``: the drop-in
+  ``oa.MultiSteps(adam, 4)`` through ``oa.apply_gradients`` and through the
+  plain protocol (the one-line migration from ``MultiSteps``).
 
-Each of the last three is timed on a *non-closing* micro-step (the state's
+Each of the last five is timed on a *non-closing* micro-step (the state's
 ``mini_step`` is 1: mid-window, the accumulator is read and written; at 0 it
 is only overwritten) and on a *closing* one (``mini_step`` is 3), each in its
 own loop fed its own outputs back (donation): between two timed calls,
@@ -52,7 +55,10 @@ LEARNING_RATE = 1e-3
 # 4 x 2048 x 4096 = 33,554,432 float32 parameters (128 MiB per tree).
 FULL_SHAPES = {f"w{i}": (2048, 4096) for i in range(4)}
 TINY_SHAPES = {"w0": (64, 128), "w1": (32, 32), "b": (128,)}
-_STATE_TYPES = (oa.AccumulateState, optax.MultiStepsState)
+_STATE_TYPES = (oa.AccumulateState, optax.MultiStepsState, oa.MultiStepsState)
+# The kinds of step compared, as named in the rows.
+KINDS = ("fused", "plain", "MultiSteps", "oa.MultiSteps(fused)",
+         "oa.MultiSteps(plain)")
 # Temporary bytes below this are scalars (flags, counters), not tree data.
 SCALARS = 1024
 
@@ -166,6 +172,7 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     adam = optax.adam(LEARNING_RATE)
     ours = oa.chain(oa.accumulate(K), adam)
     multi = optax.MultiSteps(adam, K)
+    drop_in = oa.MultiSteps(adam, K)
 
     def compile_step(fn, *args, donate):
         return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
@@ -179,10 +186,16 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
                               donate=(0, 1)),
         "MultiSteps": compile_step(_plain_step(multi), p0, multi.init(p0),
                                    grads, donate=(0, 1)),
+        "oa.MultiSteps(fused)": compile_step(
+            _fused_step(drop_in), p0, drop_in.init(p0), grads, donate=(0, 1)),
+        "oa.MultiSteps(plain)": compile_step(
+            _plain_step(drop_in), p0, drop_in.init(p0), grads, donate=(0, 1)),
     }
     compiled_adam = compile_step(_fused_step(adam), p0, adam.init(p0), grads,
                                  donate=(0, 1))
-    inits = {"fused": ours.init, "plain": ours.init, "MultiSteps": multi.init}
+    inits = {"fused": ours.init, "plain": ours.init, "MultiSteps": multi.init,
+             "oa.MultiSteps(fused)": drop_in.init,
+             "oa.MultiSteps(plain)": drop_in.init}
     del p0
 
     variants: dict[str, _common.Timed] = {}
@@ -288,6 +301,17 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
                        "MultiSteps non-closing",
                        ", ".join(f"{n} {v:.2f}x" for n, v in speedups.items()),
                        min(speedups.values()) >= 2.5),
+        _common.target("oa.MultiSteps(fused) non-closing <= 1.2x floor",
+                       ratios["oa.MultiSteps(fused) non-closing"],
+                       ratios["oa.MultiSteps(fused) non-closing"] <= 1.2),
+        _common.target("oa.MultiSteps(fused): no tree-sized temporary",
+                       _common.format_bytes(mem["oa.MultiSteps(fused)"]["temp"]),
+                       mem["oa.MultiSteps(fused)"]["temp"] < SCALARS),
+        _common.target("oa.MultiSteps(plain) non-closing >= 1.5x faster than "
+                       "MultiSteps non-closing",
+                       ms_open / per_call["oa.MultiSteps(plain) non-closing"],
+                       ms_open / per_call["oa.MultiSteps(plain) non-closing"]
+                       >= 1.5),
     ]
     return {
         "name": "B1",

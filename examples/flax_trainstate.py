@@ -85,10 +85,8 @@ def main(argv=None):
         state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
         return state, loss
 
-    flush = jax.jit(
-        functools.partial(TrainState.flush, batch_stats_momentum=MOMENTUM),
-        donate_argnums=0,
-    )
+    # Closes Adam's window and BatchNorm's, with the layer's own momentum.
+    flush = jax.jit(TrainState.flush, donate_argnums=0)
 
     n_micro = len(x_train) // MICRO
     print(f"{len(x_train)} training images, {n_micro} micro-batches of "

@@ -21,6 +21,7 @@ from optaxaccum._src.microbatch import (
     microbatched_value_and_grad,
     plan_microbatches,
 )
+from optaxaccum._src.multisteps import MultiSteps, MultiStepsState
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,8 @@ __all__ = [
     "DynamicLossScaleState",
     "GateResult",
     "GatedTransformation",
+    "MultiSteps",
+    "MultiStepsState",
     "StaticLossScaleState",
     "accumulate",
     "agc",

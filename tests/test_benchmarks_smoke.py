@@ -42,7 +42,8 @@ def test_bench_step_main_tiny():
     names = [row[0] for row in res["rows"]]
     expected = ["floor", "Adam step alone"] + [
         f"{kind} {phase}"
-        for kind in ("fused", "plain", "MultiSteps")
+        for kind in ("fused", "plain", "MultiSteps", "oa.MultiSteps(fused)",
+                     "oa.MultiSteps(plain)")
         for phase in ("non-closing", "closing", f"window/{bench.K}")
     ]
     assert names == expected
@@ -62,7 +63,7 @@ def test_bench_step_main_tiny():
     # The Adam reference: params, mu and nu donated, no tree-sized temporary.
     assert 3 * tree_bytes <= mem["Adam"]["alias"] < 3 * tree_bytes + 64
     assert mem["Adam"]["temp"] < bench.SCALARS
-    for kind in ("fused", "plain", "MultiSteps"):
+    for kind in bench.KINDS:
         # params, accumulator, Adam's mu and nu: 4 trees, plus scalars.
         assert 4 * tree_bytes <= mem[kind]["alias"] < 4 * tree_bytes + 64
     # ... and each donated buffer to the output it becomes: with the donated
@@ -71,6 +72,12 @@ def test_bench_step_main_tiny():
     assert res["tree_copies"]["floor"] == 0
     assert res["tree_copies"]["fused"] == 0
     assert res["tree_copies"]["plain"] == 0
+    # oa.MultiSteps, the drop-in, compiles to the same program shape as the
+    # oa.chain it wraps: no leaf copied, no tree-sized temporary when fused.
+    assert res["tree_copies"]["oa.MultiSteps(fused)"] == 0
+    assert res["tree_copies"]["oa.MultiSteps(plain)"] == 0
+    assert mem["oa.MultiSteps(fused)"]["temp"] < bench.SCALARS
+    assert mem["oa.MultiSteps(plain)"]["temp"] <= mem["plain"]["temp"]
 
 
 def test_bench_microbatch_main_tiny():

@@ -46,6 +46,13 @@ TRANSFORMS = {
         ),
         _inf,
     ),
+    "multisteps_adam": (lambda: oa.MultiSteps(optax.adam(1e-2), 2), _same),
+    "multisteps_skip_not_finite": (
+        lambda: oa.MultiSteps(
+            optax.sgd(0.1), 2, should_skip_update_fn=optax.skip_not_finite
+        ),
+        _inf,
+    ),
 }
 NAMES = list(TRANSFORMS)
 

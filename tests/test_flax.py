@@ -19,6 +19,7 @@ from flax import nnx
 from flax.training import train_state as flax_train_state
 
 import optaxaccum as oa
+from optaxaccum import flax as oa_flax
 from optaxaccum.flax import AccumBatchNorm, TrainState, flush_batch_stats
 from optaxaccum.flax import nnx as oa_nnx
 
@@ -156,7 +157,8 @@ def test_linen_loads_pretrained_batchnorm_variables():
     _, upd = ours.apply(pretrained, batches[0], use_running_average=False,
                         mutable=["batch_stats"])
     assert set(upd["batch_stats"]) == {
-        "mean", "var", "window_count", "window_mean", "window_m2", "window_step"}
+        "mean", "var", "momentum", "window_count", "window_mean", "window_m2",
+        "window_step"}
     chex.assert_trees_all_equal(upd["batch_stats"]["mean"], ref_vars_trained["mean"])
 
 
@@ -220,7 +222,7 @@ def test_flush_batch_stats_uses_true_count():
     bn = AccumBatchNorm(use_running_average=False, momentum=0.5, accum_steps=4)
     variables = bn.init(jax.random.key(0), batches[0])
     _, stats = _run_linen(bn, variables, batches)
-    flushed = flush_batch_stats({"bn": stats, "other": {"mean": jnp.ones(1)}}, 0.5)
+    flushed = flush_batch_stats({"bn": stats, "other": {"mean": jnp.ones(1)}})
     ref = nn.BatchNorm(use_running_average=False, momentum=0.5)
     _, ref_upd = ref.apply(ref.init(jax.random.key(0), batches[0]),
                            jnp.concatenate(batches), mutable=["batch_stats"])
@@ -229,9 +231,9 @@ def test_flush_batch_stats_uses_true_count():
     assert int(flushed["bn"]["window_step"]) == 0
     chex.assert_trees_all_equal(flushed["other"], {"mean": jnp.ones(1)})
     # An empty window: nothing changes.
-    chex.assert_trees_all_equal(flush_batch_stats(flushed, 0.5), flushed)
+    chex.assert_trees_all_equal(flush_batch_stats(flushed), flushed)
     with pytest.raises(TypeError, match="batch_stats"):
-        flush_batch_stats(jnp.ones(1), 0.5)
+        flush_batch_stats(jnp.ones(1))
 
 
 # ------------------------------------------------------------------ nnx BN --
@@ -693,7 +695,8 @@ def test_trainstate_with_pretrained_plain_batchnorm_variables():
         batch_stats=plain["batch_stats"])
     step = _make_step(model)
     state = step(state, x, y)
-    assert set(state.batch_stats["bn"]) == {"mean", "var", *_WINDOW_KEYS}
+    assert set(state.batch_stats["bn"]) == {"mean", "var", "momentum",
+                                            *_WINDOW_KEYS}
     state = step(state, x, y)
     assert int(state.batch_stats["bn"]["window_step"]) == 0
     assert bool(oa.has_updated(state.opt_state))
@@ -723,23 +726,285 @@ def test_trainstate_flush_with_overwrite_with_gradient_and_bn_windows():
     flushed = state.flush()
     np.testing.assert_allclose(flushed.params["params"]["w"], [-2.0, -4.0])
     chex.assert_trees_all_equal(flushed.params[OWG], grads[OWG])
-    # With AccumBatchNorm windows, the momentum must be given.
+    # With AccumBatchNorm windows, closed with the layer's own momentum.
     bn = AccumBatchNorm(use_running_average=False, accum_steps=2)
-    bs = bn.init(jax.random.key(0), jnp.ones((2, 1)))["batch_stats"]
-    with_bn = state.replace(batch_stats=bs)
-    with pytest.raises(ValueError, match="batch_stats_momentum"):
-        with_bn.flush()
-    assert int(with_bn.flush(batch_stats_momentum=0.9).batch_stats["window_step"]) == 0
+    v = bn.init(jax.random.key(0), jnp.ones((2, 1)))
+    _, upd = bn.apply(v, jnp.ones((2, 1)), mutable=["batch_stats"])
+    with_bn = state.replace(batch_stats=upd["batch_stats"])
+    assert int(with_bn.batch_stats["window_step"]) == 1
+    assert int(with_bn.flush().batch_stats["window_step"]) == 0
 
 
-def test_flush_batch_stats_keeps_mapping_type_and_takes_traced_momentum():
+def test_flush_batch_stats_keeps_mapping_type_and_works_under_jit():
     import collections
 
     bn = AccumBatchNorm(use_running_average=False, momentum=0.0, accum_steps=4)
     v = bn.init(jax.random.key(0), jnp.ones((2, 1)))
     _, upd = bn.apply(v, jnp.array([[1.0], [3.0]]), mutable=["batch_stats"])
     od = collections.OrderedDict(upd["batch_stats"])
-    out = flush_batch_stats(od, 0.0)
+    out = flush_batch_stats(od)
     assert type(out) is collections.OrderedDict
-    jitted = jax.jit(flush_batch_stats)(upd["batch_stats"], 0.0)
+    jitted = jax.jit(flush_batch_stats)(upd["batch_stats"])
     np.testing.assert_allclose(jitted["mean"], [2.0])
+    # The deprecated momentum, traced: not checkable, used as before.
+    with pytest.warns(DeprecationWarning):
+        jitted = jax.jit(flush_batch_stats)(upd["batch_stats"], 0.5)
+    np.testing.assert_allclose(jitted["mean"], [1.0])
+
+
+# ------------------------------------- issue 10 (items 7, 8), issue 13 (dtypes) --
+
+
+class TwoBN(nn.Module):
+    """Two AccumBatchNorm layers with different momenta on the same input
+    (``plain``: the same model with nn.BatchNorm)."""
+
+    k: int
+    plain: bool = False
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        def bn(momentum, name):
+            kw = dict(use_running_average=not train, momentum=momentum,
+                      name=name)
+            if self.plain:
+                return nn.BatchNorm(**kw)
+            return AccumBatchNorm(accum_steps=self.k, **kw)
+
+        return nn.Dense(1)(bn(0.5, "bn_a")(x) + bn(0.9, "bn_b")(x))
+
+
+def _two_bn_state(k, variables=None):
+    model = TwoBN(k)
+    if variables is None:
+        variables = model.init(jax.random.key(0), jnp.ones((4, 3)), False)
+    state = TrainState.create(
+        apply_fn=model.apply, params=variables["params"],
+        tx=oa.chain(oa.accumulate(k), optax.sgd(0.1)),
+        batch_stats=variables["batch_stats"])
+
+    @jax.jit
+    def step(state, x):
+        def loss_fn(params):
+            y, upd = model.apply(
+                {"params": params, "batch_stats": state.batch_stats}, x, True,
+                mutable=["batch_stats"])
+            return jnp.mean(y ** 2), upd["batch_stats"]
+
+        grads, bs = jax.grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, batch_stats=bs)
+
+    return state, step
+
+
+def test_trainstate_flush_uses_each_layers_own_momentum():
+    """Issue 10 item 7: flush() needs no momentum; each layer's window is
+    folded in with that layer's momentum, as stock nn.BatchNorm with that
+    momentum does on the concatenated (partial) window."""
+    k = 4
+    state, step = _two_bn_state(k)
+    batches = _data((6,) * 6, (3,))  # a full window, then 2 of 4
+    for xb in batches:
+        state = step(state, xb)
+    assert int(state.batch_stats["bn_a"]["window_step"]) == 2
+    flushed = state.flush()
+    assert bool(oa.has_updated(flushed.opt_state))
+    for name, momentum in (("bn_a", 0.5), ("bn_b", 0.9)):
+        ref = nn.BatchNorm(use_running_average=False, momentum=momentum)
+        ref_vars = ref.init(jax.random.key(0), batches[0])
+        _, ref_stats = _run_linen(
+            ref, ref_vars, [jnp.concatenate(batches[:k]),
+                            jnp.concatenate(batches[k:])])
+        got = flushed.batch_stats[name]
+        np.testing.assert_allclose(got["mean"], ref_stats["mean"], **TOL)
+        np.testing.assert_allclose(got["var"], ref_stats["var"], **TOL)
+        assert int(got["window_step"]) == 0
+    # The same under jit, and the standalone helper agrees.
+    chex.assert_trees_all_close(jax.jit(TrainState.flush)(state).batch_stats,
+                                flushed.batch_stats)
+    chex.assert_trees_all_close(flush_batch_stats(state.batch_stats),
+                                flushed.batch_stats)
+
+
+def test_trainstate_flush_passes_extra_args_to_the_chain():
+    """Issue 10 item 7: flush(value=...) reaches reduce_on_plateau, exactly
+    as oa.flush(tx, ..., value=...) driven by hand."""
+    model = nn.Dense(2)
+    params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+    tx = oa.chain(oa.accumulate(3), optax.sgd(1.0),
+                  optax.contrib.reduce_on_plateau(patience=1, factor=0.5))
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    for i in range(5):  # a full window (value 1.0), then 2 of 3
+        g = jax.tree.map(lambda p: (i + 1.0) * jnp.ones_like(p), params)
+        state = state.apply_gradients(grads=g, value=jnp.float32(1.0))
+    scale = []
+    for value in (0.5, 2.0):  # better, then worse than the best (1.0)
+        got = state.flush(value=jnp.float32(value))
+        updates, opt_state = oa.flush(tx, state.opt_state, state.params,
+                                      value=jnp.float32(value))
+        chex.assert_trees_all_equal(got.opt_state, opt_state)
+        chex.assert_trees_all_equal(
+            got.params, optax.apply_updates(state.params, updates))
+        scale.append(float(got.opt_state[2].scale))
+    # The value made a difference: a worse value halves the plateau scale.
+    assert scale == [1.0, 0.5]
+
+
+def test_flush_batch_stats_momentum_is_deprecated_and_checked():
+    """The old keyword still works, with a DeprecationWarning; a value that
+    is not the layer's own momentum raises instead of shifting the stats."""
+    state, step = _two_bn_state(4)
+    for xb in _data((6, 6), (3,)):
+        state = step(state, xb)
+    one = {"bn_a": state.batch_stats["bn_a"]}
+    with pytest.warns(DeprecationWarning, match="batch_stats_momentum"):
+        same = state.replace(batch_stats=one).flush(batch_stats_momentum=0.5)
+    chex.assert_trees_all_equal(
+        same.batch_stats, state.replace(batch_stats=one).flush().batch_stats)
+    with pytest.warns(DeprecationWarning), pytest.raises(
+            ValueError, match=r"bn_b.*0\.9"):
+        state.flush(batch_stats_momentum=0.5)
+    with pytest.warns(DeprecationWarning, match="momentum"), pytest.raises(
+            ValueError, match=r"bn_a.*0\.5"):
+        flush_batch_stats(state.batch_stats, 0.9)
+    # batch_stats without a recorded momentum (an older optaxaccum): the
+    # deprecated keyword is used; without it, a clear error.
+    old = {"bn_a": {k: v for k, v in one["bn_a"].items() if k != "momentum"}}
+    with pytest.raises(ValueError, match="convert_batch_stats"):
+        state.replace(batch_stats=old).flush()
+    with pytest.warns(DeprecationWarning):
+        legacy = state.replace(batch_stats=old).flush(batch_stats_momentum=0.5)
+    for key in ("mean", "var"):
+        chex.assert_trees_all_equal(legacy.batch_stats["bn_a"][key],
+                                    same.batch_stats["bn_a"][key])
+
+
+def test_convert_batch_stats_gives_the_full_structure_for_scan():
+    """Issue 10 item 8: plain nn.BatchNorm variables change the state's tree
+    structure on the first training call, so lax.scan with the TrainState as
+    carry fails; converted up front, the scan runs and equals step by step."""
+    k, n = 2, 5
+    xs = jnp.stack(_data((6,) * n, (3,)))
+    plain = TwoBN(k, plain=True).init(jax.random.key(0), xs[0], False)
+    state, step = _two_bn_state(k, plain)
+
+    def body(state, x):
+        return step(state, x), None
+
+    with pytest.raises(TypeError, match="carry"):
+        jax.lax.scan(body, state, xs)
+    template = TwoBN(k).init(jax.random.key(1), xs[0], False)["batch_stats"]
+    converted = oa_flax.convert_batch_stats(plain["batch_stats"], template)
+    chex.assert_trees_all_equal_structs(converted, template)
+    for name in ("bn_a", "bn_b"):
+        for key in ("mean", "var"):
+            chex.assert_trees_all_equal(converted[name][key],
+                                        plain["batch_stats"][name][key])
+    scanned, _ = jax.lax.scan(body, state.replace(batch_stats=converted), xs)
+    for x in xs:
+        state = step(state, x)
+    chex.assert_trees_all_close(scanned.params, state.params, rtol=1e-5,
+                                atol=1e-6)
+    chex.assert_trees_all_close(scanned.batch_stats, state.batch_stats,
+                                rtol=1e-5, atol=1e-6)
+    assert int(scanned.batch_stats["bn_a"]["window_step"]) == 1
+    # Idempotent; an older optaxaccum's batch_stats get the momentum entry.
+    chex.assert_trees_all_equal(
+        oa_flax.convert_batch_stats(converted, template), converted)
+    older = {name: {key: v for key, v in layer.items() if key != "momentum"}
+             for name, layer in converted.items()}
+    chex.assert_trees_all_equal(
+        oa_flax.convert_batch_stats(older, template), converted)
+
+
+def test_convert_batch_stats_rejects_what_does_not_match():
+    model = TwoBN(2)
+    template = model.init(jax.random.key(0), jnp.ones((4, 3)), False)[
+        "batch_stats"]
+    plain = {name: {"mean": jnp.zeros(3), "var": jnp.ones(3)}
+             for name in ("bn_a", "bn_b")}
+    with pytest.raises(ValueError, match="bn_b"):
+        oa_flax.convert_batch_stats({"bn_a": plain["bn_a"]}, template)
+    with pytest.raises(ValueError, match="extra"):
+        oa_flax.convert_batch_stats({**plain, "extra": plain["bn_a"]}, template)
+    with pytest.raises(ValueError, match=r"bn_a.*mean.*\(4,\)"):
+        oa_flax.convert_batch_stats(
+            {**plain, "bn_a": {"mean": jnp.zeros(4), "var": jnp.ones(3)}},
+            template)
+    with pytest.raises(TypeError, match="jax.eval_shape"):
+        oa_flax.convert_batch_stats(plain, jax.eval_shape(lambda: template))
+    # A mid-window template gives an empty window, not its own.
+    state, step = _two_bn_state(2)
+    state = step(state, jnp.ones((4, 3)))
+    out = oa_flax.convert_batch_stats(plain, state.batch_stats)
+    assert int(out["bn_a"]["window_step"]) == 0
+    chex.assert_trees_all_equal(out["bn_a"]["window_count"], jnp.zeros(3))
+    np.testing.assert_allclose(out["bn_b"]["momentum"], 0.9)
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [None, "x"])
+def test_linen_and_nnx_statistics_agree_for_half_precision_inputs(x_dtype, dtype):
+    """Issue 13: for half-precision inputs the linen and nnx layers pool the
+    same statistics, equal to their stock layers on the concatenation."""
+    dtype = x_dtype if dtype == "x" else dtype
+    batches = _data((6, 10), (3,), x_dtype)
+    lin = AccumBatchNorm(use_running_average=False, momentum=0.0,
+                         accum_steps=2, dtype=dtype)
+    _, lin_stats = _run_linen(lin, lin.init(jax.random.key(0), batches[0]),
+                              batches)
+    nbn = oa_nnx.AccumBatchNorm(3, accum_steps=2, momentum=0.0, dtype=dtype,
+                                rngs=nnx.Rngs(0))
+    for xb in batches:
+        nbn(xb)
+    chex.assert_trees_all_equal((lin_stats["mean"], lin_stats["var"]),
+                                (nbn.mean[...], nbn.var[...]))
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.0, dtype=dtype)
+    _, ref_stats = _run_linen(ref, ref.init(jax.random.key(0), batches[0]),
+                              [jnp.concatenate(batches)])
+    np.testing.assert_allclose(lin_stats["mean"], ref_stats["mean"], **TOL)
+    np.testing.assert_allclose(lin_stats["var"], ref_stats["var"], **TOL)
+
+
+@pytest.mark.parametrize(
+    "x_dtype, kw",
+    [(jnp.float32, {}),
+     (jnp.bfloat16, dict(param_dtype=jnp.bfloat16,
+                         force_float32_reductions=False))],
+    ids=["f32", "bf16-no-f32-reductions"])
+def test_linen_accum_batchnorm_under_strict_dtype_promotion(x_dtype, kw):
+    """Issue 13: where stock nn.BatchNorm runs under
+    jax_numpy_dtype_promotion='strict', AccumBatchNorm (and its flush) does
+    too, with the results of the standard mode."""
+    batches = _data((6, 10, 4), (3,), x_dtype)
+    bn = AccumBatchNorm(use_running_average=False, momentum=0.5,
+                        accum_steps=2, **kw)
+
+    @jax.jit
+    def run(batches):
+        variables = bn.init(jax.random.key(0), batches[0])
+        _, stats = _run_linen(bn, variables, batches)
+        return stats, flush_batch_stats(stats)
+
+    standard = run(batches)
+    with jax.numpy_dtype_promotion("strict"):
+        ref = nn.BatchNorm(use_running_average=False, **kw)
+        ref.apply(ref.init(jax.random.key(0), batches[0]), batches[0],
+                  mutable=["batch_stats"])  # stock flax runs here
+        strict = run(batches)
+    chex.assert_trees_all_equal(strict, standard)
+    assert strict[1]["mean"].dtype == ref.init(
+        jax.random.key(0), batches[0])["batch_stats"]["mean"].dtype
+
+
+def test_recorded_momentum_follows_the_layer():
+    """The momentum entry is the training layer's, also for batch_stats
+    saved by a layer with another momentum (e.g. a checkpoint)."""
+    x = jnp.ones((4, 3))
+    old = AccumBatchNorm(use_running_average=False, momentum=0.5, accum_steps=2)
+    variables = old.init(jax.random.key(0), x)
+    np.testing.assert_allclose(variables["batch_stats"]["momentum"], 0.5)
+    new = AccumBatchNorm(use_running_average=False, momentum=0.9, accum_steps=2)
+    _, upd = new.apply(variables, x, mutable=["batch_stats"])
+    assert upd["batch_stats"]["momentum"].dtype == jnp.float32
+    np.testing.assert_allclose(upd["batch_stats"]["momentum"], 0.9)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from optaxaccum._src import base
+from optaxaccum._src import base, utils
 
 __all__ = ["AccumulateState", "accumulate", "has_updated"]
 
@@ -34,67 +37,59 @@ class AccumulateState(NamedTuple):
 
     mini_step: jax.Array  # shape=(), int32
     gradient_step: jax.Array  # shape=(), int32
-    acc: optax.Updates  # like params, accumulator_dtype
+    acc: optax.Updates  # like params, accumulator dtype (see accumulate)
     weight: jax.Array  # shape=(), accumulator_dtype or float32 (the wider)
     updated: jax.Array  # shape=(), bool
+
+
+class _Config(NamedTuple):
+    """The static configuration of one :func:`accumulate`."""
+
+    window: Callable[[jax.Array], Any]  # gradient_step -> window length
+    reduction: str
+    accumulator_dtype: np.dtype | None  # None: at least float32 and the leaf's
+    axis_name: Hashable | None
+    skip_nonfinite: bool
 
 
 def accumulate(
     every_k: int | Callable[[jax.Array], Any],
     *,
     reduction: str = "mean",
-    accumulator_dtype: Any = jnp.float32,
+    accumulator_dtype: Any = None,
     axis_name: Hashable | None = None,
     skip_nonfinite: bool = False,
 ) -> base.GatedTransformation:
     r"""Accumulates gradients over windows of ``every_k`` micro-batches.
 
-    Each call adds ``accum_weight * grads`` to a running sum. The call that
-    completes the window emits, with ``reduction="mean"``,
-
-    .. math::
-      \bar g = \frac{\sum_{i=1}^{k} w_i g_i}{\sum_{i=1}^{k} w_i}
-
-    and with ``reduction="sum"`` the numerator alone. Inside an
-    :func:`chain`, the elements after it run only on that call, so an
-    optimizer after it steps (and advances its count and schedule) once per
-    window; used alone or inside stock :func:`optax.chain` it emits zeros on
-    the other calls.
-
-    With per-call weights ``tx.update(grads, state, params, accum_weight=w)``
-    equal to each micro-batch's example or token count, and ``grads`` the
-    gradient of that micro-batch's *mean* loss, the window emits exactly the
-    gradient of the mean loss over all examples (tokens) of the window,
-    whatever the micro-batch sizes.
+    Each call adds ``accum_weight * grads`` (``tx.update(grads, state, params,
+    accum_weight=w)``, default 1) to a running sum. The call that completes
+    the window emits the weighted mean :math:`\sum_i w_i g_i / \sum_i w_i`
+    (``reduction="mean"``) or the weighted sum. Inside :func:`chain` the
+    elements after it run only then (an optimizer steps once per window);
+    alone or in ``optax.chain`` it emits zeros on the other calls. Weights
+    (token counts), nesting, dtypes: see docs/concepts.md.
 
     Args:
       every_k: window length, a positive int, or a jit-traceable callable
-        ``gradient_step -> int`` giving the length of each window. Its value
-        is cast to int32 (so 2.7 means 2) and cannot be checked under
-        ``jit``: a length below 1 closes the window on every call.
+        ``gradient_step -> int`` (cast to int32; a length below 1 closes the
+        window on every call).
       reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
-      accumulator_dtype: floating dtype of the running sum (also for bf16 or
-        fp16 gradients). Emitted updates are cast back to the gradients'
-        dtypes.
-      axis_name: inside ``pmap``/``shard_map``, the mapped axis over which the
-        window's gradient is averaged, once, when the window closes. With
-        ``"mean"`` the window emits ``psum(sum_i w_i g_i) / psum(sum_i w_i)``;
-        with ``"sum"``, ``pmean(sum_i w_i g_i)``.
-      skip_nonfinite: if true, a micro-batch gradient holding a NaN or Inf is
-        dropped as if it had never been seen (window position, sums and
-        weights unchanged); with ``axis_name`` all devices drop it together.
-        If false, non-finite values are accumulated and emitted.
+      accumulator_dtype: floating dtype of the running sum; by default
+        float32 or the leaf's own dtype if wider. Complex leaves accumulate
+        in the complex dtype of that precision; updates are emitted in the
+        gradients' dtypes.
+      axis_name: inside ``pmap``/``shard_map``, the axis over which the
+        window is reduced once, when it closes: ``psum(sum_i w_i g_i) /
+        psum(sum_i w_i)`` (``"sum"``: ``pmean(sum_i w_i g_i)``).
+      skip_nonfinite: drop a micro-batch whose weighted gradient holds a
+        NaN/Inf as if never seen (all devices agree under ``axis_name``).
 
     Returns:
-      A :class:`GatedTransformation` whose state is an
-      :class:`AccumulateState`.
+      A :class:`GatedTransformation` with an :class:`AccumulateState`.
 
     Raises:
-      TypeError: if ``every_k`` is neither an int nor a callable,
-        ``accumulator_dtype`` is not a dtype, or ``skip_nonfinite`` is not a
-        bool.
-      ValueError: if ``every_k < 1``, ``reduction`` is unknown or
-        ``accumulator_dtype`` is not floating.
+      TypeError, ValueError: for a bad argument, naming it.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -106,157 +101,202 @@ def accumulate(
       >>> u, state = tx.update(jnp.array([5.0]), state, params, accum_weight=1)
       >>> u   # -(3 * 1 + 1 * 5) / (3 + 1)
       Array([-2.], dtype=float32)
-      >>> bool(oa.has_updated(state))
-      True
-
-    .. note::
-      A window whose total weight is 0 (summed over ``axis_name``) emits zeros
-      and does not step the followers. Use :func:`flush` to close the last,
-      partial window of an epoch.
     """
     if callable(every_k):
         window = every_k
     else:
-        k = base.check_positive_int("every_k", every_k)
+        k = utils.check_positive_int("every_k", every_k)
         window = lambda gradient_step: k  # noqa: E731
     if reduction not in ("mean", "sum"):
         raise ValueError(
             f'reduction must be "mean" or "sum", got reduction={reduction!r}'
         )
-    acc_dtype = base.check_float_dtype("accumulator_dtype", accumulator_dtype)
-    weight_dtype = jnp.promote_types(acc_dtype, jnp.float32)
-    if not isinstance(skip_nonfinite, bool):
-        raise TypeError(
-            "skip_nonfinite must be a bool, got "
-            f"skip_nonfinite={skip_nonfinite!r}"
-        )
-    if axis_name is not None and not isinstance(axis_name, Hashable):
-        raise TypeError(f"axis_name must be hashable, got {axis_name=!r}")
-
-    def init_fn(params):
-        return AccumulateState(
-            mini_step=jnp.zeros([], jnp.int32),
-            gradient_step=jnp.zeros([], jnp.int32),
-            acc=jax.tree.map(lambda p: jnp.zeros_like(p, acc_dtype), params),
-            weight=jnp.zeros([], weight_dtype),
-            updated=jnp.zeros([], bool),
-        )
-
-    def window_length(gradient_step):
-        return jnp.asarray(window(gradient_step), jnp.int32)
-
-    def emit_fn(state, out_dtypes, nonzero_weight=False):
-        """Emits the window's result; called only when a window closes.
-
-        ``nonzero_weight=True`` promises that the caller already checked the
-        window's weight, so the emitted flag is the literal ``True`` and the
-        chain needs no second branch on it.
-        """
-
-        def emit():
-            acc, weight = state.acc, state.weight
-            if axis_name is not None:
-                weight = lax.psum(weight, axis_name)
-                if reduction == "mean":
-                    acc = lax.psum(acc, axis_name)
-                else:
-                    acc = lax.pmean(acc, axis_name)
-            opened = True if nonzero_weight else weight != 0
-            if reduction == "mean":
-                scale = jnp.where(opened, 1 / jnp.where(opened, weight, 1), 0)
-                acc = optax.tree.scale(scale, acc)
-            updates = jax.tree.map(lambda a, d: a.astype(d), acc, out_dtypes)
-            # Same type (e.g. device-varying) as the flag of the closed branch.
-            updated = jnp.zeros_like(state.updated) | opened
-            return updates, state._replace(updated=updated), opened
-
-        return emit
-
-    def gate_update_fn(updates, state, params=None, *, accum_weight=1.0,
-                       _gate_passed=True, **extra_args):
-        del params, extra_args
-        if not isinstance(state, AccumulateState):
-            raise TypeError(
-                "oa.accumulate expects an AccumulateState, got "
-                f"{type(state).__name__}"
-            )
-        base.check_same_structure(
-            "the gradients", updates, state.acc, "the accumulator (params)"
-        )
-        if jnp.ndim(accum_weight) != 0:
-            raise ValueError(
-                "accum_weight must be a scalar, got an array of shape "
-                f"{jnp.shape(accum_weight)}"
-            )
-        w = jnp.asarray(accum_weight).astype(weight_dtype)
-        fresh = state.mini_step == 0
-
-        def add(a, g):
-            wg = w.astype(acc_dtype) * g.astype(acc_dtype)
-            return jnp.where(fresh, wg, a + wg)
-
-        acc = jax.tree.map(add, state.acc, updates)
-        weight = jnp.where(fresh, w, state.weight + w)
-        mini_step = state.mini_step + 1
-        # Whether this call counts: a gate before this one in the chain (a
-        # loss scale) may have refused it (``_gate_passed``, passed by
-        # oa.chain), and skip_nonfinite refuses non-finite gradients.
-        counted = _gate_passed
-        if skip_nonfinite:
-            finite = base.all_finite(updates)
-            if axis_name is not None:
-                finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-            counted = base.both(counted, finite)
-        if counted is not True:
-            acc = optax.tree.where(counted, acc, state.acc)
-            weight = jnp.where(counted, weight, state.weight)
-            mini_step = jnp.where(counted, mini_step, state.mini_step)
-        closing = base.both(
-            counted, mini_step >= window_length(state.gradient_step)
-        )
-        new_state = AccumulateState(
-            mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
-            gradient_step=jnp.where(
-                closing,
-                optax.safe_increment(state.gradient_step),
-                state.gradient_step,
-            ),
-            acc=acc,
-            weight=weight,
-            # A call that does not count leaves the state as it was.
-            updated=base.select(
-                counted, jnp.zeros_like(state.updated), state.updated
-            ),
-        )
-        out_dtypes = jax.tree.map(lambda g: jnp.asarray(g).dtype, updates)
-        if axis_name is None:
-            # The weight is local: decide on it here so the chain branches once.
-            return base.GateResult(
-                new_state,
-                closing & (weight != 0),
-                emit_fn(new_state, out_dtypes, nonzero_weight=True),
-            )
-        return base.GateResult(
-            new_state, closing, emit_fn(new_state, out_dtypes)
-        )
-
-    def gate_flush_fn(state, params, **extra_args):
-        del extra_args
-        base.check_same_structure(
-            "the params", params, state.acc, "the accumulator"
-        )
-        nonempty = state.mini_step > 0
-        closed_state = state._replace(
-            mini_step=jnp.zeros([], jnp.int32),
-            gradient_step=optax.safe_increment(state.gradient_step),
-        )
-        out_dtypes = jax.tree.map(lambda p: jnp.asarray(p).dtype, params)
-        return base.GateResult(
-            state, nonempty, emit_fn(closed_state, out_dtypes)
-        )
-
+    cfg = _Config(
+        window,
+        reduction,
+        None
+        if accumulator_dtype is None
+        else utils.check_float_dtype("accumulator_dtype", accumulator_dtype),
+        utils.check_axis_name(axis_name),
+        utils.check_bool("skip_nonfinite", skip_nonfinite),
+    )
     return base.GatedTransformation(
-        init_fn, gate_update_fn, gate_flush_fn, takes_gate_passed=True
+        functools.partial(_init, cfg),
+        functools.partial(_gate_update, cfg),
+        functools.partial(_gate_flush, cfg),
+    )
+
+
+def _leaf_dtype(cfg: _Config, leaf: Any) -> np.dtype:
+    """The accumulator dtype of a param leaf."""
+    dtype = jnp.result_type(leaf)
+    if cfg.accumulator_dtype is None:  # at least float32 and the leaf's own
+        return utils.widen(dtype)
+    if jnp.issubdtype(dtype, jnp.complexfloating):  # complex stays complex
+        return utils.widen(jnp.complex64, cfg.accumulator_dtype)
+    return cfg.accumulator_dtype
+
+
+def _weight_dtype(cfg: _Config) -> np.dtype:
+    """float32 or wider: token counts overflow float16."""
+    return utils.widen(cfg.accumulator_dtype or jnp.float32)
+
+
+def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
+    params = _gradient_params(params)
+    return AccumulateState(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=jnp.zeros([], jnp.int32),
+        acc=jax.tree.map(
+            lambda p: jnp.zeros_like(p, _leaf_dtype(cfg, p)), params
+        ),
+        weight=jnp.zeros([], _weight_dtype(cfg)),
+        updated=jnp.zeros([], bool),
+    )
+
+
+def _gate_update(
+    cfg: _Config,
+    updates: optax.Updates,
+    state: AccumulateState,
+    params: optax.Params | None = None,
+    *,
+    accum_weight: Any = 1.0,
+    passed: Any = True,
+    **extra_args: Any,
+) -> base.GateResult:
+    """Adds one micro-batch; decides whether the window closes."""
+    del params
+    utils.check_extra_args(extra_args, ("accum_weight",))
+    if not isinstance(state, AccumulateState):
+        raise TypeError(
+            "oa.accumulate expects an AccumulateState, got "
+            f"{type(state).__name__}"
+        )
+    _check_gradients(updates, state.acc)
+    utils.check_weight("accum_weight", accum_weight)
+    acc, weight, counted = _add(cfg, state, updates, accum_weight, passed)
+    mini_step = base.select(counted, state.mini_step + 1, state.mini_step)
+    window = jnp.asarray(cfg.window(state.gradient_step), jnp.int32)
+    closing = base.both(counted, mini_step >= window)
+    new_state = AccumulateState(
+        mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
+        gradient_step=jnp.where(
+            closing,
+            optax.safe_increment(state.gradient_step),
+            state.gradient_step,
+        ),
+        acc=acc,
+        weight=weight,
+        # A call that does not count leaves the state as it was.
+        updated=base.select(
+            counted, jnp.zeros_like(state.updated), state.updated
+        ),
+    )
+    out_dtypes = jax.tree.map(jnp.result_type, updates)
+    if cfg.axis_name is None:
+        # The weight is local: decide on it here so the chain branches once.
+        return base.GateResult(
+            new_state,
+            closing & (weight != 0),
+            _emitter(cfg, new_state, out_dtypes, weight_checked=True),
+        )
+    return base.GateResult(
+        new_state, closing, _emitter(cfg, new_state, out_dtypes)
+    )
+
+
+def _add(
+    cfg: _Config,
+    state: AccumulateState,
+    updates: optax.Updates,
+    weight: Any,
+    passed: Any,
+) -> tuple[optax.Updates, jax.Array, Any]:
+    """The accumulator and total weight with this micro-batch, and whether it
+    counted (a flag): not where an earlier gate refused it (``passed``) or
+    ``skip_nonfinite`` drops it, and then both stay as they were.
+
+    A weight that is negative or not finite (traced: it could not be checked)
+    makes the micro-batch non-finite; weight 0 contributes nothing, even a
+    non-finite gradient (a fully padded micro-batch).
+    """
+    w = jnp.asarray(weight).astype(_weight_dtype(cfg))
+    valid = jnp.isfinite(w) & (w >= 0)
+    w = jnp.where(valid, w, jnp.nan)
+    zero = w == 0
+    fresh = state.mini_step == 0  # the accumulator is stale: overwrite it
+    counted = passed
+    if cfg.skip_nonfinite:
+        finite = valid & (zero | utils.all_finite(updates))
+        if cfg.axis_name is not None:
+            finite = lax.pmin(finite.astype(jnp.int32), cfg.axis_name) > 0
+        counted = base.both(counted, finite)
+
+    def add(a, g):
+        wg = w.astype(a.dtype) * jnp.asarray(g).astype(a.dtype)
+        wg = jnp.where(zero, jnp.zeros_like(wg), wg)
+        return base.select(counted, jnp.where(fresh, wg, a + wg), a)
+
+    acc = jax.tree.map(add, state.acc, updates)
+    total = jnp.where(fresh, w, state.weight + w)
+    return acc, base.select(counted, total, state.weight), counted
+
+
+def _emitter(
+    cfg: _Config,
+    state: AccumulateState,
+    out_dtypes: Any,
+    weight_checked: bool = False,
+) -> Callable[[], base.Emitted]:
+    """The ``emit`` of a closing window; ``weight_checked`` promises that the
+    caller already checked the window's weight is not 0 (then ``opened`` is
+    the literal ``True`` and the chain needs no second branch on it)."""
+
+    def emit():
+        acc, weight = state.acc, state.weight
+        if cfg.axis_name is not None:
+            weight = lax.psum(weight, cfg.axis_name)
+            reduce = lax.psum if cfg.reduction == "mean" else lax.pmean
+            acc = reduce(acc, cfg.axis_name)
+        opened = True if weight_checked else weight != 0
+        if cfg.reduction == "mean":
+            scale = jnp.where(opened, 1 / jnp.where(opened, weight, 1), 0)
+            acc = optax.tree.scale(scale, acc)
+        updates = jax.tree.map(lambda a, d: a.astype(d), acc, out_dtypes)
+        # Same type (e.g. device-varying) as the flag of the closed branch.
+        updated = jnp.zeros_like(state.updated) | opened
+        # Followers (a nested accumulate) weigh this window by its total
+        # weight; a window sum adds up with weight 1.
+        follower_weight = (
+            weight if cfg.reduction == "mean" else jnp.ones_like(weight)
+        )
+        return base.Emitted(
+            updates,
+            state._replace(updated=updated),
+            opened,
+            {"accum_weight": follower_weight},
+        )
+
+    return emit
+
+
+def _gate_flush(
+    cfg: _Config, state: AccumulateState, params: optax.Params, **extra_args
+) -> base.GateResult:
+    """Closes the current window now, if it holds any micro-batch."""
+    utils.check_extra_args(extra_args, ("accum_weight",))
+    params = _gradient_params(params)
+    utils.check_same_structure(
+        "the params", params, state.acc, "the accumulator"
+    )
+    closed_state = state._replace(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=optax.safe_increment(state.gradient_step),
+    )
+    out_dtypes = jax.tree.map(jnp.result_type, params)
+    return base.GateResult(
+        state, state.mini_step > 0, _emitter(cfg, closed_state, out_dtypes)
     )
 
 
@@ -283,19 +323,100 @@ def has_updated(state: optax.OptState) -> jax.Array:
       >>> bool(oa.has_updated(state))
       False
     """
-    return find_state(state, AccumulateState, "oa.has_updated").updated
+    warn_if_wrapped(state)
+    found = utils.find_state(state, tuple(WINDOW_STATES), "oa.has_updated")
+    if found.updated is None:  # e.g. converted from optax's MultiStepsState
+        return (found.mini_step == 0) & (found.gradient_step > 0)
+    return found.updated
 
 
-def find_state(state: Any, cls: type, caller: str) -> Any:
-    """The first (outermost, leftmost) instance of ``cls`` inside ``state``."""
-    found = [
-        s
-        for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls))
-        if isinstance(s, cls)
-    ]
-    if not found:
-        raise ValueError(
-            f"{caller} found no {cls.__name__} in the state given "
-            f"({jax.tree.structure(state)})"
-        )
-    return found[0]
+# States holding a window's position (mini_step, gradient_step) and the
+# ``updated`` flag; has_updated and counted use the first one found.
+# oa.MultiSteps registers its state here.
+WINDOW_STATES: list[type] = [AccumulateState]
+
+
+# optax wrappers that count their own calls: around a gated chain they count
+# micro-batches, not windows.
+_COUNTING_WRAPPERS = (
+    optax.InjectHyperparamsState,
+    optax.InjectStatefulHyperparamsState,
+    optax.LookaheadState,
+    optax.MultiStepsState,
+)
+
+
+def warn_if_wrapped(state: Any) -> None:
+    """Warns when an :class:`AccumulateState` sits inside the state of an
+    optax wrapper that counts every call (``inject_hyperparams``,
+    ``lookahead``, ``MultiSteps``): its schedule, sync or count advances once
+    per micro-batch instead of once per window."""
+
+    def wrapper(x):
+        return isinstance(x, _COUNTING_WRAPPERS)
+
+    def window(x):
+        return isinstance(x, tuple(WINDOW_STATES))
+
+    for outer in jax.tree.leaves(state, is_leaf=wrapper):
+        if not wrapper(outer):
+            continue
+        if any(map(window, jax.tree.leaves(tuple(outer), is_leaf=window))):
+            warnings.warn(
+                f"an optax wrapper ({type(outer).__name__}) holds an "
+                "oa.accumulate: the wrapper counts every call (every "
+                "micro-batch), not every window, so its schedule, sync or "
+                "step count runs k times too fast. Put the wrapper inside "
+                "the oa.chain, after the accumulate: oa.chain(oa.accumulate"
+                "(k), optax.inject_hyperparams(optax.sgd)(learning_rate="
+                "schedule)). See docs/concepts.md, 'Where wrappers go'.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+
+
+def counted(old_state: optax.OptState, new_state: optax.OptState) -> Any:
+    """Whether the outermost accumulate of a chain took the call that turned
+    ``old_state`` into ``new_state`` into its window (``True`` when the state
+    holds no :class:`AccumulateState`: every call counts)."""
+    classes = tuple(WINDOW_STATES)
+    try:
+        old = utils.find_state(old_state, classes, "counted")
+    except ValueError:
+        return True
+    new = utils.find_state(new_state, classes, "counted")
+    return (new.mini_step != old.mini_step) | (
+        new.gradient_step != old.gradient_step
+    )
+
+
+def _gradient_params(params: Any) -> Any:
+    """The params the gradients are taken of: the fast ones of
+    :class:`optax.LookaheadParams` (``optax.lookahead`` after an accumulate
+    gets ``(fast, slow)`` params and gradients of the fast ones)."""
+    return params.fast if isinstance(params, optax.LookaheadParams) else params
+
+
+def _check_gradients(updates: Any, acc: Any) -> None:
+    """Raises if the gradients do not fit the accumulator, naming the leaf."""
+    utils.check_same_structure(
+        "the gradients", updates, acc, "the accumulator (params)"
+    )
+    paths = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for (path, g), a in zip(paths, jax.tree.leaves(acc)):
+        dtype = jnp.result_type(g)
+        where = f"gradient leaf at {jax.tree_util.keystr(path)}"
+        if dtype == jax.dtypes.float0:
+            raise TypeError(
+                f"{where} has dtype float0 (jax.grad(allow_int=True) of an "
+                "integer param): filter integer leaves out before the "
+                "accumulation (e.g. optax.masked, eqx.filter)"
+            )
+        if jnp.issubdtype(dtype, jnp.complexfloating) and not (
+            jnp.issubdtype(a.dtype, jnp.complexfloating)
+        ):
+            raise TypeError(
+                f"{where} is complex ({dtype}) but its param is real "
+                f"({a.dtype}): the accumulator would drop the imaginary part"
+            )

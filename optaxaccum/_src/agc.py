@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base
+from optaxaccum._src import utils
 
 __all__ = ["agc", "unitwise_norm"]
 
@@ -29,7 +29,7 @@ AxisArg = Union[
 AGC_NO_PARAMS_MSG = (
     "oa.agc (adaptive gradient clipping) needs the current parameters: the "
     "clipping threshold of each unit is proportional to its parameter norm. "
-    "Call `update(grads, state, params)`. " + base.NO_PARAMS_MSG
+    "Call `update(grads, state, params)`. " + utils.NO_PARAMS_MSG
 )
 
 
@@ -380,10 +380,10 @@ def agc(
       for biases (see the example above). Exclude the final classifier with
       :func:`optax.masked`, as the paper recommends.
     """
-    clipping = base.check_real("clipping", clipping)
+    clipping = utils.check_real("clipping", clipping)
     if not clipping > 0:  # also rejects NaN
         raise ValueError(f"clipping must be > 0, got clipping={clipping!r}")
-    eps = base.check_real("eps", eps)
+    eps = utils.check_real("eps", eps)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got eps={eps!r}")
     _check_axis_arg(axis)
@@ -396,7 +396,7 @@ def agc(
         del extra_args
         if params is None:
             raise ValueError(AGC_NO_PARAMS_MSG)
-        base.check_same_structure("updates", updates, params, "params")
+        utils.check_same_structure("updates", updates, params, "params")
         leaf_axes = _leaf_axes(axis, params)
         g_leaves, treedef = jax.tree.flatten(updates)
         w_leaves = jax.tree.leaves(params)

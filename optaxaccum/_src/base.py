@@ -1,49 +1,76 @@
-"""The gate protocol shared by :func:`optaxaccum.chain` and its gates.
+"""The gate protocol of :func:`optaxaccum.chain`: decide, emit, flush.
 
 A *gate* is an optax transformation that decides, on each call, whether the
-transformations after it in an :func:`optaxaccum.chain` run. It is an ordinary
-:class:`optax.GradientTransformationExtraArgs` (so it can be used alone or in
-``optax.chain``) that also carries a ``gate_update`` function returning a
-:class:`GateResult` instead of ``(updates, state)``:
+transformations after it in an :func:`optaxaccum.chain` run. It is an
+ordinary :class:`optax.GradientTransformationExtraArgs` (usable alone or in
+``optax.chain``) that also has a ``gate_update`` function. Every gate
+receives the same arguments as ``update`` and returns a :class:`GateResult`:
 
-* ``GateResult.state`` is the gate's new state if it stays closed;
-* ``GateResult.may_open`` is a boolean scalar: whether to call ``emit``;
-* ``GateResult.emit()`` is called only inside the branch of a ``lax.cond``
-  taken when ``may_open`` is true. It returns ``(updates, state, opened)``:
-  the updates to pass on, the gate's state in that case and a boolean scalar
-  (or the Python literal ``True``) saying whether the followers run.
+* **decide**: ``GateResult.may_open``, a boolean scalar, and
+  ``GateResult.state``, the gate's state if it stays closed.
+* **emit**: ``GateResult.emit()``, called only inside the branch of a
+  ``lax.cond`` taken when ``may_open`` is true, returns an :class:`Emitted`:
+  the updates to pass on, the gate's state then, whether the followers run
+  after all (``opened``: a decision that needs the branch's work, e.g. a
+  total weight summed across devices) and extra arguments for the followers.
+  Work that matters only when the gate opens (dividing by the window's
+  weight, an all-reduce) belongs here.
+* **flush** (optional): ``gate_flush(state, params, **extra_args)`` returns a
+  :class:`GateResult` that closes a partial window without a new gradient.
 
-Work that only matters when the gate opens (dividing an accumulator by its
-weight, an all-reduce across devices) belongs in ``emit`` so that it is not
-executed on the calls where the gate stays closed. A gate whose ``emit`` is
-free (its updates are computed anyway, as a loss scale's unscaled gradients)
-says so with ``GateResult.eager``: the chain may then call ``emit`` on every
-step and combine the gate with a later one (``may_open`` of both), so that a
-step where the later gate stays closed still skips everything after it.
+A gate whose ``emit`` costs nothing (it returns values computed anyway, as a
+loss scale's unscaled gradients) sets ``GateResult.eager``: the chain then
+calls ``emit`` on every step and merges the gate's decision with the next
+gate's, so the fused step keeps its fast path. The next gate learns whether
+the eager one let the call pass from the keyword ``passed`` (a flag) of its
+``gate_update``: where it is false the call must not count (closed state as
+it was, ``may_open`` false). A gate that does not take ``passed`` gets the
+same effect from the chain (:func:`call_gate`), at the cost of holding its
+new state next to the old.
+
+A ``flag`` below is a boolean scalar array or the literal ``True`` (known
+open: no conditional or select is built for it).
 """
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
 
+from optaxaccum._src import utils
+
 __all__ = [
+    "Emitted",
     "GateResult",
     "GatedTransformation",
     "is_gate",
     "resolve",
 ]
 
-NO_PARAMS_MSG = (
-    "You are using a transformation that requires the current value of "
-    "parameters, but you are not passing `params` when calling `update`."
-)
+Flag: TypeAlias = "jax.Array | bool"
+
+
+class Emitted(NamedTuple):
+    """What a gate's ``emit`` returns (a plain 3-tuple is accepted too).
+
+    Attributes:
+      updates: the updates passed on to the followers.
+      state: the gate's state when it opens.
+      opened: a flag: whether the followers run; when false the updates are
+        replaced by zeros and ``state`` is kept.
+      follower_args: extra arguments replacing the call's own for the
+        followers (a closing accumulate passes its total ``accum_weight``).
+    """
+
+    updates: optax.Updates
+    state: optax.OptState
+    opened: Any = True
+    follower_args: Mapping[str, Any] = {}
 
 
 class GateResult(NamedTuple):
@@ -51,19 +78,17 @@ class GateResult(NamedTuple):
 
     Attributes:
       state: the gate's state to keep when it stays closed (a pytree).
-      may_open: boolean scalar array: whether ``emit`` is to be called.
-      emit: a function of no arguments returning ``(updates, state, opened)``;
-        called only inside the ``lax.cond`` branch taken when ``may_open`` is
-        true (unless ``eager``). ``opened`` is a boolean scalar (or the
-        literal ``True``) telling whether the followers run; when it is false
-        the emitted updates are replaced by zeros and the emitted state kept.
-      eager: ``True`` when ``emit`` costs nothing (it returns values already
-        computed) and may be called on every step; default ``False``.
+      may_open: a flag: whether ``emit`` is to be called.
+      emit: a function of no arguments returning an :class:`Emitted` (or
+        ``(updates, state, opened)``); called only inside the ``lax.cond``
+        branch taken when ``may_open`` is true, unless ``eager``.
+      eager: ``True`` when ``emit`` costs nothing and may be called on every
+        step; default ``False``.
     """
 
     state: optax.OptState
-    may_open: jax.Array
-    emit: Callable[[], tuple[optax.Updates, optax.OptState, Any]]
+    may_open: Any
+    emit: Callable[[], tuple]
     eager: bool = False
 
 
@@ -93,23 +118,16 @@ class GateFlushFn(Protocol):
 class GatedTransformation(optax.GradientTransformationExtraArgs):
     """An optax transformation that is also a gate of :func:`chain`.
 
-    It is a :class:`optax.GradientTransformationExtraArgs` (``init``,
-    ``update``) with two more attributes: ``gate_update``, returning a
-    :class:`GateResult`, and ``gate_flush`` (or ``None``), which closes a
-    partial window without a new gradient. Its plain ``update`` is derived
-    from ``gate_update``: zeros when the gate stays closed.
+    A :class:`optax.GradientTransformationExtraArgs` (``init``, ``update``)
+    with two more attributes, ``gate_update`` and ``gate_flush`` (see the
+    protocol above). Its plain ``update`` is derived from ``gate_update``:
+    zeros when the gate stays closed.
 
     Args:
       init: the usual ``init(params) -> state``.
       gate_update: ``(updates, state, params=None, **extra_args) ->
         GateResult``.
       gate_flush: optional ``(state, params, **extra_args) -> GateResult``.
-      takes_gate_passed: whether ``gate_update`` honours the keyword
-        ``_gate_passed`` (a boolean scalar): when it is false the call must
-        not count (the gate's state as if the call had not happened, apart
-        from what an eager gate before it decided). :func:`chain` then skips
-        its own selection of this gate's state, which spares a tree-sized
-        temporary. Default ``False``: the chain selects the state itself.
 
     Example:
       A gate that lets only finite gradients through:
@@ -135,29 +153,27 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         init: optax.TransformInitFn,
         gate_update: GateUpdateFn,
         gate_flush: GateFlushFn | None = None,
-        takes_gate_passed: bool = False,
     ):
         def update_fn(updates, state, params=None, **extra_args):
             return resolve(gate_update(updates, state, params, **extra_args))
 
-        self = super().__new__(cls, init, update_fn)
+        # The plain update declares what gate_update takes by name, so that
+        # chains can tell a near-miss keyword (``acum_weight``) from others.
+        names = utils.declared_extra_args(gate_update, skip=3)
+        self = super().__new__(
+            cls, init, utils.with_signature(update_fn, names)
+        )
         self.gate_update = gate_update
         self.gate_flush = gate_flush
-        self.takes_gate_passed = takes_gate_passed
         return self
 
     def __getnewargs__(self):
         # copy/deepcopy/pickle rebuild through __new__ with these arguments.
-        return (
-            self.init, self.gate_update, self.gate_flush,
-            self.takes_gate_passed,
-        )
+        return (self.init, self.gate_update, self.gate_flush)
 
 
 def _flatten_gate(tx: GatedTransformation):
-    return (tx.init, tx.update), (
-        tx.gate_update, tx.gate_flush, tx.takes_gate_passed
-    )
+    return (tx.init, tx.update), (tx.gate_update, tx.gate_flush)
 
 
 def _unflatten_gate(aux, children) -> GatedTransformation:
@@ -198,6 +214,35 @@ def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable):
     return true_fn() if concrete else false_fn()
 
 
+def call_gate(
+    gate: GatedTransformation,
+    passed: Any,
+    updates: optax.Updates,
+    state: optax.OptState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+) -> GateResult:
+    """``gate.gate_update`` for a call that earlier gates let ``passed``.
+
+    Where ``passed`` is false the call must not count: the gate's closed
+    state is its state as it was, and it does not open. A gate whose
+    ``gate_update`` takes the keyword ``passed`` does this itself (inside
+    its own update, so no tree is held twice); for any other gate the
+    state is selected here.
+    """
+    if passed is True:
+        return gate.gate_update(updates, state, params, **extra_args)
+    if "passed" in utils.declared_extra_args(gate.gate_update):
+        return gate.gate_update(
+            updates, state, params, passed=passed, **extra_args
+        )
+    res = gate.gate_update(updates, state, params, **extra_args)
+    return res._replace(
+        state=select(passed, res.state, state),
+        may_open=both(passed, res.may_open),
+    )
+
+
 def resolve(res: GateResult) -> tuple[optax.Updates, optax.OptState]:
     """Turns a :class:`GateResult` into the plain ``(updates, state)``.
 
@@ -213,13 +258,18 @@ def resolve(res: GateResult) -> tuple[optax.Updates, optax.OptState]:
     """
 
     def opened():
-        updates, state, flag = res.emit()
+        updates, state, flag, _ = emitted(res)
         return mask(flag, updates), state
 
     def closed():
         return zeros_of(jax.eval_shape(opened)[0]), res.state
 
     return cond_or_call(res.may_open, opened, closed)
+
+
+def emitted(res: GateResult) -> Emitted:
+    """Calls ``res.emit()`` and returns its result as an :class:`Emitted`."""
+    return Emitted(*res.emit())
 
 
 def mask(flag: Any, updates: optax.Updates) -> optax.Updates:
@@ -244,93 +294,3 @@ def select(pred: Any, on_true: Any, on_false: Any) -> Any:
     if pred is True:
         return on_true
     return optax.tree.where(pred, on_true, on_false)
-
-
-# ---------------------------------------------------------------- validation
-
-
-def check_positive_int(name: str, value: Any) -> int:
-    """Returns ``value`` as an int if it is an int >= 1 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{name} must be a positive int, got {name}={value!r} "
-            f"of type {type(value).__name__}"
-        )
-    if value < 1:
-        raise ValueError(
-            f"{name} must be a positive int (>= 1), got {name}={value!r}"
-        )
-    if value > jnp.iinfo(jnp.int32).max:
-        raise ValueError(
-            f"{name} must fit in int32 (<= 2**31 - 1), got {name}={value!r}"
-        )
-    return int(value)
-
-
-def check_real(name: str, value: Any) -> float:
-    """Returns ``value`` as a float if it is a real number (not a bool)."""
-    is_scalar_array = (
-        hasattr(value, "dtype")
-        and jnp.ndim(value) == 0
-        and jnp.issubdtype(value.dtype, jnp.number)
-        and not jnp.issubdtype(value.dtype, jnp.complexfloating)
-    )
-    if isinstance(value, bool) or not (
-        isinstance(value, numbers.Real) or is_scalar_array
-    ):
-        raise TypeError(
-            f"{name} must be a real number, got {name}={value!r} "
-            f"of type {type(value).__name__}"
-        )
-    return float(value)
-
-
-def check_float_dtype(name: str, value: Any) -> jnp.dtype:
-    """Returns ``jnp.dtype(value)`` if it is a floating dtype."""
-    try:
-        dtype = jnp.dtype(value)
-    except TypeError as e:
-        raise TypeError(
-            f"{name} must be a floating dtype, got {name}={value!r}"
-        ) from e
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
-            f"{name} must be a floating dtype (e.g. jnp.float32), "
-            f"got {name}={value!r}"
-        )
-    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
-        raise ValueError(
-            f"{name}={value!r} needs 64-bit mode "
-            "(jax.config.update('jax_enable_x64', True)); without it JAX "
-            "would silently use float32"
-        )
-    return dtype
-
-
-def check_same_structure(
-    what: str, tree: Any, reference: Any, reference_what: str
-) -> None:
-    """Raises ``ValueError`` naming both structures if they differ."""
-    got = jax.tree.structure(tree)
-    want = jax.tree.structure(reference)
-    if got != want:
-        raise ValueError(
-            f"The tree structure of {what} does not match that of "
-            f"{reference_what}.\n  {what}: {got}\n  {reference_what}: {want}"
-        )
-    paths = jax.tree_util.tree_flatten_with_path(reference)[0]
-    for (path, ref), leaf in zip(paths, jax.tree.leaves(tree), strict=True):
-        if jnp.shape(leaf) != jnp.shape(ref):
-            raise ValueError(
-                f"{what} at {jax.tree_util.keystr(path)} has shape "
-                f"{jnp.shape(leaf)}, but {reference_what} has shape "
-                f"{jnp.shape(ref)}"
-            )
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """Boolean scalar: whether every element of every leaf is finite."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.array(True)
-    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base
+from optaxaccum._src import base, utils
+from optaxaccum._src.accumulate import warn_if_wrapped
 
 __all__ = ["chain", "apply_gradients", "flush"]
 
@@ -67,53 +68,34 @@ def chain(
                 f"GradientTransformation; element {i} is {tx!r} of type "
                 f"{type(tx).__name__}"
             )
-    txs = tuple(
-        tx if base.is_gate(tx) else optax.with_extra_args_support(tx)
-        for tx in transforms
+    declared = frozenset().union(
+        *(utils.declared_extra_args(tx) for tx in transforms)
     )
+    gate_at = next(
+        (i for i, t in enumerate(transforms) if base.is_gate(t)), None
+    )
+    if gate_at is None:  # a chain without gates is optax.chain
+        return _checked(optax.chain(*transforms), declared, len(transforms))
+    head = optax.chain(*transforms[:gate_at]) if gate_at else None
+    first, rest = transforms[gate_at], _followers(transforms, gate_at)
+    init = optax.chain(*transforms).init
 
-    def init_fn(params):
-        return tuple(tx.init(params) for tx in txs)
-
-    def check_state(state):
-        if not isinstance(state, tuple) or len(state) != len(txs):
-            raise ValueError(
-                f"oa.chain of {len(txs)} transformations expects a tuple of "
-                f"{len(txs)} states, got {type(state).__name__} "
-                f"{jax.tree.structure(state)}"
+    def gate_update_fn(
+        updates, state, params=None, *, passed=True, **extra_args
+    ):
+        _check_state(state, len(transforms))
+        utils.check_extra_args(extra_args, declared)
+        head_state = ()
+        if head is not None:
+            updates, head_state = head.update(
+                updates, state[:gate_at], params, **extra_args
             )
-
-    gate_at = next((i for i, tx in enumerate(txs) if base.is_gate(tx)), None)
-    if gate_at is None:
-
-        def update_fn(updates, state, params=None, **extra_args):
-            check_state(state)
-            new_state = []
-            for tx, s in zip(txs, state):
-                updates, s = tx.update(updates, s, params, **extra_args)
-                new_state.append(s)
-            return updates, tuple(new_state)
-
-        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-    first = txs[gate_at]
-
-    def gate_update_fn(updates, state, params=None, **extra_args):
-        check_state(state)
-        # Given only when the first gate takes it (see takes_gate_passed).
-        passed = extra_args.pop("_gate_passed", True)
-        head = []
-        for tx, s in zip(txs[:gate_at], state[:gate_at]):
-            updates, s = tx.update(updates, s, params, **extra_args)
-            head.append(s)
-        head = base.select(passed, tuple(head), state[:gate_at])
-        if passed is not True:
-            extra_args["_gate_passed"] = passed
-        res = first.gate_update(updates, state[gate_at], params, **extra_args)
-        extra_args.pop("_gate_passed", None)
+            head_state = base.select(passed, head_state, state[:gate_at])
+        res = base.call_gate(
+            first, passed, updates, state[gate_at], params, **extra_args
+        )
         return _follow(
-            res, head, state[gate_at + 1 :], followers(gate_at),
-            params, extra_args,
+            res, head_state, state[gate_at + 1 :], rest, params, extra_args
         )
 
     # The first element that can close a window early (``flush``); the
@@ -121,30 +103,62 @@ def chain(
     flush_at = next(
         (
             i
-            for i, tx in enumerate(txs)
-            if base.is_gate(tx) and tx.gate_flush is not None
+            for i, t in enumerate(transforms)
+            if base.is_gate(t) and t.gate_flush is not None
         ),
         None,
     )
+    if flush_at is None:
+        return base.GatedTransformation(
+            init, utils.with_signature(gate_update_fn, declared)
+        )
+    flusher, flush_rest = transforms[flush_at], _followers(transforms, flush_at)
 
     def gate_flush_fn(state, params, **extra_args):
-        check_state(state)
-        res = txs[flush_at].gate_flush(state[flush_at], params, **extra_args)
+        _check_state(state, len(transforms))
+        utils.check_extra_args(extra_args, declared)
+        res = flusher.gate_flush(state[flush_at], params, **extra_args)
         return _follow(
-            res, state[:flush_at], state[flush_at + 1 :], followers(flush_at),
-            params, extra_args,
+            res,
+            state[:flush_at],
+            state[flush_at + 1 :],
+            flush_rest,
+            params,
+            extra_args,
         )
 
-    def followers(i):
-        rest = txs[i + 1 :]
-        return chain(*rest) if rest else None
-
     return base.GatedTransformation(
-        init_fn,
-        gate_update_fn,
-        gate_flush_fn if flush_at is not None else None,
-        first.takes_gate_passed,
+        init, utils.with_signature(gate_update_fn, declared), gate_flush_fn
     )
+
+
+def _checked(tx, declared, n):
+    """``tx`` (an ``optax.chain`` of ``n``) with the state and near-miss
+    checks."""
+
+    def update_fn(updates, state, params=None, **extra_args):
+        _check_state(state, n)
+        utils.check_extra_args(extra_args, declared)
+        return tx.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(
+        tx.init, utils.with_signature(update_fn, declared)
+    )
+
+
+def _check_state(state, n):
+    if not isinstance(state, tuple) or len(state) != n:
+        raise ValueError(
+            f"oa.chain of {n} transformations expects a tuple of "
+            f"{n} states, got {type(state).__name__} "
+            f"{jax.tree.structure(state)}"
+        )
+
+
+def _followers(transforms, i):
+    """The chain of the elements after position ``i`` (built once)."""
+    rest = transforms[i + 1 :]
+    return chain(*rest) if rest else None
 
 
 def _follow(res, head, tail_state, rest, params, extra_args):
@@ -153,41 +167,51 @@ def _follow(res, head, tail_state, rest, params, extra_args):
         return _follow_eager(res, head, tail_state, rest, params, extra_args)
 
     def emit():
-        updates, gate_state, opened = res.emit()
+        updates, gate_state, opened, follower_args = base.emitted(res)
         if rest is None:
-            return updates, (*head, gate_state), opened
+            return base.Emitted(
+                updates, (*head, gate_state), opened, follower_args
+            )
+        args = {**extra_args, **follower_args}
         if base.is_gate(rest):
             # Only where this gate opens (e.g. once per window): the later
             # gate decides in turn, and its emit runs only where it opens.
-            res2 = rest.gate_update(updates, tail_state, params, **extra_args)
+            res2 = rest.gate_update(updates, tail_state, params, **args)
 
             def inner_open():
-                updates2, open_state, opened2 = res2.emit()
-                return updates2, open_state, base.both(res2.may_open, opened2)
+                out = base.emitted(res2)
+                opened2 = base.both(res2.may_open, out.opened)
+                return out.updates, out.state, opened2, out.follower_args
 
             def inner_closed():
-                shapes = jax.eval_shape(lambda: res2.emit()[0])
+                shapes = jax.eval_shape(
+                    lambda: (lambda e: (e.updates, e.follower_args))(
+                        base.emitted(res2)
+                    )
+                )
                 closed = jnp.logical_and(res2.may_open, False)
-                return base.zeros_of(shapes), res2.state, closed
+                zeros, args = base.zeros_of(shapes)
+                return zeros, res2.state, closed, args
 
-            updates2, inner, opened2 = base.cond_or_call(
+            updates2, inner, opened2, args2 = base.cond_or_call(
                 res2.may_open, inner_open, inner_closed
             )
             tail = base.select(opened, inner, tail_state)
-            return (
+            return base.Emitted(
                 updates2,
                 (*head, gate_state, *tail),
                 base.both(opened, opened2),
+                args2,
             )
 
         def run():
-            return rest.update(updates, tail_state, params, **extra_args)
+            return rest.update(updates, tail_state, params, **args)
 
         def skip():
             return base.zeros_of(jax.eval_shape(run)[0]), tail_state
 
         updates, tail = base.cond_or_call(opened, run, skip)
-        return updates, (*head, gate_state, *tail), opened
+        return base.Emitted(updates, (*head, gate_state, *tail), opened)
 
     # With nothing after the gate, emit adds only the head states: it stays
     # as cheap as the gate's own (an eager gate stays eager).
@@ -203,27 +227,27 @@ def _follow_eager(res, head, tail_state, rest, params, extra_args):
     """An eager gate followed by a gated chain: one combined gate, so that a
     step where the later gate stays closed (a non-closing micro-step after a
     loss scale) still skips its followers and keeps the fused fast path."""
-    updates, open_state, opened = res.emit()
+    updates, open_state, opened, follower_args = base.emitted(res)
     passed = base.both(res.may_open, opened)
     gate_state = base.select(res.may_open, open_state, res.state)
-    # The later gate counts this call only if this one let it through: an
-    # oa.accumulate applies ``_gate_passed`` inside its accumulator update;
-    # for other gates the chain selects their state.
-    if rest.takes_gate_passed:
-        res2 = rest.gate_update(
-            updates, tail_state, params, _gate_passed=passed, **extra_args
-        )
-        closed_tail = res2.state
-    else:
-        res2 = rest.gate_update(updates, tail_state, params, **extra_args)
-        closed_tail = base.select(passed, res2.state, tail_state)
+    # A call this gate refused does not count for the later gate (``passed``).
+    res2 = base.call_gate(
+        rest,
+        passed,
+        updates,
+        tail_state,
+        params,
+        **{**extra_args, **follower_args},
+    )
 
     def emit():
-        updates2, tail, opened2 = res2.emit()
-        return updates2, (*head, gate_state, *tail), opened2
+        updates2, tail, opened2, args2 = base.emitted(res2)
+        return base.Emitted(
+            updates2, (*head, gate_state, *tail), opened2, args2
+        )
 
     return base.GateResult(
-        (*head, gate_state, *closed_tail),
+        (*head, gate_state, *res2.state),
         base.both(passed, res2.may_open),
         emit,
         res2.eager,
@@ -281,6 +305,7 @@ def apply_gradients(
       Array([0., 0.], dtype=float32)
     """
     if not base.is_gate(tx):
+        warn_if_wrapped(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         return optax.apply_updates(params, updates), opt_state
     result = tx.gate_update(grads, opt_state, params, **extra_args)
@@ -289,7 +314,7 @@ def apply_gradients(
 
 def _apply(res: base.GateResult, params):
     def opened():
-        updates, state, flag = res.emit()
+        updates, state, flag, _ = base.emitted(res)
         new_params = optax.apply_updates(params, updates)
         return base.select(flag, new_params, params), state
 
@@ -342,6 +367,7 @@ def flush(
     """
     gate_flush = getattr(tx, "gate_flush", None) if base.is_gate(tx) else None
     if gate_flush is None:
+        warn_if_wrapped(opt_state)
         raise ValueError(
             "oa.flush needs an oa.accumulate, or an oa.chain that contains "
             f"one; got {tx!r}"

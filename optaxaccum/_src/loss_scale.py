@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optaxaccum._src import base
+from optaxaccum._src import base, utils
 
 __all__ = [
     "DynamicLossScaleState",
@@ -62,7 +62,7 @@ class StaticLossScaleState(NamedTuple):
 def _check_float32(name: str, value: Any, *, lower: float) -> np.float32:
     """``value`` as a float32 if it is real, finite (in float32) and
     ``> lower``."""
-    x = base.check_real(name, value)
+    x = utils.check_real(name, value)
     with np.errstate(over="ignore"):
         x32 = np.float32(x)
     if not (math.isfinite(x) and np.isfinite(x32)):
@@ -229,7 +229,7 @@ def dynamic_loss_scale(
       :func:`chain`.
     """
     init32 = _check_float32("init_scale", init_scale, lower=0.0)
-    period = base.check_positive_int("period", period)
+    period = utils.check_positive_int("period", period)
     if period > _INT32_MAX:
         raise ValueError(
             f"period must fit in int32 (<= {_INT32_MAX}), got {period=}"

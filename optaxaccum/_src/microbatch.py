@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optaxaccum._src import base
+from optaxaccum._src import utils
 
 __all__ = [
     "microbatched_step_memory",
@@ -178,7 +178,7 @@ def _check_state(new_state: Any, state: Any) -> Any:
     """Returns ``new_state`` (without weak types) after checking that it has
     the structure, shapes and dtypes of ``state``: a scan carry must not
     change type."""
-    base.check_same_structure(
+    utils.check_same_structure(
         "the state returned by loss_fn",
         new_state,
         state,
@@ -412,7 +412,7 @@ def microbatched_value_and_grad(
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
-    n = base.check_positive_int("num_microbatches", num_microbatches)
+    n = utils.check_positive_int("num_microbatches", num_microbatches)
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, got has_aux={has_aux!r}")
     if not isinstance(interleave, bool):
@@ -677,7 +677,7 @@ def plan_microbatches(
       updated parameters). Compilation takes a while for big models; restrict
       ``candidates`` to try fewer.
     """
-    budget = base.check_real("memory_budget", memory_budget)
+    budget = utils.check_real("memory_budget", memory_budget)
     if not (budget > 0 and math.isfinite(budget)):
         raise ValueError(
             f"memory_budget must be a positive, finite number of bytes, got "
@@ -693,7 +693,7 @@ def plan_microbatches(
         tries = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
     else:
         tries = sorted(
-            {base.check_positive_int("candidates", c) for c in candidates}
+            {utils.check_positive_int("candidates", c) for c in candidates}
         )
         if not tries:
             raise ValueError("candidates must not be empty")

@@ -6,6 +6,15 @@ in :mod:`optaxaccum.flax.nnx`.
 """
 
 from optaxaccum.flax._linen import AccumBatchNorm
-from optaxaccum.flax._train_state import TrainState, flush_batch_stats
+from optaxaccum.flax._train_state import (
+    TrainState,
+    convert_batch_stats,
+    flush_batch_stats,
+)
 
-__all__ = ["AccumBatchNorm", "TrainState", "flush_batch_stats"]
+__all__ = [
+    "AccumBatchNorm",
+    "TrainState",
+    "convert_batch_stats",
+    "flush_batch_stats",
+]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax.linen import module as linen_module
 
-from optaxaccum._src import base
+from optaxaccum._src import utils
 from optaxaccum.flax import _stats
 
 
@@ -32,11 +33,14 @@ class AccumBatchNorm(nn.BatchNorm):
 
     With ``accum_steps > 1`` the window lives in four extra ``batch_stats``
     entries, ``window_count``, ``window_mean``, ``window_m2`` (float32, one
-    value per feature) and ``window_step`` (int32); they are created by
-    ``init`` and, for variables of a plain ``nn.BatchNorm``, by the first
-    training call (with ``mutable=["batch_stats"]``). They are part of the
-    state to checkpoint. With ``accum_steps=1`` the module *is*
-    ``nn.BatchNorm`` (bit-identical, no extra entries).
+    value per feature) and ``window_step`` (int32), and a fifth,
+    ``momentum`` (float32 scalar), records the layer's momentum for
+    :meth:`TrainState.flush` and :func:`flush_batch_stats`. They are created
+    by ``init``; for variables of a plain ``nn.BatchNorm`` use
+    :func:`convert_batch_stats` (else the first training call, with
+    ``mutable=["batch_stats"]``, adds them). They are part of the state to
+    checkpoint. With ``accum_steps=1`` the module *is* ``nn.BatchNorm``
+    (bit-identical, no extra entries).
 
     .. math::
       \\bar x = \\frac{\\sum_b n_b \\bar x_b}{\\sum_b n_b},\\qquad
@@ -86,8 +90,9 @@ class AccumBatchNorm(nn.BatchNorm):
     def __post_init__(self):
         # Frozen dataclass: store the checked value (e.g. np.int64 -> int).
         object.__setattr__(
-            self, "accum_steps",
-            base.check_positive_int("accum_steps", self.accum_steps),
+            self,
+            "accum_steps",
+            utils.check_positive_int("accum_steps", self.accum_steps),
         )
         super().__post_init__()
 
@@ -121,12 +126,16 @@ class AccumBatchNorm(nn.BatchNorm):
         )
         if self.is_initializing() or training:
             # Created by init, or on the first training call for variables
-            # of a plain nn.BatchNorm.
+            # of a plain nn.BatchNorm (see flax.convert_batch_stats).
             empty = _stats.empty_window(feature_shape)
             window_vars = [
                 self.variable("batch_stats", key, lambda v=v: v)
                 for key, v in zip(_stats.WINDOW_KEYS, empty)
             ]
+            momentum = jnp.asarray(self.momentum, jnp.float32)
+            momentum_var = self.variable(
+                "batch_stats", _stats.MOMENTUM_KEY, lambda: momentum
+            )
         if not training or self.is_initializing():
             return super().__call__(x, use_running_average, mask=mask)
 
@@ -142,4 +151,7 @@ class AccumBatchNorm(nn.BatchNorm):
         self.put_variable("batch_stats", "var", new_var)
         for var, value in zip(window_vars, window):
             var.value = value
+        # Rewritten on every training call: a flush closes the window with
+        # the momentum of the layer that filled it.
+        momentum_var.value = momentum
         return y

@@ -17,8 +17,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from optaxaccum._src import utils
+
 # Names of the extra ``batch_stats`` entries (linen) / attributes (nnx).
 WINDOW_KEYS = ("window_count", "window_mean", "window_m2", "window_step")
+# The linen layer also records its momentum, so that a flush uses it.
+MOMENTUM_KEY = "momentum"
 
 
 class Window(NamedTuple):
@@ -51,6 +55,7 @@ def micro_batch_stats(
     x: jax.Array,
     reduction_axes: tuple[int, ...],
     *,
+    dtype: Any,
     mask: jax.Array | None,
     axis_name: Any,
     axis_index_groups: Any,
@@ -58,17 +63,18 @@ def micro_batch_stats(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(count, mean, var)`` of one micro-batch, in float32 (or wider).
 
-    Counts are summed over ``axis_name`` (so devices with different numbers of
-    examples are weighted by their size), with one collective for the fast
-    variance and two for the two-pass one. A feature with no element (all
-    masked) gets count 0, mean 0 and variance 0, so it adds nothing to the
-    window.
+    As flax's ``_compute_stats``: computed in ``dtype`` (``x``'s when
+    ``None``) widened to at least float32. Counts are summed over
+    ``axis_name`` (so devices with different numbers of examples are weighted
+    by their size), with one collective for the fast variance and two for the
+    two-pass one. A feature with no element (all masked) gets count 0, mean 0
+    and variance 0, so it adds nothing to the window.
     """
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         raise TypeError(
             f"AccumBatchNorm supports real inputs only, got dtype {x.dtype}"
         )
-    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    dtype = utils.widen(x.dtype if dtype is None else dtype)
     x = x.astype(dtype)
     if mask is None:
         feature_shape = [
@@ -147,7 +153,12 @@ def close(
     use = do_close & seen
 
     def ema(ra, stat):
-        new = momentum * ra + (1 - momentum) * stat.astype(ra.dtype)
+        # A Python float stays weakly typed, exactly as in nn.BatchNorm; a
+        # recorded (array) momentum takes the running average's dtype.
+        m = momentum
+        if not isinstance(m, (int, float)):
+            m = jnp.asarray(m).astype(ra.dtype)
+        new = m * ra + (1 - m) * stat.astype(ra.dtype)
         return jnp.where(use, new, ra).astype(ra.dtype)
 
     new_mean, new_var = ema(ra_mean, window.mean), ema(ra_var, pooled_var)
@@ -188,15 +199,18 @@ def train_step(
 ) -> tuple[jax.Array, jax.Array, Window]:
     """The running statistics after one training micro-batch ``x``.
 
-    ``module`` is a linen or nnx ``AccumBatchNorm``: its ``axis``,
+    ``module`` is a linen or nnx ``AccumBatchNorm``: its ``axis``, ``dtype``,
     ``axis_name``, ``axis_index_groups``, ``use_fast_variance``, ``momentum``
-    and ``accum_steps`` are read.
+    and ``accum_steps`` are read. Both layers pass ``x`` as their stock layer
+    computes statistics on it: ``nnx.BatchNorm`` first casts it to ``dtype``,
+    ``nn.BatchNorm`` does not; the statistics are then computed here alike.
     """
     feature_axes = canonical_axes(x.ndim, module.axis)
     reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
     stats = micro_batch_stats(
         x,
         reduction_axes,
+        dtype=module.dtype,
         mask=mask,
         axis_name=module.axis_name,
         axis_index_groups=module.axis_index_groups,

@@ -3,71 +3,51 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import numbers
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax.training import train_state
 from flax.training.train_state import OVERWRITE_WITH_GRADIENT
 
 from optaxaccum._src import accumulate as accumulate_lib
 from optaxaccum._src import chain as chain_lib
+from optaxaccum._src import utils
 from optaxaccum.flax import _stats
 
 
-def _counted(old_opt_state: Any, new_opt_state: Any) -> jax.Array | bool:
-    """Whether the outermost accumulation took this call into its window."""
-    try:
-        old = accumulate_lib.find_state(
-            old_opt_state, accumulate_lib.AccumulateState, "TrainState"
-        )
-    except ValueError:
-        return True
-    new = accumulate_lib.find_state(
-        new_opt_state, accumulate_lib.AccumulateState, "TrainState"
-    )
-    return (new.mini_step != old.mini_step) | (
-        new.gradient_step != old.gradient_step
-    )
-
-
-# Extra args of this package's chain elements; a keyword close to one of these
-# or to a field name is taken for a typo rather than passed on.
-_KNOWN_EXTRA_ARGS = ("accum_weight",)
-
-
-def _check_spelling(kwargs: Mapping[str, Any], fields: set[str]) -> None:
-    known = sorted(fields) + list(_KNOWN_EXTRA_ARGS)
-    for key in kwargs:
-        if key in known:
-            continue
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-        if close:
-            raise TypeError(
-                f"TrainState.apply_gradients got an unexpected keyword "
-                f"argument {key!r}; did you mean {close[0]!r}? (Keywords that "
-                "are not fields of the state are passed to the chain.)"
-            )
-
-
 def _with_windows_like(old: Any, new: Any) -> Any:
-    """``old`` batch_stats with the empty BN windows that only ``new`` has.
+    """``old`` batch_stats with the AccumBatchNorm entries only ``new`` has.
 
-    Variables of a plain ``nn.BatchNorm`` have no window entries; the first
-    training call of :class:`AccumBatchNorm` adds them.
+    Variables of a plain ``nn.BatchNorm`` (or of an older optaxaccum, without
+    ``momentum``) lack some; the first training call adds them.
     """
     if not isinstance(old, Mapping) or not isinstance(new, Mapping):
         return old
     out = {k: _with_windows_like(v, new.get(k)) for k, v in old.items()}
-    if all(k in new for k in _stats.WINDOW_KEYS) and not any(
-        k in old for k in _stats.WINDOW_KEYS
-    ):
-        empty = _stats.empty_window(jax.numpy.shape(new["window_mean"]))
-        out.update(zip(_stats.WINDOW_KEYS, empty, strict=True))
+    out.update(_missing_extras(old, new))
     return out if type(old) is dict else type(old)(out)
+
+
+def _missing_extras(old: Mapping, like: Mapping) -> dict[str, Any]:
+    """The AccumBatchNorm entries of layer ``like`` that ``old`` lacks: an
+    empty window, ``like``'s momentum."""
+    if not all(k in like for k in _stats.WINDOW_KEYS):
+        return {}
+    extras = dict(
+        zip(
+            _stats.WINDOW_KEYS,
+            _stats.empty_window(jax.numpy.shape(like["window_mean"])),
+            strict=True,
+        )
+    )
+    if _stats.MOMENTUM_KEY in like:
+        extras[_stats.MOMENTUM_KEY] = like[_stats.MOMENTUM_KEY]
+    return {k: v for k, v in extras.items() if k not in old}
 
 
 def _split_owg(params: Any) -> tuple[Any, bool]:
@@ -87,7 +67,10 @@ class TrainState(train_state.TrainState):
     with BatchNorm.
 
     Attributes:
-      batch_stats: the model's ``batch_stats`` collection, or ``None``.
+      batch_stats: the model's ``batch_stats`` collection, or ``None``. For
+        variables of a plain ``nn.BatchNorm``, pass them through
+        :func:`convert_batch_stats` first, so that the state's structure is
+        fixed from the first step (``jax.lax.scan``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -129,7 +112,11 @@ class TrainState(train_state.TrainState):
           :class:`AccumBatchNorm` stays aligned with the optimizer's window.
         """
         fields = {f.name for f in dataclasses.fields(self)}
-        _check_spelling(kwargs, fields)
+        utils.check_extra_args(
+            kwargs,
+            fields | utils.declared_extra_args(self.tx),
+            "it is neither a field of TrainState nor taken by its chain",
+        )
         replace = {k: v for k, v in kwargs.items() if k in fields}
         extra_args = {k: v for k, v in kwargs.items() if k not in fields}
         opt_grads, owg = _split_owg(grads)  # as flax: decided by the grads
@@ -143,7 +130,7 @@ class TrainState(train_state.TrainState):
                 OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT],
             }
         if "batch_stats" in replace and self.batch_stats is not None:
-            counted = _counted(self.opt_state, new_opt_state)
+            counted = accumulate_lib.counted(self.opt_state, new_opt_state)
             if counted is not True:
                 new_bs = replace["batch_stats"]
                 old_bs = _with_windows_like(self.batch_stats, new_bs)
@@ -157,14 +144,20 @@ class TrainState(train_state.TrainState):
             **replace,
         )
 
-    def flush(self, *, batch_stats_momentum: float | None = None) -> TrainState:
-        """Closes the last, partial window (end of an epoch).
+    def flush(self, **extra_args: Any) -> TrainState:
+        """Closes the last, partial windows (end of an epoch).
+
+        Closes the optimizer's window with :func:`optaxaccum.flush` and, when
+        ``batch_stats`` holds :class:`AccumBatchNorm` windows, those too, each
+        with its layer's own momentum (recorded in ``batch_stats``), so the
+        two windows stay aligned.
 
         Args:
-          batch_stats_momentum: the ``momentum`` of the model's
-            :class:`AccumBatchNorm` layers; required when ``batch_stats``
-            holds their windows, which are then closed too with
-            :func:`flush_batch_stats`, so both windows stay aligned.
+          **extra_args: passed to the chain's elements after the accumulation
+            (e.g. ``value=`` for ``optax.contrib.reduce_on_plateau``).
+            ``batch_stats_momentum`` is deprecated: no longer needed; a value
+            that is not a layer's momentum raises ``ValueError`` (outside
+            ``jit``).
 
         Returns:
           The state after :func:`optaxaccum.flush`: params stepped with the
@@ -172,27 +165,24 @@ class TrainState(train_state.TrainState):
           ``step`` unchanged.
 
         Raises:
-          ValueError: if ``batch_stats`` holds BatchNorm windows and
-            ``batch_stats_momentum`` is not given.
+          ValueError: if ``batch_stats`` holds a window without its layer's
+            momentum (batch_stats of an older optaxaccum: convert them with
+            :func:`convert_batch_stats`).
         """
+        momentum = extra_args.pop("batch_stats_momentum", None)
+        if momentum is not None:
+            _warn_deprecated("TrainState.flush(batch_stats_momentum=...)")
         params, owg = _split_owg(self.params)
-        updates, opt_state = chain_lib.flush(self.tx, self.opt_state, params)
+        updates, opt_state = chain_lib.flush(
+            self.tx, self.opt_state, params, **extra_args
+        )
         new_params = optax.apply_updates(params, updates)
         if owg:
             new_params = {**self.params, "params": new_params}
         new = self.replace(params=new_params, opt_state=opt_state)
         if self.batch_stats is not None and _has_windows(self.batch_stats):
-            if batch_stats_momentum is None:
-                raise ValueError(
-                    "TrainState.flush: batch_stats holds AccumBatchNorm "
-                    "windows; pass batch_stats_momentum (the layers' "
-                    "momentum) so that they are closed with the optimizer's "
-                    "window"
-                )
             new = new.replace(
-                batch_stats=flush_batch_stats(
-                    self.batch_stats, batch_stats_momentum
-                )
+                batch_stats=_flush_batch_stats(self.batch_stats, momentum, "")
             )
         return new
 
@@ -205,20 +195,91 @@ def _has_windows(batch_stats: Any) -> bool:
     )
 
 
-def flush_batch_stats(batch_stats: Any, momentum: float) -> Any:
+def _warn_deprecated(what: str) -> None:
+    warnings.warn(
+        f"{what} is deprecated: every AccumBatchNorm layer records its own "
+        "momentum in batch_stats, and flushing uses it. Drop the argument "
+        "(convert batch_stats of an older optaxaccum with "
+        "optaxaccum.flax.convert_batch_stats). Until then the value passed "
+        "is used, and one that differs from a layer's recorded momentum "
+        "raises ValueError where it can be checked (outside jit).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    try:
+        return np.asarray(x, np.float32)
+    except (
+        jax.errors.TracerArrayConversionError,
+        jax.errors.ConcretizationTypeError,
+    ):
+        return None
+
+
+def _layer_momentum(recorded: Any, given: Any, path: str) -> Any:
+    """The momentum that closes the window of the layer at ``path``."""
+    if given is None:
+        if recorded is None:
+            raise ValueError(
+                f"batch_stats{path} holds an AccumBatchNorm window but not "
+                "the layer's momentum (batch_stats of an older optaxaccum); "
+                "convert them with optaxaccum.flax.convert_batch_stats("
+                "batch_stats, model.init(...)['batch_stats'])"
+            )
+        return recorded
+    if recorded is not None:
+        r, g = _concrete(recorded), _concrete(given)
+        if r is not None and g is not None and r != g:
+            raise ValueError(
+                f"the momentum passed ({given!r}) is not the momentum of the "
+                f"AccumBatchNorm layer at batch_stats{path} ({float(r):g}); "
+                "drop the argument: each layer's own momentum is used"
+            )
+    return given  # deprecated: the value passed, as before
+
+
+def _flush_batch_stats(batch_stats: Mapping, momentum: Any, path: str) -> Any:
+    out = {
+        key: _flush_batch_stats(value, momentum, f"{path}[{key!r}]")
+        if isinstance(value, Mapping)
+        else value
+        for key, value in batch_stats.items()
+    }
+    if all(k in out for k in _stats.WINDOW_KEYS):
+        layer_momentum = _layer_momentum(
+            out.get(_stats.MOMENTUM_KEY), momentum, path
+        )
+        window = _stats.Window(*(out[k] for k in _stats.WINDOW_KEYS))
+        out["mean"], out["var"], window = _stats.flush(
+            window, out["mean"], out["var"], layer_momentum
+        )
+        out.update(zip(_stats.WINDOW_KEYS, window, strict=True))
+    return out if type(batch_stats) is dict else type(batch_stats)(out)
+
+
+def flush_batch_stats(batch_stats: Any, momentum: Any = None) -> Any:
     """Closes the partial window of every linen :class:`AccumBatchNorm`.
 
     Folds the pooled statistics of a window that has fewer than
     ``accum_steps`` micro-batches into the running ``mean``/``var`` (with the
-    true count, not the full window's) and empties the window. Layers with an
-    empty window, and plain ``nn.BatchNorm`` layers, are left unchanged.
+    true count, not the full window's), with the momentum that the layer
+    recorded in ``batch_stats``, and empties the window. Layers with an empty
+    window, and plain ``nn.BatchNorm`` layers, are left unchanged.
 
     Args:
       batch_stats: the ``batch_stats`` collection (a nested mapping).
-      momentum: the ``momentum`` of the :class:`AccumBatchNorm` layers.
+      momentum: deprecated, no longer needed; a value that differs from a
+        layer's recorded momentum raises ``ValueError`` (outside ``jit``).
 
     Returns:
       The new ``batch_stats``, of the same structure.
+
+    Raises:
+      TypeError: if ``batch_stats`` is not a mapping.
+      ValueError: if a layer's window comes without its momentum (convert
+        such ``batch_stats`` with :func:`convert_batch_stats`).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -228,7 +289,7 @@ def flush_batch_stats(batch_stats: Any, momentum: float) -> Any:
       >>> v = bn.init(jax.random.key(0), jnp.ones((2, 1)))
       >>> _, upd = bn.apply(v, jnp.array([[1.0], [3.0]]),
       ...                   mutable=["batch_stats"])
-      >>> flush_batch_stats(upd["batch_stats"], momentum=0.0)["mean"]
+      >>> flush_batch_stats(upd["batch_stats"])["mean"]
       Array([2.], dtype=float32)
     """
     if not isinstance(batch_stats, Mapping):
@@ -236,19 +297,90 @@ def flush_batch_stats(batch_stats: Any, momentum: float) -> Any:
             "flush_batch_stats expects the batch_stats mapping, got "
             f"{type(batch_stats).__name__}"
         )
-    if isinstance(momentum, numbers.Real) and not 0 <= momentum <= 1:
-        raise ValueError(f"momentum must be in [0, 1], got {momentum=}")
-    out = {}
-    for key, value in batch_stats.items():
-        out[key] = (
-            flush_batch_stats(value, momentum)
-            if isinstance(value, Mapping)
-            else value
+    if momentum is not None:
+        _warn_deprecated("flush_batch_stats(batch_stats, momentum)")
+        if isinstance(momentum, numbers.Real) and not 0 <= momentum <= 1:
+            raise ValueError(f"momentum must be in [0, 1], got {momentum=}")
+    return _flush_batch_stats(batch_stats, momentum, "")
+
+
+def convert_batch_stats(batch_stats: Any, template: Any) -> Any:
+    """``batch_stats`` completed with the entries of :class:`AccumBatchNorm`.
+
+    Variables of a plain ``nn.BatchNorm`` (a pretrained model) hold only
+    ``mean`` and ``var``; :class:`AccumBatchNorm` adds its window and its
+    momentum on the first training call, which changes the tree structure of
+    the state (a retrace, and ``lax.scan`` with the state as carry fails).
+    This adds them up front: for every layer of ``template`` with a window,
+    an empty window and the layer's momentum; all else comes from
+    ``batch_stats``, unchanged. Idempotent; also completes the
+    ``batch_stats`` of an older optaxaccum (without ``momentum``).
+
+    Args:
+      batch_stats: the ``batch_stats`` to load (a nested mapping).
+      template: the model's own ``batch_stats``, e.g.
+        ``model.init(key, x)["batch_stats"]`` (concrete arrays: the momentum
+        is read from it; any window in it is not copied).
+
+    Returns:
+      ``batch_stats`` with the tree structure of ``template``.
+
+    Raises:
+      ValueError: if the two differ otherwise (a layer or entry missing on
+        either side, or an entry of another shape or dtype); the error names
+        the path.
+      TypeError: if a momentum in ``template`` is abstract (from
+        ``jax.eval_shape``).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> from optaxaccum.flax import AccumBatchNorm, convert_batch_stats
+      >>> x, key = jnp.ones((4, 3)), jax.random.key(0)
+      >>> plain = nn.BatchNorm(True).init(key, x)["batch_stats"]
+      >>> bn = AccumBatchNorm(True, momentum=0.9, accum_steps=4)
+      >>> template = bn.init(key, x)["batch_stats"]
+      >>> converted = convert_batch_stats(plain, template)
+      >>> jax.tree.structure(converted) == jax.tree.structure(template)
+      True
+      >>> sorted(set(converted) - set(plain))
+      ['momentum', 'window_count', 'window_m2', 'window_mean', 'window_step']
+    """
+    return _convert(batch_stats, template, "")
+
+
+def _convert(bs: Any, tpl: Any, path: str) -> Any:
+    where = f"batch_stats{path}"
+    if not isinstance(bs, Mapping) or not isinstance(tpl, Mapping):
+        if isinstance(bs, Mapping) or isinstance(tpl, Mapping):
+            raise ValueError(
+                f"{where} is a {type(bs).__name__} but the template's is a "
+                f"{type(tpl).__name__}"
+            )
+        got = (jax.numpy.shape(bs), jax.numpy.result_type(bs))
+        want = (jax.numpy.shape(tpl), jax.numpy.dtype(tpl.dtype))
+        if got != want:
+            raise ValueError(
+                f"{where} has shape and dtype {got}, the template {want}"
+            )
+        return bs
+    extras = _missing_extras(bs, tpl)
+    missing = [k for k in tpl if k not in bs and k not in extras]
+    unexpected = [k for k in bs if k not in tpl]
+    if missing or unexpected:
+        raise ValueError(
+            f"{where} does not match the template: missing {missing}, "
+            f"not in the template {unexpected}"
         )
-    if all(k in out for k in _stats.WINDOW_KEYS):
-        window = _stats.Window(*(out[k] for k in _stats.WINDOW_KEYS))
-        out["mean"], out["var"], window = _stats.flush(
-            window, out["mean"], out["var"], momentum
+    momentum = extras.get(_stats.MOMENTUM_KEY)
+    if momentum is not None and not isinstance(
+        momentum, (jax.Array, np.ndarray, numbers.Real)
+    ):
+        raise TypeError(
+            f"the template's {where}[{_stats.MOMENTUM_KEY!r}] is "
+            f"{type(momentum).__name__}, not an array: give the batch_stats "
+            "of model.init(...), not of jax.eval_shape (the momentum is read "
+            "from it)"
         )
-        out.update(zip(_stats.WINDOW_KEYS, window, strict=True))
-    return out if type(batch_stats) is dict else type(batch_stats)(out)
+    out = {k: _convert(v, tpl[k], f"{path}[{k!r}]") for k, v in bs.items()}
+    out.update(extras)
+    return out if type(bs) is dict else type(bs)(out)

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from optaxaccum._src import base
+from optaxaccum._src import utils
 from optaxaccum.flax import _stats
 
 __all__ = ["AccumBatchNorm", "flush_batch_stats"]
@@ -61,7 +61,7 @@ class AccumBatchNorm(nnx.BatchNorm):
         rngs: nnx.Rngs,
         **kwargs: Any,
     ):
-        accum_steps = base.check_positive_int("accum_steps", accum_steps)
+        accum_steps = utils.check_positive_int("accum_steps", accum_steps)
         super().__init__(num_features, rngs=rngs, **kwargs)
         self.accum_steps = accum_steps
         if accum_steps > 1:

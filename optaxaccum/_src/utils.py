@@ -1,0 +1,293 @@
+"""Small helpers shared by the transformations: one helper per idea."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import numbers
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "NO_PARAMS_MSG",
+    "all_finite",
+    "check_axis_name",
+    "check_bool",
+    "check_extra_args",
+    "check_float_dtype",
+    "check_positive_int",
+    "check_real",
+    "check_same_structure",
+    "check_weight",
+    "declared_extra_args",
+    "find_state",
+    "widen",
+]
+
+NO_PARAMS_MSG = (
+    "You are using a transformation that requires the current value of "
+    "parameters, but you are not passing `params` when calling `update`."
+)
+
+
+def widen(dtype: Any, at_least: Any = jnp.float32) -> np.dtype:
+    """The dtype to compute or accumulate ``dtype`` in: at least the float
+    precision of ``at_least``; complex stays complex (of that precision).
+
+    Written out rather than ``jnp.promote_types``, which raises under
+    ``jax.numpy_dtype_promotion("strict")``.
+
+    Args:
+      dtype: the dtype of the values (a gradient leaf, an input).
+      at_least: a floating dtype, the least precision wanted.
+
+    Returns:
+      ``dtype`` if it is floating (or complex) and at least as wide as
+      ``at_least``, else the floating (or complex) dtype of ``at_least``'s
+      width.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optaxaccum._src.utils import widen
+      >>> widen(jnp.bfloat16), widen(jnp.complex64, jnp.float32)
+      (dtype('float32'), dtype('complex64'))
+    """
+    dtype, floor = jnp.dtype(dtype), jnp.dtype(at_least)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        bits = max(jnp.finfo(dtype).bits, jnp.finfo(floor).bits)
+        return jnp.dtype(jnp.complex128 if bits > 32 else jnp.complex64)
+    if jnp.issubdtype(dtype, jnp.floating) and (
+        jnp.finfo(dtype).bits >= jnp.finfo(floor).bits
+    ):
+        return dtype
+    return floor
+
+
+def check_weight(name: str, value: Any) -> None:
+    """Raises ``ValueError`` if a concrete weight is not a finite real >= 0.
+
+    Traced values cannot be checked here; the caller decides what a traced
+    invalid weight does (see :func:`optaxaccum.accumulate`).
+
+    Args:
+      name: the argument's name, for the message.
+      value: a Python or NumPy number, or an array (concrete or traced).
+    """
+    if isinstance(value, jax.core.Tracer):
+        return
+    if isinstance(value, bool | np.bool_) or (
+        hasattr(value, "dtype") and jnp.dtype(value.dtype) == jnp.bool_
+    ):
+        raise ValueError(
+            f"{name} must be a number, got a bool: {name}={value!r}"
+        )
+    if jnp.ndim(value) != 0:
+        raise ValueError(
+            f"{name} must be a scalar, got an array of shape {jnp.shape(value)}"
+        )
+    if isinstance(value, numbers.Integral) and abs(int(value)) > 2**31 - 1:
+        raise ValueError(
+            f"{name}={value!r} does not fit int32; pass it as a float"
+        )
+    if isinstance(value, complex) or jnp.iscomplexobj(value):
+        raise ValueError(f"{name} must be real, got {name}={value!r}")
+    number = float(np.asarray(value))
+    if not (np.isfinite(number) and number >= 0):
+        raise ValueError(
+            f"{name} must be finite and >= 0, got {name}={value!r}"
+        )
+
+
+def declared_extra_args(fn: Any, skip: int = 3) -> frozenset[str]:
+    """The extra keyword arguments a function declares by name.
+
+    Args:
+      fn: an ``update``-like function, or an optax transformation (its
+        ``update`` is read).
+      skip: how many leading parameters are not extra arguments
+        (``updates, state, params``).
+
+    Returns:
+      The names of its keyword parameters after the first ``skip``
+      (``accum_weight``, ``value``, ...), ``**extra_args`` catch-alls and
+      private (``_``-prefixed) names excluded.
+    """
+    fn = getattr(fn, "update", fn)
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins or callables without one
+        return frozenset()
+    return frozenset(
+        p.name
+        for p in list(parameters)[skip:]
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        and not p.name.startswith("_")
+    )
+
+
+def check_extra_args(
+    extra_args: Iterable[str],
+    declared: Iterable[str],
+    where: str = "no element of the chain takes it",
+) -> None:
+    """Raises ``TypeError`` for a keyword that is not declared but is a
+    near-miss of one that is (``acum_weight`` for ``accum_weight``).
+
+    Args:
+      extra_args: the keywords given.
+      declared: the keywords the receivers declare.
+      where: why the keyword is unexpected, for the message.
+    """
+    declared = sorted(declared)
+    for key in extra_args:
+        if key in declared or key.startswith("_"):
+            continue
+        close = difflib.get_close_matches(key, declared, n=1, cutoff=0.75)
+        if close:
+            raise TypeError(
+                f"unexpected keyword argument {key!r}: {where}; "
+                f"did you mean {close[0]!r}?"
+            )
+
+
+def with_signature(fn: Callable, names: Iterable[str]) -> Callable:
+    """Gives an ``update(updates, state, params=None, **extra_args)`` function
+    a signature that declares ``names`` as keyword-only arguments, so that
+    :func:`declared_extra_args` (and ``inspect``) see them."""
+    names = set(names) | declared_extra_args(fn)  # and its own keywords
+    p = inspect.Parameter
+    params = [
+        p("updates", p.POSITIONAL_OR_KEYWORD),
+        p("state", p.POSITIONAL_OR_KEYWORD),
+        p("params", p.POSITIONAL_OR_KEYWORD, default=None),
+        *(p(n, p.KEYWORD_ONLY, default=None) for n in sorted(names)),
+        p("extra_args", p.VAR_KEYWORD),
+    ]
+    fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    return fn
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Returns ``value`` as an int if it is an int >= 1 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a positive int, got {name}={value!r} "
+            f"of type {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(
+            f"{name} must be a positive int (>= 1), got {name}={value!r}"
+        )
+    if value > jnp.iinfo(jnp.int32).max:
+        raise ValueError(
+            f"{name} must fit in int32 (<= 2**31 - 1), got {name}={value!r}"
+        )
+    return int(value)
+
+
+def check_real(name: str, value: Any) -> float:
+    """Returns ``value`` as a float if it is a real number (not a bool)."""
+    is_scalar_array = (
+        hasattr(value, "dtype")
+        and jnp.ndim(value) == 0
+        and jnp.issubdtype(value.dtype, jnp.number)
+        and not jnp.issubdtype(value.dtype, jnp.complexfloating)
+    )
+    if isinstance(value, bool) or not (
+        isinstance(value, numbers.Real) or is_scalar_array
+    ):
+        raise TypeError(
+            f"{name} must be a real number, got {name}={value!r} "
+            f"of type {type(value).__name__}"
+        )
+    return float(value)
+
+
+def check_float_dtype(name: str, value: Any) -> jnp.dtype:
+    """Returns ``jnp.dtype(value)`` if it is a floating dtype."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise TypeError(
+            f"{name} must be a floating dtype, got {name}={value!r}"
+        ) from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{name} must be a floating dtype (e.g. jnp.float32), "
+            f"got {name}={value!r}"
+        )
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        raise ValueError(
+            f"{name}={value!r} needs 64-bit mode "
+            "(jax.config.update('jax_enable_x64', True)); without it JAX "
+            "would silently use float32"
+        )
+    return dtype
+
+
+def check_same_structure(
+    what: str, tree: Any, reference: Any, reference_what: str
+) -> None:
+    """Raises ``ValueError`` naming both structures if they differ."""
+    got = jax.tree.structure(tree)
+    want = jax.tree.structure(reference)
+    if got != want:
+        raise ValueError(
+            f"The tree structure of {what} does not match that of "
+            f"{reference_what}.\n  {what}: {got}\n  {reference_what}: {want}"
+        )
+    paths = jax.tree_util.tree_flatten_with_path(reference)[0]
+    for (path, ref), leaf in zip(paths, jax.tree.leaves(tree), strict=True):
+        if jnp.shape(leaf) != jnp.shape(ref):
+            raise ValueError(
+                f"{what} at {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(leaf)}, but {reference_what} has shape "
+                f"{jnp.shape(ref)}"
+            )
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Boolean scalar: whether every element of every leaf is finite."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Returns ``value`` if it is a bool, else raises ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {name}={value!r}")
+    return value
+
+
+def check_axis_name(value: Any) -> Any:
+    """Returns ``axis_name`` if it is ``None`` or hashable."""
+    if value is not None and not isinstance(value, Hashable):
+        raise TypeError(f"axis_name must be hashable, got axis_name={value!r}")
+    return value
+
+
+def find_state(state: Any, cls: type | tuple[type, ...], caller: str) -> Any:
+    """The first (outermost, leftmost) instance of ``cls`` inside ``state``.
+
+    Raises:
+      ValueError: naming ``caller`` if there is none.
+    """
+    found = [
+        s
+        for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls))
+        if isinstance(s, cls)
+    ]
+    if not found:
+        classes = cls if isinstance(cls, tuple) else (cls,)
+        names = " or ".join(c.__name__ for c in classes)
+        raise ValueError(
+            f"{caller} found no {names} in the state given "
+            f"({jax.tree.structure(state)})"
+        )
+    return found[0]

@@ -1,0 +1,350 @@
+"""Regression tests for issue 10 (hardening): wrong results and silent traps.
+
+Each test names the item of the issue it pins and fails on the code before
+the fix. References are outside ones where one exists: the big-batch update,
+plain NumPy weighted means, ``optax.inject_hyperparams``/``optax.lookahead``
+driven by hand once per window.
+"""
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxaccum as oa
+
+# ------------------------------------------- 1. weight 0 with a NaN gradient
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("jit", [False, True])
+def test_zero_weight_nonfinite_micro_batch_contributes_nothing(first, jit):
+    """A fully padded micro-batch (weight 0, 0/0 gradient) is not ``0 * nan``
+    in the window: the result is the weighted mean of the others, as
+    ``microbatched_value_and_grad(weight_fn=...)`` gives."""
+    tx = oa.chain(oa.accumulate(3), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    padded = (jnp.array([jnp.nan, jnp.inf]), 0.0)
+    seen = [(jnp.array([1.0, 2.0]), 2.0), (jnp.array([4.0, -1.0]), 1.0)]
+    calls = [padded, *seen] if first else [*seen[:1], padded, *seen[1:]]
+    for g, w in calls:
+        u, state = update(g, state, params, accum_weight=w)
+    want = -(2 * np.array([1.0, 2.0]) + np.array([4.0, -1.0])) / 3
+    np.testing.assert_allclose(u, want, rtol=1e-6)
+
+
+def test_zero_weight_nonfinite_not_dropped_by_skip_nonfinite():
+    """Under skip_nonfinite a weight-0 micro-batch is not non-finite: it
+    counts as seen (the window advances) and contributes nothing."""
+    tx = oa.chain(oa.accumulate(2, skip_nonfinite=True), optax.sgd(1.0))
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    _, state = tx.update(jnp.array([jnp.nan]), state, params, accum_weight=0.0)
+    u, state = tx.update(jnp.array([3.0]), state, params, accum_weight=1.0)
+    np.testing.assert_allclose(u, [-3.0])
+    assert bool(oa.has_updated(state))
+
+
+def test_fused_zero_weight_step_adds_no_tree_temporary():
+    """The select for weight 0 lives in the accumulator's fusion: the fused
+    non-closing step still needs no tree-sized temporary."""
+    params = {"w": jnp.zeros((256, 256))}
+    tx = oa.chain(oa.accumulate(4), optax.adam(1e-3))
+    state = tx.init(params)
+    step = jax.jit(
+        lambda p, s, g, w: oa.apply_gradients(tx, g, s, p, accum_weight=w),
+        donate_argnums=(0, 1),
+    )
+    mem = step.lower(params, state, params, 1.0).compile().memory_analysis()
+    assert mem.temp_size_in_bytes < 256 * 256 * 4 // 64, mem.temp_size_in_bytes
+
+
+# ----------------------------------------------------- 2. complex gradients
+
+
+def test_complex_gradients_keep_their_imaginary_part():
+    """Complex params and gradients accumulate in complex64 (float32
+    accumulator) and the window equals the big-batch mean; flush too."""
+    params = jnp.zeros(2, jnp.complex64)
+    gs = [jnp.array([1 + 2j, -1j]), jnp.array([3 - 1j, 2 + 2j]),
+          jnp.array([1j, 1.0])]
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    state = tx.init(params)
+    assert state[0].acc.dtype == jnp.complex64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning / casting warning
+        _, state = tx.update(gs[0].astype(jnp.complex64), state, params)
+        u, state = tx.update(gs[1].astype(jnp.complex64), state, params)
+        np.testing.assert_allclose(u, -(gs[0] + gs[1]) / 2, rtol=1e-6)
+        assert u.dtype == jnp.complex64
+        _, state = tx.update(gs[2].astype(jnp.complex64), state, params)
+        u, state = oa.flush(tx, state, params)
+    np.testing.assert_allclose(u, -gs[2], rtol=1e-6)
+
+
+def test_complex_gradient_into_real_accumulator_is_an_error():
+    tx = oa.accumulate(2)
+    state = tx.init(jnp.zeros(2))
+    with pytest.raises(TypeError, match="complex"):
+        tx.update(jnp.array([1j, 1.0]), state)
+
+
+# ------------------------------------------------------ 3. nested accumulates
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_nested_accumulates_give_the_weighted_mean(fused):
+    """accumulate(2) inside accumulate(2): weights 1, 3, 5, 1 give the
+    weighted mean over all four micro-batches (2.6), not 2.104."""
+    tx = oa.chain(oa.accumulate(2), oa.accumulate(2), optax.sgd(1.0))
+    gs, ws = [1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 5.0, 1.0]
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    for g, w in zip(gs, ws):
+        if fused:
+            params, state = oa.apply_gradients(
+                tx, jnp.array([g]), state, params, accum_weight=w)
+        else:
+            u, state = tx.update(jnp.array([g]), state, params, accum_weight=w)
+            params = optax.apply_updates(params, u)
+    want = -np.dot(gs, ws) / np.sum(ws)
+    np.testing.assert_allclose(params, [want], rtol=1e-6)
+
+
+def test_nested_chains_of_accumulates_equal_the_flat_window():
+    """oa.chain(acc(2), oa.chain(acc(3), adam)) == oa.chain(acc(6), adam)
+    with unequal weights, over two windows."""
+    rng = np.random.default_rng(0)
+    params = jnp.zeros(3)
+    nested = oa.chain(oa.accumulate(2), oa.chain(oa.accumulate(3), optax.adam(0.1)))
+    flat = oa.chain(oa.accumulate(6), optax.adam(0.1))
+    s1, s2 = nested.init(params), flat.init(params)
+    p1 = p2 = params
+    for _ in range(12):
+        g = jnp.asarray(rng.normal(size=3), jnp.float32)
+        w = float(rng.integers(1, 20))
+        u1, s1 = nested.update(g, s1, p1, accum_weight=w)
+        u2, s2 = flat.update(g, s2, p2, accum_weight=w)
+        p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    chex.assert_trees_all_close(p1, p2, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------ 4. weight validation
+
+
+@pytest.mark.parametrize(
+    "w", [-1.0, float("nan"), float("inf"), True, 1 + 2j, np.float32(-2.0),
+          jnp.array(float("nan")), np.array(-1)],
+    ids=["neg", "nan", "inf", "bool", "complex", "np-neg", "jnp-nan", "np-int-neg"],
+)
+def test_concrete_bad_weights_raise(w):
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    state = tx.init(jnp.zeros(1))
+    with pytest.raises(ValueError, match="accum_weight"):
+        tx.update(jnp.ones(1), state, accum_weight=w)
+
+
+def test_huge_python_int_weight_gives_a_clear_error():
+    tx = oa.accumulate(2)
+    state = tx.init(jnp.zeros(1))
+    with pytest.raises(ValueError, match="accum_weight"):
+        tx.update(jnp.ones(1), state, accum_weight=10**10)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")])
+def test_traced_bad_weight_is_dropped_under_skip_nonfinite(bad):
+    """A traced NaN/negative/inf weight is a non-finite micro-batch: dropped
+    with skip_nonfinite=True (the params stay finite), propagated without."""
+    params = jnp.zeros(1)
+    for skip in (True, False):
+        tx = oa.chain(oa.accumulate(2, skip_nonfinite=skip), optax.sgd(1.0))
+        update = jax.jit(
+            lambda g, s, p, w, tx=tx: tx.update(g, s, p, accum_weight=w))
+        state = tx.init(params)
+        _, state = update(jnp.array([1.0]), state, params, 1.0)
+        u, state = update(jnp.array([5.0]), state, params, bad)
+        if skip:
+            assert int(state[0].mini_step) == 1  # dropped, window still open
+            u, state = update(jnp.array([3.0]), state, params, 1.0)
+            np.testing.assert_allclose(u, [-2.0])
+        else:
+            assert not np.all(np.isfinite(u)), u
+
+
+# ------------------------------------------------- 5. near-miss keywords
+
+
+@pytest.mark.parametrize("entry", ["update", "apply_gradients", "flush"])
+def test_near_miss_keyword_raises_naming_both(entry):
+    tx = oa.chain(oa.agc(0.1), oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.ones(1)
+    state = tx.init(params)
+    call = {
+        "update": lambda: tx.update(jnp.ones(1), state, params, acum_weight=2.0),
+        "apply_gradients": lambda: oa.apply_gradients(
+            tx, jnp.ones(1), state, params, acum_weight=2.0),
+        "flush": lambda: oa.flush(tx, state, params, acum_weight=2.0),
+    }[entry]
+    with pytest.raises(TypeError, match="acum_weight.*accum_weight"):
+        call()
+
+
+def test_near_miss_of_a_follower_keyword_raises():
+    """``valeu=`` for reduce_on_plateau's ``value=`` inside a gated chain."""
+    tx = oa.chain(oa.accumulate(1), optax.sgd(1.0),
+                  optax.contrib.reduce_on_plateau())
+    params = jnp.ones(1)
+    state = tx.init(params)
+    tx.update(jnp.ones(1), state, params, value=1.0)  # the right name works
+    with pytest.raises(TypeError, match="valeu.*value"):
+        tx.update(jnp.ones(1), state, params, valeu=1.0)
+
+
+def test_unrelated_extra_keywords_still_pass():
+    tx = oa.chain(oa.accumulate(1), optax.sgd(1.0))
+    state = tx.init(jnp.ones(1))
+    tx.update(jnp.ones(1), state, jnp.ones(1), loss=3.0)  # optax tolerates
+
+
+# ------------------------------------------------ 6. wrappers and gates
+
+
+def _schedule(count):
+    return 0.1 * (count + 1)
+
+
+def test_inject_hyperparams_inside_the_chain_advances_once_per_window():
+    """The right placement: the schedule counts windows (0.1, 0.2, 0.3)."""
+    tx = oa.chain(oa.accumulate(2),
+                  optax.inject_hyperparams(optax.sgd)(learning_rate=_schedule))
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    steps = []
+    for _ in range(6):
+        u, state = tx.update(jnp.ones(1), state, params)
+        if bool(oa.has_updated(state)):
+            steps.append(-float(u[0]))
+    np.testing.assert_allclose(steps, [0.1, 0.2, 0.3], rtol=1e-6)
+
+
+def test_inject_hyperparams_around_a_gated_chain_warns():
+    """The wrong placement counts micro-steps; it is detected."""
+    tx = optax.inject_hyperparams(
+        lambda learning_rate: oa.chain(oa.accumulate(2), optax.sgd(learning_rate))
+    )(learning_rate=_schedule)
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    with pytest.warns(UserWarning, match="counts every call"):
+        oa.apply_gradients(tx, jnp.ones(1), state, params)
+    with pytest.warns(UserWarning, match="counts every call"):
+        oa.has_updated(state)
+
+
+def test_lookahead_inside_the_chain_syncs_once_per_sync_period_of_windows():
+    """lookahead inside oa.chain: equals lookahead driven by hand with the
+    window means, once per window."""
+    inner = optax.lookahead(optax.sgd(0.5), sync_period=2, slow_step_size=0.5)
+    tx = oa.chain(oa.accumulate(2), inner)
+    params = optax.LookaheadParams.init_synced(jnp.zeros(2))
+    ref_params, ref_state = params, inner.init(params)
+    state = tx.init(params)
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        gs = [jnp.asarray(rng.normal(size=2), jnp.float32) for _ in range(2)]
+        for g in gs:
+            params, state = oa.apply_gradients(tx, g, state, params)
+        u, ref_state = inner.update((gs[0] + gs[1]) / 2, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, u)
+    chex.assert_trees_all_close(params, ref_params, rtol=1e-6)
+
+
+# ------------------------------------------- 9. float0 and Python-float leaves
+
+
+def test_float0_gradient_leaf_gives_a_clear_error():
+    params = {"w": jnp.ones(2), "n": jnp.array(3)}
+    grads = jax.grad(lambda p: jnp.sum(p["w"]) * p["n"], allow_int=True)(params)
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    with pytest.raises(TypeError, match=r"\['n'\].*float0"):
+        tx.update(grads, tx.init(params), params)
+
+
+def test_python_float_leaves_are_accepted_like_optax():
+    params = {"a": 1.0, "b": jnp.ones(2)}
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    state = tx.init(params)
+    _, state = tx.update({"a": 2.0, "b": jnp.ones(2)}, state, params)
+    u, state = tx.update({"a": 4.0, "b": jnp.ones(2)}, state, params)
+    np.testing.assert_allclose(u["a"], -3.0)
+
+
+# --------------------------------------------------- 10. float64 under x64
+
+
+def test_float64_gradients_accumulate_in_float64_under_x64():
+    """The accumulator is at least the gradient's precision: 1e8 + 1 - 1e8
+    survives in float64 (it is 0 in float32)."""
+    with jax.enable_x64(True):
+        params = jnp.zeros(1, jnp.float64)
+        tx = oa.chain(oa.accumulate(3, reduction="sum"), optax.sgd(1.0))
+        state = tx.init(params)
+        assert state[0].acc.dtype == jnp.float64
+        for g in (1e8, 1.0, -1e8):
+            u, state = tx.update(jnp.array([g], jnp.float64), state, params)
+        assert u.dtype == jnp.float64
+        np.testing.assert_allclose(u, [-1.0])
+
+
+# ------------------------------- mutants that survived the suite (issue 10)
+
+
+def _opens_only_on_positive_gate():
+    """May open on every call; lets the followers run only when the sum of
+    the updates is > 0 (``opened`` decided inside emit)."""
+
+    def gate_update(updates, state, params=None, **extra_args):
+        del params, extra_args
+        ok = jnp.sum(updates) > 0
+        return oa.GateResult(state, jnp.array(True), lambda: (updates, state, ok))
+
+    return oa.GatedTransformation(lambda params: optax.EmptyState(), gate_update)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_outer_gate_not_opened_leaves_inner_gate_state_untouched(fused):
+    """Mutant (a): the followers' state taken from the inner branch when the
+    outer gate's ``opened`` is false. The inner accumulate must not count a
+    micro-batch that the outer gate refused."""
+    tx = oa.chain(_opens_only_on_positive_gate(), oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    for g, pos in ((-1.0, 0), (2.0, 1), (-5.0, 1), (4.0, 0)):  # -: refused
+        if fused:
+            params, state = oa.apply_gradients(tx, jnp.array([g]), state, params)
+        else:
+            u, state = tx.update(jnp.array([g]), state, params)
+            params = optax.apply_updates(params, u)
+        acc = state[1]
+        assert int(acc.mini_step) == pos, (g, acc)
+    np.testing.assert_allclose(params, [-3.0])  # mean of 2 and 4
+
+
+def test_fused_closed_step_returns_params_bit_for_bit():
+    """Mutant (b): the closed branch computing ``params + zeros`` instead of
+    returning ``params``: equal values except the sign of -0.0."""
+    tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
+    params = {"w": jnp.array([-0.0, 1.0, -0.0]), "b": jnp.array([-0.0])}
+    state = tx.init(params)
+    # Eager: under jit XLA folds ``x + 0`` to ``x`` and hides the mutant.
+    new, _ = oa.apply_gradients(
+        tx, jax.tree.map(jnp.ones_like, params), state, params)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32),
+                                      np.asarray(b).view(np.uint32))
