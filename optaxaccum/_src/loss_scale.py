@@ -116,31 +116,7 @@ def _unscaled_all_finite(
             peaks.append(jnp.max(jnp.abs(g)))
     if not peaks:
         return jnp.array(True)
-    return all_finite_scalars(_unscale(peaks, scale))
-
-
-#: Largest number of scalars combined by one node of all_finite_scalars.
-FAN_IN = 32
-
-
-def all_finite_scalars(values: Sequence[jax.Array]) -> jax.Array:
-    """Whether every scalar in ``values`` is finite (a boolean scalar).
-
-    Compile time, not run time, shapes this: the scalars (one or two per
-    gradient leaf) are combined in a tree of fan-in :data:`FAN_IN` whose
-    nodes are sorts, an operation XLA neither fuses nor duplicates. Stacking
-    them all at once builds one fusion with an operand per leaf, which XLA
-    compiles in time quadratic in the number of operands (20 s for 1 000
-    leaves on CPU), and elementwise nodes are fused back into one such
-    fusion, or copied into every consumer of the result.
-    ``u * 0`` is 0 for a finite ``u`` and NaN otherwise; a sort puts NaN
-    last.
-    """
-    flags = [(jnp.asarray(u) * 0).astype(jnp.float32) for u in values]
-    while len(flags) > 1:
-        chunks = [flags[i : i + FAN_IN] for i in range(0, len(flags), FAN_IN)]
-        flags = [jnp.sort(jnp.stack(c))[-1] for c in chunks]
-    return jnp.isfinite(flags[0])
+    return utils.all_true([jnp.isfinite(u) for u in _unscale(peaks, scale)])
 
 
 def dynamic_loss_scale(
