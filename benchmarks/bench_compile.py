@@ -233,11 +233,13 @@ def measure_compiles(sizes, configs, rounds, timeout=None) -> dict:
     return results
 
 
-def _ratios(runs: dict, config: str, n: int) -> float | None:
-    """Median over rounds of total(config) / total(REFERENCE), same round."""
+def _ratios(
+    runs: dict, config: str, n: int, key: str = "total_cpu_s"
+) -> float | None:
+    """Median over rounds of ``key`` of config / of REFERENCE, same round."""
     mine, ref = runs.get((config, n), []), runs.get((REFERENCE, n), [])
     pairs = [
-        a["total_s"] / b["total_s"]
+        a[key] / b[key]
         for a, b in zip(mine, ref, strict=False)
         if "error" not in a and "error" not in b
     ]
@@ -272,45 +274,71 @@ def time_per_call(n: int, rounds: int) -> dict[str, float]:
         loop = _Loop(step, grads, tx.init(params), params, 1)
         loop.prepare()  # mini_step 1: mid-window, the accumulator is read
         variants[f"{config} non-closing"] = loop.timed()
+        # The same arguments and outputs, no work: what passing 5 trees of
+        # buffers in and 4 out costs by itself.
+        noop = jax.jit(lambda p, s, g: (p, s), donate_argnums=(0, 1))
+        params = make_tree(n, 0)
+        variants[f"{config} identity step"] = _Loop(
+            noop, grads, tx.init(params), params, None
+        ).timed()
     return _common.time_interleaved(variants, rounds=rounds, warmup=2)
+
+
+ROW_KEYS = (
+    "trace_cpu_s",
+    "lower_cpu_s",
+    "compile_cpu_s",
+    "total_cpu_s",
+    "total_s",
+)
 
 
 def _row(runs, config, n):
     ok = [r for r in runs.get((config, n), []) if "error" not in r]
     if not ok:
         err = runs.get((config, n), [{}])[0].get("error", "not run")
-        return [str(n), config, "-", "-", "-", err, "-", "-", "-", "-", "-"]
-    med = {
-        key: _median([r[key] for r in ok])
-        for key in (
-            "trace_s",
-            "lower_s",
-            "compile_s",
-            "total_s",
-            "peak_rss_kib",
-        )
-    }
-    ratio = _ratios(runs, config, n)
+        return [str(n), config, err] + ["-"] * (len(HEADERS) - 3)
+    med = {key: _median([r[key] for r in ok]) for key in ROW_KEYS}
+    cpu_ratio = _ratios(runs, config, n)
+    wall_ratio = _ratios(runs, config, n, "total_s")
     last = ok[-1]
     return [
         str(n),
         config,
-        f"{med['trace_s']:.2f}",
-        f"{med['lower_s']:.2f}",
-        f"{med['compile_s']:.2f}",
+        *(f"{med[key]:.2f}" for key in ROW_KEYS[:4]),
+        "-" if cpu_ratio is None else f"{cpu_ratio:.2f}x",
         f"{med['total_s']:.2f}",
-        "-" if ratio is None else f"{ratio:.2f}x",
-        f"{med['peak_rss_kib'] / 1024:.0f}",
+        "-" if wall_ratio is None else f"{wall_ratio:.2f}x",
+        f"{_median([r['peak_rss_kib'] for r in ok]) / 1024:.0f}",
         str(last["ops"]),
         str(last["fusions"]),
         str(last["conditionals"]),
     ]
 
 
+HEADERS = [
+    "N",
+    "configuration",
+    "trace CPU s",
+    "lower CPU s",
+    "compile CPU s",
+    "total CPU s",
+    f"vs {REFERENCE} (CPU)",
+    "total wall s",
+    "vs (wall)",
+    "peak RSS MiB",
+    "HLO ops",
+    "fusions",
+    "conditionals",
+]
+
+
 def _targets(runs, sizes, large, seconds):
     def total(config, n):
         ok = [
-            r["total_s"] for r in runs.get((config, n), []) if "error" not in r
+            r["total_cpu_s"]
+            for r in runs.get((config, n), [])
+            if "error" not in r
         ]
         return _median(ok) if ok else float("inf")
 
@@ -384,19 +412,37 @@ def main(
     rounds: int | None = None,
     timeout: float | None = None,
     sizes: tuple[int, ...] | None = None,
+    from_json: str | None = None,
 ) -> dict:
-    """Runs B5; returns the results (see ``run_all.py`` for the format)."""
-    sizes = sizes or (QUICK_SIZES if tiny else SIZES)
-    rounds = rounds or 1
-    runs = measure_compiles(sizes, CONFIGS, rounds, timeout)
-    if large and not tiny:
-        runs.update(
-            measure_compiles(
-                (LARGE,), ("optax agc+adam", "README fused"), 1, timeout
+    """Runs B5; returns the results (see ``run_all.py`` for the format).
+
+    ``from_json`` re-renders a run saved with ``--json`` instead of running.
+    """
+    if from_json:
+        with open(from_json) as f:
+            saved = json.load(f)
+        runs = {
+            (k.rsplit(" N=", 1)[0], int(k.rsplit(" N=", 1)[1])): v
+            for k, v in saved["runs"].items()
+        }
+        seconds = saved["seconds"]
+        all_sizes = tuple(sorted({n for _, n in runs}))
+        large = LARGE in all_sizes
+        sizes = tuple(n for n in all_sizes if n != LARGE)
+        rounds = max(len(v) for v in runs.values())
+    else:
+        sizes = sizes or (QUICK_SIZES if tiny else SIZES)
+        rounds = rounds or 1
+        runs = measure_compiles(sizes, CONFIGS, rounds, timeout)
+        large = large and not tiny
+        if large:
+            runs.update(
+                measure_compiles(
+                    (LARGE,), ("optax agc+adam", "README fused"), 1, timeout
+                )
             )
-        )
-    all_sizes = sizes + ((LARGE,) if large and not tiny else ())
-    seconds = time_per_call(max(sizes), rounds=5 if tiny else 30)
+        all_sizes = sizes + ((LARGE,) if large else ())
+        seconds = time_per_call(max(sizes), rounds=5 if tiny else 30)
     rows = [
         _row(runs, c, n) for n in all_sizes for c in CONFIGS if (c, n) in runs
     ]
@@ -408,28 +454,15 @@ def main(
             "-",
             "-",
             "-",
+            "-",
+            "-",
             f"{1e3 * t:.3f} ms/call",
             f"{t / floor:.2f}x floor",
-            "-",
-            "-",
-            "-",
-            "-",
         ]
+        + ["-"] * (len(HEADERS) - 9)
         for name, t in seconds.items()
     ]
-    headers = [
-        "N",
-        "configuration",
-        "trace s",
-        "lower s",
-        "compile s",
-        "total s",
-        f"vs {REFERENCE}",
-        "peak RSS MiB",
-        "HLO ops",
-        "fusions",
-        "conditionals",
-    ]
+    headers = HEADERS
     big = max(sizes)
     ratios = {
         f"B5 {c} N={big}": _ratios(runs, c, big)
@@ -444,15 +477,20 @@ def main(
         ),
         "headers": headers,
         "rows": rows,
-        "targets": _targets(runs, sizes, large and not tiny, seconds),
+        "targets": _targets(runs, sizes, large, seconds),
         "ratios": {k: v for k, v in ratios.items() if v is not None},
         "ratio_label": f"compile time / {REFERENCE}",
         "runs": {f"{c} N={n}": v for (c, n), v in runs.items()},
         "seconds": seconds,
         "notes": [
-            "total s = trace + lower + compile (wall), median over rounds; "
-            f"vs {REFERENCE}: median of the per-round ratios. Peak RSS of "
-            "the compiling process (JAX's import included).",
+            "CPU s: process CPU time (all threads) of each stage; total = "
+            "trace + lower + compile; median over rounds. vs "
+            f"{REFERENCE}: median of the per-round ratios. The targets use "
+            "the CPU-time ratios: on a shared machine a process's wall time "
+            "depends on how much of a core it got at that moment (a load "
+            "of 8 on 2 cores made wall ratios swing by 2x between "
+            "configurations of one round), its CPU time much less. Peak "
+            "RSS of the compiling process (JAX's import included).",
             f"Leaves cycle through the shapes {list(SHAPES)}, float32.",
             "run: non-closing fused step (mini_step 1) and a jitted tree add "
             "(donated), median of interleaved rounds.",
@@ -474,6 +512,9 @@ if __name__ == "__main__":
     parser.add_argument("--large", action="store_true", help=f"also N={LARGE}")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", default=None, help="write raw runs here")
+    parser.add_argument(
+        "--from-json", default=None, help="re-render a saved --json run"
+    )
     parser.add_argument("--sizes", default=None, help="e.g. 100,1000")
     parser.add_argument(
         "--timeout",
@@ -484,6 +525,7 @@ if __name__ == "__main__":
     ns = parser.parse_args(args)
     sizes = tuple(map(int, ns.sizes.split(","))) if ns.sizes else None
     res = main(
+        from_json=ns.from_json,
         tiny=ns.quick,
         large=ns.large,
         rounds=ns.rounds,
