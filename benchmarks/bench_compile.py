@@ -32,7 +32,7 @@ of ``accumulate fused`` and ``README fused`` against a jitted tree add
 ``acc + g`` with ``acc`` donated, as B1 does.
 
 Run: ``python benchmarks/bench_compile.py [--quick] [--large] [--rounds R]``
-(``--quick``: N = 20, 60 for the smoke test; the figures mean nothing).
+(``--quick``: N = 8, 24 for the smoke test; the figures mean nothing).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ LEARNING_RATE = 1e-3
 CLIP = 0.01
 SIZES = (100, 1000, 3000)
 LARGE = 10_000
-QUICK_SIZES = (20, 60)
+QUICK_SIZES = (8, 24)
 REFERENCE = "optax agc+adam"
 CONFIGS = (
     "adam",
