@@ -91,20 +91,7 @@ def per_device_state_specs(state, axis=AXIS):
     differ from device to device and are stored with a leading device axis;
     everything else is replicated."""
     specs = jax.tree.map(lambda _: P(), state)
-    return map_per_device(specs, lambda _: P(axis))
-
-
-def map_per_device(state, fn):
-    """Applies ``fn`` to the per-device leaves (accumulators) of ``state``."""
-
-    def fix(s):
-        if isinstance(s, oa.AccumulateState):
-            return s._replace(acc=jax.tree.map(fn, s.acc), weight=fn(s.weight))
-        return s
-
-    return jax.tree.map(
-        fix, state, is_leaf=lambda s: isinstance(s, oa.AccumulateState)
-    )
+    return oa.map_accumulators(specs, lambda _: P(axis))
 
 
 def make_steps(mesh, params):
@@ -136,9 +123,9 @@ def make_steps(mesh, params):
 
     def ours(tx):
         def step(p, s, x, y):
-            s = map_per_device(s, lambda a: a[0])
+            s = oa.map_accumulators(s, lambda a: a[0])
             p, s = oa.apply_gradients(tx, local_grads(p, x, y), s, p)
-            return p, map_per_device(s, lambda a: a[None])
+            return p, oa.map_accumulators(s, lambda a: a[None])
 
         return step
 
@@ -157,7 +144,7 @@ def make_steps(mesh, params):
             specs = per_device_state_specs(state0)
 
             def init(p, tx=tx):
-                return map_per_device(
+                return oa.map_accumulators(
                     tx.init(p), lambda a: jnp.broadcast_to(a, (n, *a.shape))
                 )
         else:
@@ -298,6 +285,7 @@ def _measure(tiny: bool) -> dict:
         "seconds": seconds,
         "all_reduces": hlo,
         "all_reduces_per_window": per_window,
+        "k": K,
     }
 
 

@@ -27,7 +27,7 @@ CORE_TESTS = [
 MUTANTS = {
     "nested_tail": (  # issue 10 (a): followers' state from the inner branch
         "chain.py",
-        "tail = base.select(opened, inner, tail_state)",
+        "tail = base.select(out.opened, inner, tail_state)",
         "tail = inner",
         CORE_TESTS,
     ),
@@ -58,8 +58,8 @@ MUTANTS = {
     ),
     "stale_accumulator_not_reset": (
         "accumulate.py",
-        "return jnp.where(fresh, wg, a + wg)",
-        "return a + wg",
+        "jnp.where(fresh, wg, a + wg)",
+        "a + wg",
         CORE_TESTS,
     ),
     "zero_weight_window_opens": (

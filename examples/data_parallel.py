@@ -59,20 +59,6 @@ def loss_fn(params, x, y, mask):
     return (mask * losses).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
-def per_device(state, fn):
-    """Applies ``fn`` to the accumulators of ``state``: they differ from
-    device to device (each holds its device's running sum)."""
-
-    def fix(s):
-        if isinstance(s, oa.AccumulateState):
-            return s._replace(acc=jax.tree.map(fn, s.acc), weight=fn(s.weight))
-        return s
-
-    return jax.tree.map(
-        fix, state, is_leaf=lambda s: isinstance(s, oa.AccumulateState)
-    )
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200,
@@ -103,13 +89,15 @@ def main(argv=None):
     params = init_mlp(jax.random.key(0), [64, args.hidden, 10])
     # The state's accumulators get a leading device axis (one row per
     # device); everything else, like the params, is replicated.
-    state = per_device(tx.init(params),
-                       lambda a: jnp.broadcast_to(a, (n, *a.shape)))
-    state_specs = per_device(jax.tree.map(lambda _: P(), state),
-                             lambda _: P(AXIS))
+    state = oa.map_accumulators(
+        tx.init(params), lambda a: jnp.broadcast_to(a, (n, *a.shape))
+    )
+    state_specs = oa.map_accumulators(
+        jax.tree.map(lambda _: P(), state), lambda _: P(AXIS)
+    )
 
     def train_step(params, state, x, y, mask):
-        state = per_device(state, lambda a: a[0])
+        state = oa.map_accumulators(state, lambda a: a[0])
         # Cast the replicated params to device-varying before differentiating:
         # the gradient then stays local (JAX would otherwise all-reduce the
         # gradient of a replicated input on every micro-batch).
@@ -121,7 +109,8 @@ def main(argv=None):
         # For the log: the mean loss over all devices' real examples.
         count = mask.sum()
         mean_loss = lax.psum(loss * count, AXIS) / lax.psum(count, AXIS)
-        return params, per_device(state, lambda a: a[None]), mean_loss
+        state = oa.map_accumulators(state, lambda a: a[None])
+        return params, state, mean_loss
 
     batch = P(AXIS)
     step = jax.jit(

@@ -1,20 +1,21 @@
-"""Flax NNX: ``nnx.Optimizer`` with ``oa.accumulate`` and an accumulated
-BatchNorm.
+"""Flax NNX: ``optaxaccum.flax.nnx.Optimizer`` with ``oa.accumulate`` and an
+accumulated BatchNorm.
 
 A small CNN written with ``flax.nnx`` learns scikit-learn's bundled digits on
 micro-batches of 16. Its BatchNorm layer is
 ``optaxaccum.flax.nnx.AccumBatchNorm(..., accum_steps=4)``: each micro-batch
 is normalized with its own statistics, and the running ``mean``/``var`` are
 updated once per window, with the statistics of the window's 64 examples.
-The optimizer is a stock ``nnx.Optimizer`` holding
+The optimizer is ``optaxaccum.flax.nnx.Optimizer`` (a subclass of
+``nnx.Optimizer``) holding
 
     oa.chain(oa.accumulate(4), optax.adam(1e-3))
 
-so Adam steps once per 4 micro-batches (``nnx.Optimizer.step`` still counts
-calls). The epoch length is not a multiple of 4: at the end of each epoch the
-partial window is closed for the BatchNorm statistics with
-``optaxaccum.flax.nnx.flush_batch_stats(model)`` and for Adam with
-``oa.flush``, applied to the optimizer's state inside an ``nnx.jit``.
+so Adam steps once per 4 micro-batches (``optimizer.step`` still counts
+calls), and the micro-steps in between take the fused path: they do not
+write the parameters. The epoch length is not a multiple of 4: at the end of
+each epoch ``optimizer.flush(model)`` closes the partial window of Adam and
+of the BatchNorm statistics together.
 
 Run: ``python examples/nnx_example.py [--epochs 8] [--tiny]``.
 """
@@ -53,23 +54,17 @@ def loss_fn(model, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-@nnx.jit
+@nnx.jit(donate_argnums=(0, 1))
 def train_step(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
     optimizer.update(model, grads)  # Adam runs when the window closes
     return loss
 
 
-@nnx.jit
+@nnx.jit(donate_argnums=(0, 1))
 def end_of_epoch(model, optimizer):
-    """Closes the partial window: BatchNorm statistics, then Adam."""
-    oa_nnx.flush_batch_stats(model)
-    # What nnx.Optimizer.update does, with oa.flush in place of tx.update.
-    params = nnx.as_pure(nnx.state(model, nnx.Param))
-    updates, opt_state = oa.flush(
-        optimizer.tx, nnx.as_pure(optimizer.opt_state), params)
-    nnx.update(model, optax.apply_updates(params, updates))
-    nnx.update(optimizer.opt_state, nnx.state(opt_state))
+    """Closes the partial windows: Adam's and the BatchNorm statistics'."""
+    optimizer.flush(model)
 
 
 @nnx.jit
@@ -90,10 +85,8 @@ def main(argv=None):
     x_train, y_train, x_test, y_test = (
         load_data(n_train=160) if args.tiny else load_data())
     model = CNN(args.accum, nnx.Rngs(0))
-    optimizer = nnx.Optimizer(
-        model, oa.chain(oa.accumulate(args.accum), optax.adam(args.lr)),
-        wrt=nnx.Param,
-    )
+    optimizer = oa_nnx.Optimizer(
+        model, oa.chain(oa.accumulate(args.accum), optax.adam(args.lr)))
     n_micro = len(x_train) // MICRO
     print(f"{len(x_train)} training images: {n_micro} micro-batches of "
           f"{MICRO} per epoch = {n_micro // args.accum} windows of "

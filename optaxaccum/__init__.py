@@ -8,6 +8,7 @@ from optaxaccum._src.accumulate import AccumulateState, accumulate, has_updated
 from optaxaccum._src.agc import agc, unitwise_norm
 from optaxaccum._src.base import GatedTransformation, GateResult, is_gate
 from optaxaccum._src.chain import apply_gradients, chain, flush
+from optaxaccum._src.collectives import collective_census
 from optaxaccum._src.loss_scale import (
     DynamicLossScaleState,
     StaticLossScaleState,
@@ -22,6 +23,11 @@ from optaxaccum._src.microbatch import (
     plan_microbatches,
 )
 from optaxaccum._src.multisteps import MultiSteps, MultiStepsState
+from optaxaccum._src.sharding import (
+    map_accumulators,
+    state_shardings,
+    unreduced_value_and_grad,
+)
 
 __version__ = "0.1.0"
 
@@ -37,15 +43,19 @@ __all__ = [
     "agc",
     "apply_gradients",
     "chain",
+    "collective_census",
     "dynamic_loss_scale",
     "flush",
     "has_updated",
     "is_gate",
     "loss_scale",
+    "map_accumulators",
     "microbatched_step_memory",
     "microbatched_value_and_grad",
     "plan_microbatches",
     "scaled_value_and_grad",
+    "state_shardings",
     "static_loss_scale",
     "unitwise_norm",
+    "unreduced_value_and_grad",
 ]

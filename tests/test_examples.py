@@ -117,3 +117,27 @@ def test_data_parallel(tmp_path):
     assert "micro-step    8  optimizer steps   2" in stdout
     assert re.search(r"^final loss [\d.]+  train accuracy [\d.]+$", stdout,
                      re.MULTILINE)
+
+
+def test_transformer_lm(tmp_path):
+    stdout = _run("transformer_lm.py", "--quick", "--no-progress", "--out",
+                  str(tmp_path / "figures"), cwd=tmp_path)
+    k = _number(r"oa.plan_microbatches picks k = (\d+) ", stdout)
+    assert k >= 2
+
+    def row(name, column):  # the table: steps, train, eval, dparams, grad err
+        match = re.search(rf"^{re.escape(name)} .*$", stdout, re.MULTILINE)
+        assert match, stdout
+        return float(match.group(0)[len(name):].split()[column])
+
+    a, b, c = "(a) batch 8", f"(b) {8 // int(k)} x accumulate({int(k)}), weighted", \
+        f"(c) {8 // int(k)} x accumulate({int(k)}), naive"
+    # (b) takes the updates of (a), to float tolerance; (c) does not.
+    assert row(a, 0) == row(b, 0) == row(c, 0)  # optimizer steps
+    assert row(b, 4) < 1e-5 and row(c, 4) > 1e-3  # gradient error at init
+    # max |params - params(a)| after training: Adam turns the rounding of
+    # near-zero gradients into differences of ~1e-5; (c)'s is ~1e-2.
+    assert row(b, 3) < 1e-4 and row(c, 3) > 1e-3
+    assert abs(row(b, 1) - row(a, 1)) < 1e-4  # final train loss
+    png = tmp_path / "figures" / "transformer_lm.png"
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

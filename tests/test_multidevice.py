@@ -46,10 +46,8 @@ def _load(name, path):
     return module
 
 
-# The problem (data, loss) is shared with the two-process worker; the HLO
-# parser with the benchmark.
+# The problem (data, loss) is shared with the two-process worker.
 worker = _load("_multihost_worker", ROOT / "tests" / "_multihost_worker.py")
-bench = _load("bench_multidevice", ROOT / "benchmarks" / "bench_multidevice.py")
 
 
 def _optimizers():
@@ -125,7 +123,14 @@ def _local_step(tx, *, weighted, fused=True, varying=None, scaled=False):
     return step
 
 
-map_per_device = bench.map_per_device
+map_per_device = oa.map_accumulators
+
+
+def _per_device_specs(state):
+    """shard_map specs of a state: its accumulators (which differ from
+    device to device) get a leading device axis, the rest is replicated."""
+    specs = jax.tree.map(lambda _: P(), state)
+    return oa.map_accumulators(specs, lambda _: P(AXIS))
 
 
 def _replicate(tree):
@@ -182,7 +187,7 @@ def _run_shard_map(tx, params, data, **step_kwargs):
 
     state = map_per_device(tx.init(params),
                            lambda a: jnp.broadcast_to(a, (N, *a.shape)))
-    specs = bench.per_device_state_specs(state, AXIS)
+    specs = _per_device_specs(state)
     batch = P(AXIS)
     fn = jax.jit(jax.shard_map(step, mesh=mesh,
                                in_specs=(P(), specs, batch, batch, batch),
@@ -332,7 +337,7 @@ def _compiled_text(runner, tx, step):
     if per_device:
         state = map_per_device(state,
                                lambda a: jnp.broadcast_to(a, (N, *a.shape)))
-        specs = bench.per_device_state_specs(state, AXIS)
+        specs = _per_device_specs(state)
     else:
         specs = jax.tree.map(lambda _: P(), state)
 
@@ -637,7 +642,7 @@ _GLOO_MISSING = ("not available", "unavailable", "not supported",
 _MULTIHOST_TIMEOUT = 120  # seconds, both processes together
 
 
-def _run_two_workers(tmp_path, out, attempt):
+def _run_two_workers(tmp_path, out, attempt, script):
     """Starts both worker processes, waits for them (killing any still
     running at the deadline); returns ``(all succeeded, report)``."""
     port = _free_port()
@@ -645,7 +650,6 @@ def _run_two_workers(tmp_path, out, attempt):
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    script = str(ROOT / "tests" / "_multihost_worker.py")
     logs = [tmp_path / f"worker{i}-{attempt}.log" for i in range(2)]
     procs = []
     deadline = time.monotonic() + _MULTIHOST_TIMEOUT
@@ -670,21 +674,29 @@ def _run_two_workers(tmp_path, out, attempt):
     return all(p.returncode == 0 for p in procs), report
 
 
-def test_two_processes_match_single_process(tmp_path):
-    """Two ``jax.distributed`` processes x 2 CPU devices (gloo collectives),
-    pmap + ``accumulate(axis_name)``, weighted by token counts: the params
-    equal a single-process big-batch run on the same global batches."""
+def run_two_processes(tmp_path, script):
+    """Runs ``script`` (``tests/<script>``) as two ``jax.distributed``
+    processes; returns the path of the params process 0 saved. Skips where
+    gloo CPU collectives are missing; fails with both logs otherwise."""
     out = tmp_path / "params.npy"
-    ok, report = _run_two_workers(tmp_path, out, 0)
+    script = str(ROOT / "tests" / script)
+    ok, report = _run_two_workers(tmp_path, out, 0, script)
     if not ok and "address already in use" in report.lower():
-        ok, report = _run_two_workers(tmp_path, out, 1)  # lost a port race
+        ok, report = _run_two_workers(tmp_path, out, 1, script)  # port race
     if not ok:
         lowered = report.lower()
         if "gloo" in lowered and any(r in lowered for r in _GLOO_MISSING):
             pytest.skip(f"gloo CPU collectives unavailable here:\n{report}")
         pytest.fail("a worker failed or ran past "
                     f"{_MULTIHOST_TIMEOUT} s:\n{report}")
+    return out
 
+
+def test_two_processes_match_single_process(tmp_path):
+    """Two ``jax.distributed`` processes x 2 CPU devices (gloo collectives),
+    pmap + ``accumulate(axis_name)``, weighted by token counts: the params
+    equal a single-process big-batch run on the same global batches."""
+    out = run_two_processes(tmp_path, "_multihost_worker.py")
     data = worker.make_data(2 * worker.LOCAL_DEVICES,
                             worker.WINDOWS * worker.K)
     want = _reference(optax.adam(worker.LEARNING_RATE), _params(), *data,
@@ -723,7 +735,7 @@ def test_bench_multidevice_tiny():
                                  "--json").strip().splitlines()[-1])
     per_window = res["all_reduces_per_window"]
     assert per_window["oa.accumulate(axis_name)"] == 1, res
-    assert per_window["pmean + MultiSteps"] == bench.K, res
-    assert per_window["pmean + oa.accumulate"] == bench.K, res
+    assert per_window["pmean + MultiSteps"] == res["k"], res
+    assert per_window["pmean + oa.accumulate"] == res["k"], res
     assert res["all_reduces"]["oa.accumulate(axis_name)"]["top_ops"] == 0
     assert set(res["seconds"]) == set(per_window)

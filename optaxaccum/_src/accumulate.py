@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from optaxaccum._src import base, utils
+from optaxaccum._src import base, sharding, utils
 
 __all__ = ["AccumulateState", "accumulate", "has_updated"]
 
@@ -81,7 +80,10 @@ def accumulate(
         gradients' dtypes.
       axis_name: inside ``pmap``/``shard_map``, the axis over which the
         window is reduced once, when it closes: ``psum(sum_i w_i g_i) /
-        psum(sum_i w_i)`` (``"sum"``: ``pmean(sum_i w_i g_i)``).
+        psum(sum_i w_i)`` (``"sum"``: ``pmean(sum_i w_i g_i)``). Under
+        ``jax.jit`` on an explicit mesh: the axis (or axes) over which the
+        gradients of :func:`unreduced_value_and_grad` are unreduced, reduced
+        once when the window closes (docs/scaling.md).
       skip_nonfinite: drop a micro-batch whose weighted gradient holds a
         NaN/Inf as if never seen (all devices agree under ``axis_name``).
 
@@ -147,8 +149,11 @@ def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
     return AccumulateState(
         mini_step=jnp.zeros([], jnp.int32),
         gradient_step=jnp.zeros([], jnp.int32),
-        acc=jax.tree.map(
-            lambda p: jnp.zeros_like(p, _leaf_dtype(cfg, p)), params
+        acc=sharding.window_zeros(
+            jax.tree.map(
+                lambda p: jnp.zeros_like(p, _leaf_dtype(cfg, p)), params
+            ),
+            cfg.axis_name,
         ),
         weight=jnp.zeros([], _weight_dtype(cfg)),
         updated=jnp.zeros([], bool),
@@ -174,6 +179,7 @@ def _gate_update(
             f"{type(state).__name__}"
         )
     _check_gradients(updates, state.acc)
+    state = state._replace(acc=sharding.match_grads(state.acc, updates))
     utils.check_weight("accum_weight", accum_weight)
     acc, weight, counted = _add(cfg, state, updates, accum_weight, passed)
     mini_step = base.select(counted, state.mini_step + 1, state.mini_step)
@@ -228,13 +234,14 @@ def _add(
     fresh = state.mini_step == 0  # the accumulator is stale: overwrite it
     counted = passed
     if cfg.skip_nonfinite:
-        finite = valid & (zero | utils.all_finite(updates))
+        finite = valid & (zero | sharding.all_finite(updates))
         if cfg.axis_name is not None:
-            finite = lax.pmin(finite.astype(jnp.int32), cfg.axis_name) > 0
+            finite = sharding.agree(finite, cfg.axis_name)
         counted = base.both(counted, finite)
 
     def add(a, g):
-        wg = w.astype(a.dtype) * jnp.asarray(g).astype(a.dtype)
+        g = jnp.asarray(g).astype(a.dtype)
+        wg = sharding.times(w.astype(a.dtype), g, a)
         wg = jnp.where(zero, jnp.zeros_like(wg), wg)
         return base.select(counted, jnp.where(fresh, wg, a + wg), a)
 
@@ -256,9 +263,9 @@ def _emitter(
     def emit():
         acc, weight = state.acc, state.weight
         if cfg.axis_name is not None:
-            weight = lax.psum(weight, cfg.axis_name)
-            reduce = lax.psum if cfg.reduction == "mean" else lax.pmean
-            acc = reduce(acc, cfg.axis_name)
+            acc, weight = sharding.reduce_window(
+                acc, weight, cfg.axis_name, cfg.reduction
+            )
         opened = True if weight_checked else weight != 0
         if cfg.reduction == "mean":
             scale = jnp.where(opened, 1 / jnp.where(opened, weight, 1), 0)

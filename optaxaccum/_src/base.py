@@ -35,7 +35,7 @@ open: no conditional or select is built for it).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol, TypeAlias
+from typing import Any, NamedTuple, TypeAlias, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +68,7 @@ class Emitted(NamedTuple):
     """
 
     updates: optax.Updates
-    state: optax.OptState
+    state: Any  # the gate's state (a pytree)
     opened: Any = True
     follower_args: Mapping[str, Any] = {}
 
@@ -86,33 +86,16 @@ class GateResult(NamedTuple):
         step; default ``False``.
     """
 
-    state: optax.OptState
+    state: Any  # the gate's state (a pytree)
     may_open: Any
     emit: Callable[[], tuple]
     eager: bool = False
 
 
-class GateUpdateFn(Protocol):
-    """Signature of a gate's ``gate_update`` function."""
-
-    def __call__(
-        self,
-        updates: optax.Updates,
-        state: optax.OptState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> GateResult: ...
-
-
-class GateFlushFn(Protocol):
-    """Signature of a gate's ``gate_flush`` function (see :func:`flush`)."""
-
-    def __call__(
-        self,
-        state: optax.OptState,
-        params: optax.Params,
-        **extra_args: Any,
-    ) -> GateResult: ...
+# ``gate_update(updates, state, params=None, *, passed=True, **extra_args)``
+GateUpdateFn: TypeAlias = Callable[..., GateResult]
+# ``gate_flush(state, params, **extra_args)``
+GateFlushFn: TypeAlias = Callable[..., GateResult]
 
 
 class GatedTransformation(optax.GradientTransformationExtraArgs):
@@ -188,7 +171,7 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def is_gate(tx: Any) -> bool:
+def is_gate(tx: Any) -> TypeGuard[GatedTransformation]:
     """Whether ``tx`` is a gate (a :class:`GatedTransformation`)."""
     return isinstance(tx, GatedTransformation)
 
@@ -200,7 +183,7 @@ def zeros_of(shapes: Any) -> Any:
     return jax.tree.map(jnp.zeros_like, shapes)
 
 
-def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable):
+def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
     """``lax.cond(pred, true_fn, false_fn)``, or a plain call when ``pred`` is
     known now (the literal ``True``, or a concrete array outside any trace):
     then no conditional is built, which spares eager callers a compilation of

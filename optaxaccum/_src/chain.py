@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +78,7 @@ def chain(
         return _checked(optax.chain(*transforms), declared, len(transforms))
     head = optax.chain(*transforms[:gate_at]) if gate_at else None
     first, rest = transforms[gate_at], _followers(transforms, gate_at)
+    assert base.is_gate(first)  # for the type checker: found as a gate
     init = optax.chain(*transforms).init
 
     def gate_update_fn(
@@ -113,11 +114,13 @@ def chain(
             init, utils.with_signature(gate_update_fn, declared)
         )
     flusher, flush_rest = transforms[flush_at], _followers(transforms, flush_at)
+    assert base.is_gate(flusher) and flusher.gate_flush is not None
+    flush_fn = flusher.gate_flush
 
     def gate_flush_fn(state, params, **extra_args):
         _check_state(state, len(transforms))
         utils.check_extra_args(extra_args, declared)
-        res = flusher.gate_flush(state[flush_at], params, **extra_args)
+        res = flush_fn(state[flush_at], params, **extra_args)
         return _follow(
             res,
             state[:flush_at],
@@ -161,66 +164,77 @@ def _followers(transforms, i):
     return chain(*rest) if rest else None
 
 
-def _follow(res, head, tail_state, rest, params, extra_args):
-    """Extends a gate's result with the elements that follow it."""
-    if rest is not None and base.is_gate(rest) and res.eager:
+def _follow(
+    res: base.GateResult,
+    head: tuple,
+    tail_state: tuple,
+    rest: optax.GradientTransformationExtraArgs | None,
+    params: optax.Params | None,
+    extra_args: dict[str, Any],
+) -> base.GateResult:
+    """Extends a gate's result with the elements that follow it (``rest``,
+    one chain) and the states of those before it (``head``)."""
+    if rest is None:  # emit adds only the head: an eager gate stays eager
+
+        def emit_alone():
+            out = base.emitted(res)
+            return out._replace(state=(*head, out.state))
+
+        return base.GateResult(
+            (*head, res.state), res.may_open, emit_alone, res.eager
+        )
+    if base.is_gate(rest) and res.eager:
         return _follow_eager(res, head, tail_state, rest, params, extra_args)
+    into = _emit_into_gate if base.is_gate(rest) else _emit_into
 
     def emit():
-        updates, gate_state, opened, follower_args = base.emitted(res)
-        if rest is None:
-            return base.Emitted(
-                updates, (*head, gate_state), opened, follower_args
-            )
-        args = {**extra_args, **follower_args}
-        if base.is_gate(rest):
-            # Only where this gate opens (e.g. once per window): the later
-            # gate decides in turn, and its emit runs only where it opens.
-            res2 = rest.gate_update(updates, tail_state, params, **args)
+        out = base.emitted(res)
+        args = {**extra_args, **out.follower_args}
+        updates, tail, opened, follower_args = into(
+            out, tail_state, rest, params, args
+        )
+        return base.Emitted(
+            updates, (*head, out.state, *tail), opened, follower_args
+        )
 
-            def inner_open():
-                out = base.emitted(res2)
-                opened2 = base.both(res2.may_open, out.opened)
-                return out.updates, out.state, opened2, out.follower_args
+    return base.GateResult((*head, res.state, *tail_state), res.may_open, emit)
 
-            def inner_closed():
-                shapes = jax.eval_shape(
-                    lambda: (lambda e: (e.updates, e.follower_args))(
-                        base.emitted(res2)
-                    )
-                )
-                closed = jnp.logical_and(res2.may_open, False)
-                zeros, args = base.zeros_of(shapes)
-                return zeros, res2.state, closed, args
 
-            updates2, inner, opened2, args2 = base.cond_or_call(
-                res2.may_open, inner_open, inner_closed
-            )
-            tail = base.select(opened, inner, tail_state)
-            return base.Emitted(
-                updates2,
-                (*head, gate_state, *tail),
-                base.both(opened, opened2),
-                args2,
-            )
+def _emit_into(out, tail_state, rest, params, args) -> base.Emitted:
+    """The plain followers run where the gate ``opened`` after all."""
 
-        def run():
-            return rest.update(updates, tail_state, params, **args)
+    def run():
+        return rest.update(out.updates, tail_state, params, **args)
 
-        def skip():
-            return base.zeros_of(jax.eval_shape(run)[0]), tail_state
+    def skip():
+        return base.zeros_of(jax.eval_shape(run)[0]), tail_state
 
-        updates, tail = base.cond_or_call(opened, run, skip)
-        return base.Emitted(updates, (*head, gate_state, *tail), opened)
+    updates, tail = base.cond_or_call(out.opened, run, skip)
+    return base.Emitted(updates, tail, out.opened)
 
-    # With nothing after the gate, emit adds only the head states: it stays
-    # as cheap as the gate's own (an eager gate stays eager).
-    return base.GateResult(
-        (*head, res.state, *tail_state),
-        res.may_open,
-        emit,
-        res.eager and rest is None,
+
+def _emit_into_gate(out, tail_state, rest, params, args) -> base.Emitted:
+    """A later gate decides in turn (only where this one opened, e.g. once
+    per window); its emit runs only where it opens too."""
+    res2 = rest.gate_update(out.updates, tail_state, params, **args)
+
+    def opened():
+        out2 = base.emitted(res2)
+        flag = base.both(res2.may_open, out2.opened)
+        return out2.updates, out2.state, flag, out2.follower_args
+
+    def closed():
+        shapes = jax.eval_shape(
+            lambda: (lambda e: (e.updates, e.follower_args))(base.emitted(res2))
+        )
+        zeros, args2 = base.zeros_of(shapes)
+        return zeros, res2.state, jnp.logical_and(res2.may_open, False), args2
+
+    updates, inner, opened2, args2 = base.cond_or_call(
+        res2.may_open, opened, closed
     )
+    tail = base.select(out.opened, inner, tail_state)
+    return base.Emitted(updates, tail, base.both(out.opened, opened2), args2)
 
 
 def _follow_eager(res, head, tail_state, rest, params, extra_args):
@@ -243,11 +257,11 @@ def _follow_eager(res, head, tail_state, rest, params, extra_args):
     def emit():
         updates2, tail, opened2, args2 = base.emitted(res2)
         return base.Emitted(
-            updates2, (*head, gate_state, *tail), opened2, args2
+            updates2, (*head, gate_state, *cast(tuple, tail)), opened2, args2
         )
 
     return base.GateResult(
-        (*head, gate_state, *res2.state),
+        (*head, gate_state, *cast(tuple, res2.state)),
         base.both(passed, res2.may_open),
         emit,
         res2.eager,

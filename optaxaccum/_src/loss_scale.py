@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from optaxaccum._src import base, utils
+from optaxaccum._src import base, sharding, utils
 
 __all__ = [
     "DynamicLossScaleState",
@@ -91,7 +90,7 @@ def _unscale(updates: optax.Updates, scale: jax.Array) -> optax.Updates:
         if not jnp.issubdtype(g.dtype, jnp.inexact):
             return g
         wide = _at_least_float32(g.dtype)
-        return (g.astype(wide) * inv.astype(wide)).astype(g.dtype)
+        return sharding.times(inv.astype(wide), g.astype(wide)).astype(g.dtype)
 
     return jax.tree.map(one, updates)
 
@@ -238,9 +237,11 @@ def dynamic_loss_scale(
                 f"{type(state).__name__}"
             )
         unscaled = _unscale(updates, state.scale)
-        finite = _unscaled_all_finite(updates, state.scale)
+        finite = sharding.all_finite(
+            unscaled, lambda _: _unscaled_all_finite(updates, state.scale)
+        )
         if axis_name is not None:
-            finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+            finite = sharding.agree(finite, axis_name)
         new_state = _adjust(state, finite)
         return base.GateResult(
             new_state, finite, lambda: (unscaled, new_state, True), eager=True

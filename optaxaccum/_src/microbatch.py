@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optaxaccum._src import utils
+from optaxaccum._src import sharding, utils
 
 __all__ = [
     "microbatched_step_memory",
@@ -481,7 +481,7 @@ def microbatched_value_and_grad(
 
         diff_args = tuple(args[i] for i in d_idx)
         acc0 = jax.tree.map(
-            lambda p: jnp.zeros_like(p, dtype=_acc_dtype(jnp.result_type(p))),
+            lambda p: sharding.grad_zeros(p, _acc_dtype(jnp.result_type(p))),
             diff_args,
         )
         state0 = jax.tree.map(_strong, tuple(args[i] for i in s_idx))
@@ -521,7 +521,7 @@ def microbatched_value_and_grad(
                 keep = w != 0
 
                 def add(a, g):
-                    wg = w.astype(a.dtype) * g.astype(a.dtype)
+                    wg = sharding.times(w.astype(a.dtype), g.astype(a.dtype))
                     return a + jnp.where(keep, wg, jnp.zeros_like(wg))
 
                 acc = jax.tree.map(add, acc, grads)
@@ -538,7 +538,9 @@ def microbatched_value_and_grad(
         loss_acc = _acc_dtype(losses.dtype)
         if weight_fn is None:
             loss = jnp.mean(losses.astype(loss_acc))
-            grads = jax.tree.map(lambda a: a / n, acc)
+            grads = jax.tree.map(
+                lambda a: sharding.times(jnp.asarray(1 / n, a.dtype), a), acc
+            )
         else:
             total = jnp.sum(ws)
             nonzero = total != 0
@@ -547,7 +549,9 @@ def microbatched_value_and_grad(
             loss = jnp.sum(jnp.where(ws != 0, terms, 0)) * scale.astype(
                 loss_acc
             )
-            grads = jax.tree.map(lambda a: a * scale.astype(a.dtype), acc)
+            grads = jax.tree.map(
+                lambda a: sharding.times(scale.astype(a.dtype), a), acc
+            )
         loss = loss.astype(losses.dtype)
         grads = jax.tree.map(
             lambda g, p: g.astype(jnp.result_type(p)), grads, diff_args

@@ -145,6 +145,9 @@ class MultiSteps(base.GatedTransformation):
       (Array([-2.], dtype=float32), True, 1)
     """
 
+    _opt: optax.GradientTransformationExtraArgs
+    _config: tuple[Any, ...]
+
     def __new__(
         cls,
         opt: optax.GradientTransformation,
@@ -163,9 +166,10 @@ class MultiSteps(base.GatedTransformation):
         skip = should_skip_update_fn is not None
         gates = (_skip_gate(should_skip_update_fn),) if skip else ()
         inner = _chain.chain(*gates, acc, opt)
+        assert base.is_gate(inner)  # it holds an accumulate
         views = _Views(skip)
 
-        def init_fn(params):
+        def init_fn(params: optax.Params) -> Any:
             return views.outer(inner.init(params))
 
         def gate_update_fn(
@@ -177,6 +181,7 @@ class MultiSteps(base.GatedTransformation):
             return views.result(res)
 
         def gate_flush_fn(state, params, **extra_args):
+            assert inner.gate_flush is not None  # oa.chain with accumulate
             res = inner.gate_flush(views.inner(state), params, **extra_args)
             return views.result(res)
 
@@ -214,7 +219,7 @@ class MultiSteps(base.GatedTransformation):
     def has_updated(self, state: MultiStepsState) -> jax.Array:
         """Whether the last counted call closed a window and stepped the
         optimizer: a boolean scalar array, as ``optax.MultiSteps``'s."""
-        if getattr(state, "updated", None) is not None:
+        if state.updated is not None:
             return state.updated
         # optax's rule, for states without the flag (e.g. optax's own).
         return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)

@@ -78,25 +78,24 @@ def check_weight(name: str, value: Any) -> None:
       name: the argument's name, for the message.
       value: a Python or NumPy number, or an array (concrete or traced).
     """
-    if isinstance(value, jax.core.Tracer):
+    try:
+        number = np.asarray(value)
+    except jax.errors.TracerArrayConversionError:  # traced: decided later
         return
-    if isinstance(value, bool | np.bool_) or (
-        hasattr(value, "dtype") and jnp.dtype(value.dtype) == jnp.bool_
-    ):
+    if number.dtype == np.bool_:
         raise ValueError(
             f"{name} must be a number, got a bool: {name}={value!r}"
         )
-    if jnp.ndim(value) != 0:
+    if number.ndim != 0:
         raise ValueError(
-            f"{name} must be a scalar, got an array of shape {jnp.shape(value)}"
+            f"{name} must be a scalar, got an array of shape {number.shape}"
         )
     if isinstance(value, numbers.Integral) and abs(int(value)) > 2**31 - 1:
         raise ValueError(
             f"{name}={value!r} does not fit int32; pass it as a float"
         )
-    if isinstance(value, complex) or jnp.iscomplexobj(value):
+    if np.iscomplexobj(number):
         raise ValueError(f"{name} must be real, got {name}={value!r}")
-    number = float(np.asarray(value))
     if not (np.isfinite(number) and number >= 0):
         raise ValueError(
             f"{name} must be finite and >= 0, got {name}={value!r}"
@@ -179,11 +178,11 @@ def check_positive_int(name: str, value: Any) -> int:
             f"{name} must be a positive int, got {name}={value!r} "
             f"of type {type(value).__name__}"
         )
-    if value < 1:
+    if int(value) < 1:
         raise ValueError(
             f"{name} must be a positive int (>= 1), got {name}={value!r}"
         )
-    if value > jnp.iinfo(jnp.int32).max:
+    if int(value) > jnp.iinfo(jnp.int32).max:
         raise ValueError(
             f"{name} must fit in int32 (<= 2**31 - 1), got {name}={value!r}"
         )
@@ -221,7 +220,7 @@ def check_float_dtype(name: str, value: Any) -> jnp.dtype:
             f"{name} must be a floating dtype (e.g. jnp.float32), "
             f"got {name}={value!r}"
         )
-    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
         raise ValueError(
             f"{name}={value!r} needs 64-bit mode "
             "(jax.config.update('jax_enable_x64', True)); without it JAX "

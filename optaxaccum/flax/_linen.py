@@ -124,19 +124,20 @@ class AccumBatchNorm(nn.BatchNorm):
         feature_shape = tuple(
             x.shape[i] for i in _stats.canonical_axes(x.ndim, self.axis)
         )
-        if self.is_initializing() or training:
-            # Created by init, or on the first training call for variables
-            # of a plain nn.BatchNorm (see flax.convert_batch_stats).
-            empty = _stats.empty_window(feature_shape)
-            window_vars = [
-                self.variable("batch_stats", key, lambda v=v: v)
-                for key, v in zip(_stats.WINDOW_KEYS, empty)
-            ]
-            momentum = jnp.asarray(self.momentum, jnp.float32)
-            momentum_var = self.variable(
-                "batch_stats", _stats.MOMENTUM_KEY, lambda: momentum
-            )
-        if not training or self.is_initializing():
+        if not (self.is_initializing() or training):
+            return super().__call__(x, use_running_average, mask=mask)
+        # Created by init, or on the first training call for variables
+        # of a plain nn.BatchNorm (see flax.convert_batch_stats).
+        empty = _stats.empty_window(feature_shape)
+        window_vars = [
+            self.variable("batch_stats", key, lambda v=v: v)
+            for key, v in zip(_stats.WINDOW_KEYS, empty)
+        ]
+        momentum = jnp.asarray(self.momentum, jnp.float32)
+        momentum_var = self.variable(
+            "batch_stats", _stats.MOMENTUM_KEY, lambda: momentum
+        )
+        if self.is_initializing():
             return super().__call__(x, use_running_average, mask=mask)
 
         ra_mean = self.get_variable("batch_stats", "mean")

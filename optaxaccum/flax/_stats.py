@@ -29,13 +29,13 @@ class Window(NamedTuple):
     """The statistics of the current, not yet closed window.
 
     Attributes:
-      count: per-feature number of elements seen, float32.
+      elements: per-feature number of elements seen, float32.
       mean: per-feature mean, float32.
       m2: per-feature sum of squared deviations from ``mean``, float32.
       step: number of micro-batches in the window, int32 scalar.
     """
 
-    count: jax.Array
+    elements: jax.Array
     mean: jax.Array
     m2: jax.Array
     step: jax.Array
@@ -124,13 +124,13 @@ def merge(
 ) -> Window:
     """Adds a micro-batch with ``n`` elements, ``mean`` and ``var``."""
     n, mean, var = (v.astype(jnp.float32) for v in (n, mean, var))
-    total = window.count + n
+    total = window.elements + n
     frac = jnp.where(total > 0, n / jnp.where(total > 0, total, 1.0), 0.0)
     delta = mean - window.mean
     return Window(
-        count=total,
+        elements=total,
         mean=window.mean + delta * frac,
-        m2=window.m2 + var * n + delta * delta * window.count * frac,
+        m2=window.m2 + var * n + delta * delta * window.elements * frac,
         step=window.step + 1,
     )
 
@@ -148,8 +148,8 @@ def close(
     averages unchanged. Returns ``(ra_mean, ra_var, window)``; the window is
     emptied where it closed.
     """
-    seen = window.count > 0
-    pooled_var = window.m2 / jnp.where(seen, window.count, 1.0)
+    seen = window.elements > 0
+    pooled_var = window.m2 / jnp.where(seen, window.elements, 1.0)
     use = do_close & seen
 
     def ema(ra, stat):

@@ -6,18 +6,23 @@ import dataclasses
 import numbers
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 import optax
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
-from flax.training.train_state import OVERWRITE_WITH_GRADIENT
 
 from optaxaccum._src import accumulate as accumulate_lib
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
 from optaxaccum.flax import _stats
+
+
+def _rebuild(like: Mapping, out: dict[str, Any]) -> Any:
+    """``out`` as a mapping of ``like``'s type (a dict, a FrozenDict)."""
+    return out if type(like) is dict else cast(Any, type(like))(out)
 
 
 def _with_windows_like(old: Any, new: Any) -> Any:
@@ -30,7 +35,7 @@ def _with_windows_like(old: Any, new: Any) -> Any:
         return old
     out = {k: _with_windows_like(v, new.get(k)) for k, v in old.items()}
     out.update(_missing_extras(old, new))
-    return out if type(old) is dict else type(old)(out)
+    return _rebuild(old, out)
 
 
 def _missing_extras(old: Mapping, like: Mapping) -> dict[str, Any]:
@@ -38,7 +43,7 @@ def _missing_extras(old: Mapping, like: Mapping) -> dict[str, Any]:
     empty window, ``like``'s momentum."""
     if not all(k in like for k in _stats.WINDOW_KEYS):
         return {}
-    extras = dict(
+    extras: dict[str, Any] = dict(
         zip(
             _stats.WINDOW_KEYS,
             _stats.empty_window(jax.numpy.shape(like["window_mean"])),
@@ -256,7 +261,7 @@ def _flush_batch_stats(batch_stats: Mapping, momentum: Any, path: str) -> Any:
             window, out["mean"], out["var"], layer_momentum
         )
         out.update(zip(_stats.WINDOW_KEYS, window, strict=True))
-    return out if type(batch_stats) is dict else type(batch_stats)(out)
+    return _rebuild(batch_stats, out)
 
 
 def flush_batch_stats(batch_stats: Any, momentum: Any = None) -> Any:
@@ -299,7 +304,7 @@ def flush_batch_stats(batch_stats: Any, momentum: Any = None) -> Any:
         )
     if momentum is not None:
         _warn_deprecated("flush_batch_stats(batch_stats, momentum)")
-        if isinstance(momentum, numbers.Real) and not 0 <= momentum <= 1:
+        if isinstance(momentum, numbers.Real) and not 0 <= float(momentum) <= 1:
             raise ValueError(f"momentum must be in [0, 1], got {momentum=}")
     return _flush_batch_stats(batch_stats, momentum, "")
 
@@ -383,4 +388,4 @@ def _convert(bs: Any, tpl: Any, path: str) -> Any:
         )
     out = {k: _convert(v, tpl[k], f"{path}[{k!r}]") for k, v in bs.items()}
     out.update(extras)
-    return out if type(bs) is dict else type(bs)(out)
+    return _rebuild(bs, out)

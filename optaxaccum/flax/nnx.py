@@ -1,16 +1,19 @@
-"""``AccumBatchNorm`` for ``flax.nnx``."""
+"""``flax.nnx`` integration: ``AccumBatchNorm`` and a fused ``Optimizer``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import optax
 from flax import nnx
+from flax.nnx import filterlib
 
+import optaxaccum as oa
 from optaxaccum._src import utils
 from optaxaccum.flax import _stats
 
-__all__ = ["AccumBatchNorm", "flush_batch_stats"]
+__all__ = ["AccumBatchNorm", "Optimizer", "flush_batch_stats"]
 
 
 class AccumBatchNorm(nnx.BatchNorm):
@@ -150,3 +153,106 @@ def flush_batch_stats(model: nnx.Module) -> None:
     for _, module in nnx.iter_modules(model):
         if isinstance(module, AccumBatchNorm):
             module.flush()
+
+
+class Optimizer(nnx.Optimizer):
+    """``flax.nnx.Optimizer`` on the fused accumulation path.
+
+    A subclass of :class:`flax.nnx.Optimizer` (same constructor, same
+    ``step``, ``tx``, ``opt_state`` and ``wrt`` attributes, so
+    ``nnx.state(optimizer)`` checkpoints as before). :meth:`update` calls
+    :func:`optaxaccum.apply_gradients`: on a micro-step where the gate of
+    ``tx`` (an :func:`optaxaccum.chain` holding an
+    :func:`optaxaccum.accumulate` or a loss scale) stays closed, the model's
+    parameters are not written and no update tree is built. :meth:`flush`
+    closes the partial window at the end of an epoch, for the optimizer and
+    for the model's :class:`AccumBatchNorm` layers together. Results equal
+    ``nnx.Optimizer(model, tx, wrt=wrt)`` with the plain protocol.
+
+    Args:
+      model: the ``nnx.Module`` whose variables ``wrt`` selects.
+      tx: any optax transformation; the fast path needs a gate.
+      wrt: the filter of the variables to optimize (default ``nnx.Param``;
+        e.g. ``nnx.LoRAParam``); it must match the ``wrt`` of ``nnx.grad``.
+      graph: as for :class:`flax.nnx.Optimizer`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> import optaxaccum as oa
+      >>> from optaxaccum.flax.nnx import Optimizer
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> opt = Optimizer(model, oa.chain(oa.accumulate(4), optax.sgd(0.1)))
+      >>> loss = lambda m, x: (m(x) ** 2).mean()
+      >>> for i in range(3):  # 3 of a window of 4: the last of an epoch
+      ...     opt.update(model, nnx.grad(loss)(model, jnp.ones((1, 2))))
+      >>> before = model.kernel[...]
+      >>> opt.flush(model)  # steps SGD with the mean of the 3
+      >>> bool((model.kernel[...] != before).all()), int(opt.step[...])
+      (True, 3)
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tx: optax.GradientTransformation,
+        *,
+        wrt: filterlib.Filter = nnx.Param,
+        graph: bool | None = None,
+    ):
+        super().__init__(model, tx, wrt=wrt, graph=graph)
+
+    def _pure(self, model: Any) -> tuple[Any, Any]:
+        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        return params, nnx.as_pure(self.opt_state)
+
+    def _store(self, model: Any, params: Any, opt_state: Any) -> None:
+        nnx.update(model, params)
+        nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> Any:
+        """One micro-batch through :func:`optaxaccum.apply_gradients`.
+
+        Args:
+          model: the model, updated in place.
+          grads: the gradients from ``nnx.grad`` (filtered by ``wrt``).
+          **kwargs: extra args for ``tx`` (e.g. ``accum_weight``).
+
+        Returns:
+          ``None``: unlike :meth:`flax.nnx.Optimizer.update`, no update tree
+          is returned (the fused path never builds one).
+        """
+        params, opt_state = self._pure(model)
+        grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        params, opt_state = oa.apply_gradients(
+            self.tx, grads, opt_state, params, **nnx.as_pure(kwargs)
+        )
+        self._store(model, params, opt_state)
+        self.step[...] += 1
+
+    def flush(self, model: Any, /, **kwargs: Any) -> None:
+        """Closes the partial windows at the end of an epoch.
+
+        The optimizer's window is closed with :func:`optaxaccum.flush` and
+        the update applied to ``model``; every :class:`AccumBatchNorm` of
+        ``model`` is closed with its own momentum
+        (:func:`flush_batch_stats`). Empty windows are left unchanged;
+        ``step`` (which counts micro-batches) does not move.
+
+        Args:
+          model: the model, updated in place.
+          **kwargs: extra args for the elements after the accumulation.
+
+        Returns:
+          ``None``.
+
+        Raises:
+          ValueError: if ``tx`` holds no :func:`optaxaccum.accumulate` that
+            :func:`optaxaccum.flush` can reach.
+        """
+        params, opt_state = self._pure(model)
+        updates, opt_state = oa.flush(
+            self.tx, opt_state, params, **nnx.as_pure(kwargs)
+        )
+        flush_batch_stats(model)
+        self._store(model, optax.apply_updates(params, updates), opt_state)

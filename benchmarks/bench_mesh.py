@@ -1,0 +1,418 @@
+"""B4: sharded meshes under ``jax.jit``: one data-axis reduction per window.
+
+A window of ``K = 4`` micro-batches on 8 devices (8 host CPU devices unless
+the default backend has 8 or more), an MLP whose weights and biases are
+sharded over ``fsdp`` (FSDP) and whose batch is sharded over every mesh axis,
+Adam, the fused ``oa.apply_gradients`` step jitted with params and state
+donated, on two explicit meshes: ``data=2 x fsdp=4`` and ``data=8``. Two
+variants on each, side by side in one run:
+
+* ``naive jit``: ``jax.value_and_grad`` + ``oa.chain(oa.accumulate(K),
+  adam)``: every micro-batch's backward pass all-reduces the gradient over
+  ``data`` (the compiler cannot defer it);
+* ``oa.unreduced_value_and_grad``: ``+ oa.chain(oa.accumulate(K,
+  axis_name="data"), adam)``: the gradients stay unreduced over ``data``,
+  the accumulator adds them locally and reduces once, in the closing branch;
+* on the FSDP mesh also ``unreduced over ("data", "fsdp")``: both axes
+  named, so no gradient reduction at all on micro-steps, at the cost of an
+  accumulator as large as the unsharded tree.
+
+Reported from the compiled step (the project's HLO reader, replica groups
+mapped to mesh axes): collectives over ``data`` executed per window (every
+call's times ``K`` plus the closing branch's), split into gradient
+reductions (larger than a few scalars) and scalar ones (the loss); their
+bytes; collectives over ``fsdp`` only; the accumulator's bytes per device;
+and the wall time of a whole window (``K`` calls), median of interleaved
+rounds, as a ratio to ours.
+
+Run: ``python benchmarks/bench_mesh.py [--tiny]``. ``main()`` returns the
+results as a dict (see ``run_all.py``); with fewer than 8 devices it
+measures in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+N_DEVICES = 8
+_FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
+
+if __name__ == "__main__" and "xla_force_host_platform_device_count" not in (
+    os.environ.get("XLA_FLAGS", "")
+):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import optaxaccum as oa  # noqa: E402
+from optaxaccum._src import collectives  # noqa: E402
+
+K = 4
+LEARNING_RATE = 1e-3
+SCALAR_BYTES = 64  # collectives this small carry scalars (loss, counts)
+MESHES = {"data=2 x fsdp=4": (2, 4), "data=8": (8,)}
+FULL = dict(widths=(256, 1024, 1024, 256), batch=64, rounds=11, warmup=1)
+TINY = dict(widths=(16, 32, 16), batch=16, rounds=2, warmup=0)
+OURS = "oa.unreduced_value_and_grad"
+NAIVE = "naive jit"
+BOTH = 'unreduced over ("data", "fsdp")'
+AXES = {NAIVE: None, OURS: "data", BOTH: ("data", "fsdp")}
+
+# ------------------------------------------------------------- the model
+
+
+def init_mlp(widths, seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(widths) - 1)
+    return [
+        {
+            "w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
+            "b": jnp.zeros((b,), jnp.float32),
+        }
+        for k, a, b in zip(keys, widths[:-1], widths[1:], strict=True)
+    ]
+
+
+def gather(w, batch_axes):
+    """All-gathers an FSDP-sharded leaf; a reduced one stays reduced over
+    the batch axes, so that its gradient stays unreduced over them."""
+    dims = (None,) * w.ndim
+    if jax.typeof(w).sharding.spec.reduced:
+        return jax.reshard(w, P(*dims, reduced=set(batch_axes)))
+    return jax.reshard(w, P(*dims))
+
+
+def make_loss(batch_axes):
+    def loss(params, x, y):
+        h = x
+        for i, layer in enumerate(params):
+            h = h @ gather(layer["w"], batch_axes)
+            b = jnp.broadcast_to(gather(layer["b"], batch_axes), h.shape)
+            h = h + jax.reshard(b, jax.typeof(h).sharding.spec)
+            if i < len(params) - 1:
+                h = jax.nn.relu(h)
+        return jnp.mean((h - y) ** 2)
+
+    return loss
+
+
+# ------------------------------------------------------------ measuring
+
+
+def _mesh(shape):
+    names = ("data", "fsdp")[: len(shape)]
+    return jax.make_mesh(
+        shape,
+        names,
+        axis_types=(AxisType.Explicit,) * len(shape),
+        devices=jax.devices()[:N_DEVICES],
+    )
+
+
+def _variant(mesh, axis):
+    loss = make_loss(tuple(mesh.axis_names))
+    adam = optax.adam(LEARNING_RATE)
+    if axis is not None:
+        tx = oa.chain(oa.accumulate(K, axis_name=axis), adam)
+        value_and_grad = oa.unreduced_value_and_grad(loss, axis)
+    else:
+        tx = oa.chain(oa.accumulate(K), adam)
+        value_and_grad = jax.value_and_grad(loss)
+
+    def step(params, state, x, y):
+        _, grads = value_and_grad(params, x, y)
+        return oa.apply_gradients(tx, grads, state, params)
+
+    return tx, jax.jit(step, donate_argnums=(0, 1))
+
+
+def _per_window(ops):
+    """Collectives executed in a window: every call's K times, plus the
+    closing branch's once."""
+    return [o for o in ops for _ in range(K if not o["branches"] else 1)]
+
+
+def _census_row(ops):
+    top = [
+        o
+        for o in collectives.over(ops, "data", top=True)
+        if o["bytes"] > SCALAR_BYTES
+    ]
+    data = collectives.over(_per_window(ops), "data")
+    grads = [o for o in data if o["bytes"] > SCALAR_BYTES]
+    fsdp = [o for o in _per_window(ops) if o["axes"] == {"fsdp"}]
+    return {
+        "data_grad_ops": len(grads),
+        "data_grad_bytes": sum(o["bytes"] for o in grads),
+        "data_scalar_ops": len(data) - len(grads),
+        "fsdp_ops": len(fsdp),
+        "fsdp_bytes": sum(o["bytes"] for o in fsdp),
+        "top_data_grad_ops": len(top),
+        "top_grad_reductions": len(
+            [
+                o
+                for o in ops
+                if not o["branches"]
+                and o["op"] in ("all-reduce", "reduce-scatter")
+                and o["bytes"] > SCALAR_BYTES
+            ]
+        ),
+        # Calls of the window that reduce the gradient over data.
+        "data_grad_calls": K * bool(top)
+        + bool(
+            [
+                o
+                for o in collectives.over(ops, "data", top=False)
+                if o["bytes"] > SCALAR_BYTES
+            ]
+        ),
+    }
+
+
+def _measure_mesh(shape, cfg):
+    import _common
+
+    mesh = _mesh(shape)
+    widths, batch = cfg["widths"], cfg["batch"]
+    specs = [
+        {
+            "w": P("fsdp" if "fsdp" in mesh.axis_names else None, None),
+            "b": P("fsdp" if "fsdp" in mesh.axis_names else None),
+        }
+        for _ in widths[1:]
+    ]
+    rng = np.random.default_rng(0)
+    batch_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    xs = [
+        jax.device_put(
+            rng.normal(size=(batch, widths[0])).astype(np.float32),
+            batch_sharding,
+        )
+        for _ in range(K)
+    ]
+    ys = [
+        jax.device_put(
+            rng.normal(size=(batch, widths[-1])).astype(np.float32),
+            batch_sharding,
+        )
+        for _ in range(K)
+    ]
+
+    def fresh_params():
+        return jax.tree.map(
+            lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+            init_mlp(widths),
+            specs,
+        )
+
+    names = [NAIVE, OURS] + [BOTH] * ("fsdp" in mesh.axis_names)
+    compiled, census, loops, acc_bytes = {}, {}, {}, {}
+    with jax.set_mesh(mesh):
+        for name in names:
+            tx, step = _variant(mesh, AXES[name])
+            p = fresh_params()
+            s = jax.jit(tx.init)(p)
+            compiled[name] = step.lower(p, s, xs[0], ys[0]).compile()
+            census[name] = _census_row(
+                collectives.collective_census(compiled[name].as_text(), mesh)
+            )
+            acc_bytes[name] = sum(
+                a.addressable_shards[0].data.nbytes
+                for a in jax.tree.leaves(s[0].acc)
+            )
+            loops[name] = {"params": p, "state": s}
+
+    def window_call(name):
+        def call(p, s):
+            for x, y in zip(xs, ys, strict=True):
+                p, s = compiled[name](p, s, x, y)
+            return p, s
+
+        def prepare():
+            return loops[name]["params"], loops[name]["state"]
+
+        def keep(out):
+            loops[name]["params"], loops[name]["state"] = out
+
+        return _common.Timed(call, prepare, keep)
+
+    for name in names:  # sanity: one window moves all alike
+        window_call(name).run_once()
+    for name in names:
+        for a, b in zip(
+            jax.tree.leaves(loops[name]["params"]),
+            jax.tree.leaves(loops[NAIVE]["params"]),
+            strict=True,
+        ):
+            np.testing.assert_allclose(
+                np.asarray(a),
+                np.asarray(b),
+                rtol=0,
+                atol=1e-2 * LEARNING_RATE,
+                err_msg=name,
+            )
+    seconds = _common.time_interleaved(
+        {name: window_call(name) for name in names},
+        rounds=cfg["rounds"],
+        warmup=cfg["warmup"],
+    )
+    tree_bytes = 4 * sum(
+        int(np.prod(a.shape)) for a in jax.tree.leaves(init_mlp(widths))
+    )
+    return census, seconds, acc_bytes, tree_bytes
+
+
+def _measure(tiny: bool) -> dict:
+    import _common
+
+    cfg = TINY if tiny else FULL
+    fmt = _common.format_bytes
+    rows, targets, results = [], [], {}
+    target = _common.target
+    for mesh_name, shape in MESHES.items():
+        census, seconds, acc_bytes, tree_bytes = _measure_mesh(shape, cfg)
+        fsdp = shape[1] if len(shape) > 1 else 1
+        results[mesh_name] = dict(
+            census=census,
+            seconds=seconds,
+            acc_bytes=acc_bytes,
+            tree_bytes=tree_bytes,
+        )
+        for name in census:
+            c = census[name]
+            rows.append(
+                [
+                    mesh_name,
+                    name,
+                    f"{c['data_grad_calls']}: {c['data_grad_ops']} ops "
+                    f"({fmt(c['data_grad_bytes'])})",
+                    str(c["data_scalar_ops"]),
+                    f"{c['fsdp_ops']} ({fmt(c['fsdp_bytes'])})",
+                    fmt(acc_bytes[name]),
+                    f"{1e3 * seconds[name]:.2f}",
+                    f"{seconds[name] / seconds[OURS]:.2f}x",
+                ]
+            )
+        ours, naive = census[OURS], census[NAIVE]
+        targets += [
+            target(
+                f"{mesh_name}: calls reducing the gradient over data "
+                f"per window 1 (naive {K})",
+                f"{ours['data_grad_calls']} vs {naive['data_grad_calls']}",
+                ours["data_grad_calls"] == 1
+                and naive["data_grad_calls"] == K
+                and ours["data_grad_ops"] == 1,
+            ),
+            target(
+                f"{mesh_name}: their bytes per window <= 1/{K} of naive",
+                ours["data_grad_bytes"] / naive["data_grad_bytes"],
+                ours["data_grad_bytes"] * K <= naive["data_grad_bytes"],
+                suffix="x naive",
+            ),
+            target(
+                f"{mesh_name}: accumulator per device = tree / {fsdp}",
+                fmt(acc_bytes[OURS]),
+                acc_bytes[OURS] * fsdp == tree_bytes,
+            ),
+            target(
+                f"{mesh_name}: window not slower than naive",
+                seconds[NAIVE] / seconds[OURS],
+                seconds[OURS] <= seconds[NAIVE],
+                suffix="x faster",
+            ),
+        ]
+        if BOTH in census:
+            both = census[BOTH]
+            targets.append(
+                target(
+                    f"{mesh_name}, {BOTH}: no gradient reduction on "
+                    "micro-steps (fsdp: all-gathers only), accumulator = "
+                    "whole tree",
+                    f"{both['top_grad_reductions']} ops, "
+                    f"{fmt(acc_bytes[BOTH])}",
+                    both["top_grad_reductions"] == 0
+                    and both["data_grad_calls"] == 1
+                    and acc_bytes[BOTH] == tree_bytes,
+                )
+            )
+    n_params = results["data=8"]["tree_bytes"] // 4
+    return {
+        "name": "B4",
+        "title": (
+            f"B4: jit on an explicit mesh, a window of k={K} "
+            f"micro-batches on {N_DEVICES} "
+            f"{jax.devices()[0].platform.upper()} devices, "
+            f"{n_params:,} float32 params (FSDP-sharded on "
+            f"data=2 x fsdp=4), Adam; median of {cfg['rounds']} "
+            "interleaved rounds"
+        ),
+        "headers": [
+            "mesh",
+            "variant",
+            "calls reducing grads over data / window: ops (bytes)",
+            "scalar reductions over data / window",
+            "fsdp-only collectives / window (bytes)",
+            "accumulator / device",
+            "ms/window",
+            f"vs {OURS}",
+        ],
+        "rows": rows,
+        "ratios": {
+            f"B4 {m} {name}": r["seconds"][name] / r["seconds"][OURS]
+            for m, r in results.items()
+            for name in r["seconds"]
+            if name != OURS
+        },
+        "ratio_label": f"window time / {OURS}",
+        "targets": targets,
+        "notes": [
+            "Collectives counted in the compiled (SPMD-partitioned) step: "
+            "the lowered StableHLO holds none (Shardy inserts them when "
+            "compiling). Scalar reductions are the loss's.",
+            "XLA:CPU all-reduces the fsdp gradient and slices it (no "
+            "reduce-scatter); the data-axis reduction is deferred for "
+            "real: it runs only in the closing branch.",
+        ],
+        "results": results,
+        "k": K,
+    }
+
+
+def main(tiny: bool = False) -> dict:
+    """Runs the benchmark; returns the results (see ``run_all.py``)."""
+    if jax.device_count() >= N_DEVICES:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        return _measure(tiny)
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_FLAG}"
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, os.path.abspath(__file__), "--json"]
+    if tiny:
+        cmd.append("--tiny")
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}"
+        )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    res = main(tiny="--tiny" in args)
+    if "--json" in args:
+        print(json.dumps(res))
+    else:
+        import _common
+
+        _common.print_result(res)

@@ -1,0 +1,413 @@
+"""Sharded meshes under ``jax.jit``: unreduced gradients, one reduction per
+window, and the shardings of an optimizer state.
+
+In JAX's explicit sharding mode a parameter that is *reduced* over a mesh axis
+(``P(..., reduced={"data"})``, physically a replicated copy) has an
+*unreduced* gradient over that axis (``{U:data}``: each device holds its
+partial sum). :func:`unreduced_value_and_grad` casts the parameters to reduced
+before differentiating, so that a micro-batch's backward pass does not reduce
+over the data axis; :func:`optaxaccum.accumulate` then adds such gradients
+locally and reduces them once, when the window closes
+(:func:`reduce_window`). See ``docs/scaling.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optaxaccum._src import utils
+
+__all__ = [
+    "map_accumulators",
+    "state_shardings",
+    "unreduced_value_and_grad",
+]
+
+
+def axis_names(axis_name: Any) -> tuple[Hashable, ...]:
+    """``axis_name`` (one mesh axis name or a tuple of them) as a tuple."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or any(
+        n is None or not isinstance(n, Hashable) for n in names
+    ):
+        raise TypeError(
+            "axis_name must be a mesh axis name or a non-empty tuple of "
+            f"them, got {axis_name=!r}"
+        )
+    return names
+
+
+def _sharding(x: Any) -> NamedSharding | None:
+    """The (abstract) named sharding of ``x``'s type, if it has one."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def is_explicit(x: Any, axis_name: Any) -> bool:
+    """Whether every axis of ``axis_name`` is an Explicit axis of the mesh of
+    ``x``'s type: ``jit``'s global view, not ``pmap``/``shard_map``."""
+    sharding = _sharding(x)
+    if sharding is None or axis_name is None:
+        return False
+    explicit = set(sharding.mesh.explicit_axes)
+    return all(n in explicit for n in axis_names(axis_name))
+
+
+def unreduced_axes(x: Any) -> frozenset:
+    """The mesh axes over which ``x`` is unreduced (empty if none)."""
+    sharding = _sharding(x)
+    return frozenset() if sharding is None else sharding.spec.unreduced
+
+
+def deferred_spec(spec: P, names: Sequence[Hashable], kind: str) -> P:
+    """``spec`` with the axes ``names`` taken out of its dimensions and added
+    to its ``kind`` (``"reduced"`` or ``"unreduced"``) set."""
+    names = frozenset(names)
+
+    def drop(entry):
+        if entry is None:
+            return None
+        kept = tuple(
+            a
+            for a in (entry if isinstance(entry, tuple) else (entry,))
+            if a not in names
+        )
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    dims = tuple(drop(e) for e in spec.partitions)
+    return spec.update(partitions=dims, **{kind: getattr(spec, kind) | names})
+
+
+def _to_reduced(p: Any, names: tuple[Hashable, ...]) -> Any:
+    if not jnp.issubdtype(jnp.result_type(p), jnp.inexact):
+        return p
+    if not is_explicit(p, names):
+        raise ValueError(
+            "oa.unreduced_value_and_grad needs arguments sharded on a mesh "
+            f"whose axes {names} are Explicit (jax.set_mesh of a mesh made "
+            f"with AxisType.Explicit); got an argument of type "
+            f"{jax.typeof(p)}"
+        )
+    spec = _sharding(p).spec
+    return jax.reshard(p, deferred_spec(spec, names, "reduced"))
+
+
+def unreduced_value_and_grad(
+    loss_fn: Callable[..., Any],
+    axis_name: Hashable | tuple[Hashable, ...],
+    *,
+    has_aux: bool = False,
+    argnums: int | Sequence[int] = 0,
+    value_and_grad: Callable[..., Callable] = jax.value_and_grad,
+) -> Callable[..., tuple[Any, Any]]:
+    """:func:`jax.value_and_grad` leaving gradients unreduced over mesh axes.
+
+    For use under an explicit mesh (``jax.set_mesh``). The differentiated
+    arguments are cast (free: no data moves) to *reduced* over ``axis_name``,
+    so their gradients come back *unreduced* over it: each device holds the
+    partial sum of its own examples (``jax.typeof(g)`` shows ``{U:data}``)
+    and no reduction over ``axis_name`` runs in the backward pass. Give them
+    to ``oa.accumulate(k, axis_name=axis_name)``, which adds them locally
+    and reduces once per window, to the params' sharding. The loss (and
+    ``aux``) are reduced as usual.
+
+    Args:
+      loss_fn: the loss, as for :func:`jax.value_and_grad`; it must keep the
+        arguments' reduced axes through any reshard of them (gather a weight
+        sharded over ``"fsdp"`` with
+        ``jax.reshard(w, P(None, None, reduced={"data", "fsdp"}))``, not
+        ``P(None, None)``, which drops them: see ``docs/scaling.md``).
+      axis_name: a mesh axis name (e.g. ``"data"``) or a tuple of them. An
+        axis that shards a parameter is taken out of its dimensions (the
+        gradient is then as large as the unsharded parameter).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      argnums: which positional argument(s) to differentiate.
+      value_and_grad: the differentiation to wrap, called as
+        ``value_and_grad(loss_fn, argnums=..., has_aux=...)``; e.g.
+        ``functools.partial(oa.microbatched_value_and_grad,
+        num_microbatches=4, interleave=True)`` to split the batch inside the
+        step as well (its accumulation stays unreduced too).
+
+    Returns:
+      A function with ``loss_fn``'s arguments returning ``(loss, grads)`` or
+      ``((loss, aux), grads)``.
+
+    Raises:
+      TypeError: if ``axis_name`` is not a name or a tuple of names.
+      ValueError: (when called) if an argument is not on a mesh whose axes
+        ``axis_name`` are Explicit.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optaxaccum as oa
+      >>> from jax.sharding import AxisType, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("data",), (AxisType.Explicit,),
+      ...                      devices=jax.devices()[:1])
+      >>> with jax.set_mesh(mesh):
+      ...   w = jax.device_put(jnp.ones(3), P())
+      ...   x = jax.device_put(jnp.ones((4, 3)), P("data", None))
+      ...   f = oa.unreduced_value_and_grad(
+      ...       lambda w, x: jnp.mean(x @ w), "data")
+      ...   loss, g = jax.jit(f)(w, x)
+      ...   print(jax.typeof(g), jax.reshard(g, P()))
+      float32[3]{U:data} [1. 1. 1.]
+    """
+    names = axis_names(axis_name)
+    grad_fn = value_and_grad(loss_fn, argnums=argnums, has_aux=has_aux)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def wrapped(*args, **kwargs):
+        args = list(args)
+        for i in nums:
+            args[i] = jax.tree.map(lambda p: _to_reduced(p, names), args[i])
+        return grad_fn(*args, **kwargs)
+
+    return wrapped
+
+
+# ----------------------------------------- helpers of oa.accumulate
+
+
+def _in_explicit_context(axis_name: Any) -> bool:
+    """Whether the current mesh context (``jax.set_mesh``) has the axes
+    ``axis_name``, all Explicit."""
+    if axis_name is None:
+        return False
+    explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
+    return all(n in explicit for n in axis_names(axis_name))
+
+
+def window_zeros(zeros: Any, axis_name: Any) -> Any:
+    """The accumulator's ``zeros`` (like the params), unreduced over
+    ``axis_name`` under ``jax.set_mesh`` of a mesh whose axes ``axis_name``
+    are Explicit, as the gradients of :func:`unreduced_value_and_grad` are.
+    Outside such a context (e.g. for ``shard_map``) they stay plain:
+    :func:`match_grads` makes them unreduced on the first call that needs
+    it."""
+    if not _in_explicit_context(axis_name):
+        return zeros
+
+    def unreduced(z):
+        if not is_explicit(z, axis_name):
+            return z
+        spec = deferred_spec(
+            _sharding(z).spec, axis_names(axis_name), "unreduced"
+        )
+        return jax.reshard(z, spec)
+
+    return jax.tree.map(unreduced, zeros)
+
+
+def grad_zeros(p: Any, dtype: Any) -> jax.Array:
+    """Zeros of ``p``'s gradient type: like ``p`` in ``dtype``, unreduced
+    over the axes over which ``p`` is reduced (JAX's cotangent rule)."""
+    z = jnp.zeros_like(p, dtype)
+    sharding = _sharding(p)
+    if sharding is None or not sharding.spec.reduced:
+        return z
+    spec = sharding.spec
+    return jax.reshard(
+        z, spec.update(reduced=frozenset(), unreduced=spec.reduced)
+    )
+
+
+def match_grads(acc: Any, grads: Any) -> Any:
+    """``acc`` with each plain leaf cast to the unreduced sharding of the
+    corresponding gradient (a local cast: no data moves between devices)."""
+
+    def match(a, g):
+        if unreduced_axes(g) and not unreduced_axes(a):
+            return jax.reshard(a, _sharding(g).spec)
+        return a
+
+    return jax.tree.map(match, acc, grads)
+
+
+def times(s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
+    """``s * x`` for a scalar ``s``, also when ``x`` is unreduced (``s`` is
+    then cast to reduced); with ``like`` (an unreduced accumulator) a plain
+    ``x`` is first cast to ``like``'s sharding."""
+    if like is not None and unreduced_axes(like) and not unreduced_axes(x):
+        x = jax.reshard(x, _sharding(like).spec)
+    axes = unreduced_axes(x)
+    if axes:
+        s = jax.reshard(s, P(reduced=axes))
+    return s * x
+
+
+def all_finite(
+    tree: Any, local: Callable[[Any], jax.Array] | None = None
+) -> jax.Array:
+    """Whether every value of ``tree`` is finite.
+
+    When a leaf is unreduced, every floating leaf is probed with
+    ``sum(x * 0)``, summed over the devices: finite unless some device's
+    partial sum holds a NaN or Inf (the answer is global). Otherwise
+    ``local(tree)`` (default: every element finite).
+    """
+    leaves = jax.tree.leaves(tree)
+    if any(unreduced_axes(x) for x in leaves):
+        probes = [
+            jax.reshard(jnp.sum(times(jnp.zeros([], x.dtype), x)), P())
+            for x in leaves
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+        ]
+        return jnp.stack([jnp.isfinite(p).all() for p in probes]).all()
+    return (local or utils.all_finite)(tree)
+
+
+def agree(flag: jax.Array, axis_name: Any) -> jax.Array:
+    """``flag`` true on every device of ``axis_name``: ``lax.pmin`` inside
+    ``pmap``/``shard_map``; in ``jit``'s global view (an explicit mesh
+    axis) the flag already is one global value."""
+    if is_explicit(flag, axis_name):
+        return flag
+    return lax.pmin(flag.astype(jnp.int32), axis_name) > 0
+
+
+def reduce_window(
+    acc: Any, weight: jax.Array, axis_name: Any, reduction: str
+) -> tuple[Any, jax.Array]:
+    """The window's sum and weight over ``axis_name``, once per window.
+
+    Inside ``pmap``/``shard_map`` (``axis_name`` a mapped axis): ``psum`` of
+    both for ``"mean"``, ``pmean`` of the sum for ``"sum"``. Under an
+    explicit mesh (``jit``'s global view) the weight is already global and an
+    unreduced accumulator is resharded to its sharding without the unreduced
+    axes: the one all-reduce of the window (a plain one needs nothing).
+    """
+    leaves = jax.tree.leaves(acc)
+    if leaves and is_explicit(leaves[0], axis_name):
+
+        def reduce(a):
+            axes = unreduced_axes(a)
+            if not axes:
+                return a
+            spec = _sharding(a).spec
+            return jax.reshard(a, spec.update(unreduced=frozenset()))
+
+        return jax.tree.map(reduce, acc), weight
+    weight = lax.psum(weight, axis_name)
+    if reduction == "mean":
+        return lax.psum(acc, axis_name), weight
+    return lax.pmean(acc, axis_name), weight
+
+
+# ------------------------------------------------- optimizer state
+
+
+def state_shardings(
+    tx: optax.GradientTransformation, params: Any, mesh: Any = None
+) -> Any:
+    """The shardings of ``tx.init(params)`` given sharded ``params``.
+
+    Each params-like tree of the state (an accumulator, Adam's moments) gets
+    the params' shardings; every other leaf (counters, the window's weight,
+    a loss scale) is replicated. Use it as ``out_shardings`` of
+    ``jax.jit(tx.init)`` or with :func:`jax.device_put`.
+
+    Args:
+      tx: an optax transformation (e.g. an ``oa.chain``).
+      params: the parameters, arrays with a :class:`NamedSharding` (or
+        :class:`jax.ShapeDtypeStruct` with one).
+      mesh: the mesh of the replicated leaves; default: that of the first
+        leaf of ``params``.
+
+    Returns:
+      A pytree of :class:`NamedSharding` with the structure of the state.
+
+    Raises:
+      ValueError: if ``params`` has no leaf with a ``NamedSharding`` and no
+        ``mesh`` is given.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
+      >>> params = jax.device_put(jnp.ones((4, 3)),
+      ...                         NamedSharding(mesh, P("fsdp", None)))
+      >>> tx = oa.chain(oa.accumulate(2), optax.adam(1e-3))
+      >>> shardings = oa.state_shardings(tx, params)
+      >>> shardings[1][0].mu.spec, shardings[0].mini_step.spec
+      (P('fsdp', None), P())
+      >>> state = jax.jit(tx.init, out_shardings=shardings)(params)
+    """
+    if mesh is None:
+        found = [
+            p.sharding
+            for p in jax.tree.leaves(params)
+            if isinstance(getattr(p, "sharding", None), NamedSharding)
+        ]
+        if not found:
+            raise ValueError(
+                "oa.state_shardings needs params with a NamedSharding or "
+                f"a mesh; got params {jax.tree.map(jax.typeof, params)}"
+            )
+        mesh = found[0].mesh
+    replicated = NamedSharding(mesh, P())
+
+    def typed(s):
+        """The sharding in ``s``'s type (explicit axes), else None."""
+        sharding = getattr(s, "sharding", None)
+        explicit = isinstance(sharding, NamedSharding) and bool(
+            sharding.mesh.explicit_axes
+        )
+        return sharding if explicit else None
+
+    return optax.tree_map_params(
+        tx,
+        lambda s, p: typed(s) or p.sharding,
+        jax.eval_shape(tx.init, params),
+        params,
+        transform_non_params=lambda s: typed(s) or replicated,
+    )
+
+
+def map_accumulators(state: Any, fn: Callable[[Any], Any]) -> Any:
+    """Applies ``fn`` to the leaves of ``state`` that differ by device.
+
+    Inside ``pmap``/``shard_map`` with ``oa.accumulate(k, axis_name=...)``,
+    each device's accumulator (``acc`` and ``weight`` of every
+    :class:`optaxaccum.AccumulateState`) holds its own running sum; every
+    other leaf is the same on all devices. With ``shard_map`` store those
+    leaves with a leading device axis: ``fn`` adds it (outside:
+    ``lambda a: jnp.broadcast_to(a, (n, *a.shape))``; specs:
+    ``lambda _: P("data")``) or takes it away (inside: ``lambda a: a[0]``,
+    back with ``lambda a: a[None]``).
+
+    Args:
+      state: an optimizer state (or a tree of specs like it).
+      fn: applied to each per-device leaf.
+
+    Returns:
+      ``state`` with ``fn`` applied to its per-device leaves.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> tx = oa.chain(oa.accumulate(2, axis_name="d"), optax.sgd(0.1))
+      >>> state = tx.init(jnp.zeros(3))
+      >>> stacked = oa.map_accumulators(
+      ...     state, lambda a: jnp.broadcast_to(a, (4, *a.shape)))
+      >>> stacked[0].acc.shape, stacked[0].mini_step.shape
+      ((4, 3), ())
+    """
+    from optaxaccum._src.accumulate import AccumulateState
+
+    def fix(s):
+        if isinstance(s, AccumulateState):
+            return s._replace(acc=jax.tree.map(fn, s.acc), weight=fn(s.weight))
+        return s
+
+    return jax.tree.map(
+        fix, state, is_leaf=lambda s: isinstance(s, AccumulateState)
+    )

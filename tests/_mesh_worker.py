@@ -1,0 +1,155 @@
+"""One process of the 2-process mesh test in ``test_mesh.py``.
+
+Run as ``python _mesh_worker.py PROCESS_ID NUM_PROCESSES PORT OUT``: the
+process joins a ``jax.distributed`` job (coordinator on ``127.0.0.1:PORT``)
+with ``LOCAL_DEVICES`` CPU devices and gloo collectives; one explicit
+``data=2 x fsdp=4`` mesh spans every process's devices. A small MLP whose
+weights are sharded over ``fsdp`` trains with
+``oa.unreduced_value_and_grad`` and
+``oa.chain(oa.accumulate(K, axis_name="data"), optax.adam)`` under
+``jax.jit``, each micro-batch (sharded over both axes) weighted by its
+global token count. Process 0 saves the final params (``np.save`` of
+:func:`flatten`) to ``OUT``.
+
+Importing this module changes no jax configuration and starts no backend:
+the test imports it for :func:`make_data`, :func:`init_params`,
+:func:`per_example` and the constants, to compute the single-process
+reference.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+LOCAL_DEVICES = 4
+K = 3  # micro-batches per window
+WINDOWS = 2
+BATCH = 16  # global examples per micro-batch
+D_IN, HIDDEN, D_OUT = 8, 16, 4
+LEARNING_RATE = 0.05
+SPECS = {"w1": ("fsdp", None), "b1": (), "w2": ("fsdp", None)}
+
+
+def make_data(steps: int, seed: int = 0):
+    """``x, y, mask`` of shape ``(steps, BATCH, ...)``, unequal token
+    counts per micro-batch."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(steps, BATCH, D_IN)).astype(np.float32)
+    y = rng.normal(size=(steps, BATCH, D_OUT)).astype(np.float32)
+    counts = rng.integers(2, BATCH + 1, size=steps)
+    mask = (np.arange(BATCH) < counts[:, None]).astype(np.float32)
+    return x, y, mask
+
+
+def init_params():
+    rng = np.random.default_rng(1)
+    return {
+        "w1": (rng.normal(size=(D_IN, HIDDEN)) / 3).astype(np.float32),
+        "b1": (0.1 * rng.normal(size=HIDDEN)).astype(np.float32),
+        "w2": (rng.normal(size=(HIDDEN, D_OUT)) / 4).astype(np.float32),
+    }
+
+
+def per_example(params, x, y):
+    """Single-device model: squared error per example."""
+    b1 = params["b1"].reshape((1,) * (x.ndim - 1) + (HIDDEN,))
+    h = jnp.tanh(x @ params["w1"] + b1)
+    return ((h @ params["w2"] - y) ** 2).mean(-1)
+
+
+def flatten(params) -> np.ndarray:
+    return np.concatenate([np.ravel(params[k]) for k in sorted(params)])
+
+
+def _sharded_loss(params, x, y, mask):
+    """The same loss on the mesh, keeping the params' reduced axes."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    axes = {"data", "fsdp"}
+
+    def gather(w):
+        return jax.reshard(w, P(*(None,) * w.ndim, reduced=axes))
+
+    h = x @ gather(params["w1"])
+    b = jnp.broadcast_to(gather(params["b1"]), h.shape)
+    h = jnp.tanh(h + jax.reshard(b, jax.typeof(h).sharding.spec))
+    per = ((h @ gather(params["w2"]) - y) ** 2).mean(-1)
+    return (mask * per).sum() / mask.sum()
+
+
+def main(process_id: int, num_processes: int, port: int, out: str) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    import optax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import optaxaccum as oa
+
+    assert jax.device_count() == LOCAL_DEVICES * num_processes
+    mesh = jax.make_mesh(
+        (2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2
+    )
+    assert mesh.is_multi_process
+
+    def global_array(a, spec):
+        sharding = NamedSharding(mesh, spec)
+        return jax.make_array_from_callback(
+            a.shape, sharding, lambda idx: a[idx]
+        )
+
+    tx = oa.chain(oa.accumulate(K, axis_name="data"), optax.adam(LEARNING_RATE))
+
+    @jax.jit
+    def step(params, state, x, y, mask):
+        _, grads = oa.unreduced_value_and_grad(_sharded_loss, "data")(
+            params, x, y, mask
+        )
+        return oa.apply_gradients(
+            tx, grads, state, params, accum_weight=mask.sum()
+        )
+
+    x, y, mask = make_data(WINDOWS * K)
+    batch = P(("data", "fsdp"))
+    with jax.set_mesh(mesh):
+        params = {
+            k: global_array(v, P(*SPECS[k])) for k, v in init_params().items()
+        }
+        state = jax.jit(tx.init)(params)
+        for t in range(WINDOWS * K):
+            params, state = step(
+                params,
+                state,
+                global_array(x[t], batch),
+                global_array(y[t], batch),
+                global_array(mask[t], batch),
+            )
+        full = jax.jit(
+            lambda p: jax.tree.map(lambda a: jax.reshard(a, P()), p)
+        )(params)
+    steps = int(np.asarray(state[0].gradient_step.addressable_data(0)))
+    assert steps == WINDOWS, steps
+    if process_id == 0:
+        np.save(
+            out,
+            flatten(
+                {k: np.asarray(v.addressable_data(0)) for k, v in full.items()}
+            ),
+        )
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

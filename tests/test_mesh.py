@@ -1,0 +1,896 @@
+"""Sharded meshes under ``jax.jit`` (issue 11): unreduced gradients and one
+data-axis reduction per window, on ``data=2 x fsdp=4`` and ``data=8`` meshes
+of the 8 CPU devices conftest.py gives.
+
+References: a single-device optax run on each window's whole batch (the
+global per-token mean), and the naive way (``jax.value_and_grad`` +
+``oa.accumulate``) for the collective census of the compiled steps.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optaxaccum as oa
+from optaxaccum._src import collectives
+
+K = 3  # micro-batches per window
+WINDOWS = 2
+BATCH = 16  # global examples per micro-batch
+D_IN, HIDDEN, D_OUT = 8, 16, 4
+TOL = dict(rtol=2e-5, atol=2e-6)
+MESHES = {"data2xfsdp4": (2, 4), "data8": (8,)}
+
+
+def _mesh(name):
+    shape = MESHES[name]
+    names = ("data", "fsdp")[: len(shape)]
+    return jax.make_mesh(
+        shape, names, axis_types=(AxisType.Explicit,) * len(shape)
+    )
+
+
+def _init_params():
+    rng = np.random.default_rng(1)
+    return {
+        "w1": (rng.normal(size=(D_IN, HIDDEN)) / 3).astype(np.float32),
+        "b1": (0.1 * rng.normal(size=HIDDEN)).astype(np.float32),
+        "w2": (rng.normal(size=(HIDDEN, D_OUT)) / 4).astype(np.float32),
+    }
+
+
+def _param_specs(mesh):
+    fsdp = "fsdp" if "fsdp" in mesh.axis_names else None
+    return {"w1": P(fsdp, None), "b1": P(), "w2": P(fsdp, None)}
+
+
+def _batch_axes(mesh):
+    return tuple(mesh.axis_names)
+
+
+def _make_data(steps, seed=0):
+    """``x, y, mask`` of shape ``(steps, BATCH, ...)``; unequal token counts
+    per micro-batch (one has a single real example)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(steps, BATCH, D_IN)).astype(np.float32)
+    y = rng.normal(size=(steps, BATCH, D_OUT)).astype(np.float32)
+    counts = rng.integers(BATCH // 2, BATCH + 1, size=steps)
+    counts[0] = 1
+    mask = np.zeros((steps, BATCH), np.float32)
+    for t, c in enumerate(counts):
+        mask[t, rng.permutation(BATCH)[:c]] = 1.0
+    return x, y, mask
+
+
+# ------------------------------------------------------------------ model
+
+
+def _gather(w, batch_axes):
+    """All-gathers a weight for the forward. When it is reduced (over the
+    data axis, from oa.unreduced_value_and_grad) the gathered copy stays
+    reduced, over every axis that shards the batch, so that its gradient is
+    unreduced over them (not all-reduced inside the backward pass)."""
+    dims = (None,) * w.ndim
+    if jax.typeof(w).sharding.spec.reduced:
+        return jax.reshard(w, P(*dims, reduced=set(batch_axes)))
+    return jax.reshard(w, P(*dims))
+
+
+def _add_bias(h, b, batch_axes):
+    """``h + b``; a reduced ``b`` is broadcast to ``h``'s sharding first
+    (JAX rejects an elementwise op of a reduced and a sharded operand)."""
+    if not jax.typeof(b).sharding.spec.reduced:
+        return h + b[None]
+    b = jnp.broadcast_to(_gather(b, batch_axes), h.shape)
+    return h + jax.reshard(b, jax.typeof(h).sharding.spec)
+
+
+def _per_example(params, x, y, batch_axes=None):
+    if batch_axes is None:  # single device
+        b1 = params["b1"].reshape((1,) * (x.ndim - 1) + (HIDDEN,))
+        h = jnp.tanh(x @ params["w1"] + b1)
+        return ((h @ params["w2"] - y) ** 2).mean(-1)
+    h = x @ _gather(params["w1"], batch_axes)
+    h = jnp.tanh(_add_bias(h, params["b1"], batch_axes))
+    return ((h @ _gather(params["w2"], batch_axes) - y) ** 2).mean(-1)
+
+
+def _loss(batch_axes):
+    def loss(params, x, y, mask):
+        per = _per_example(params, x, y, batch_axes)
+        return (mask * per).sum() / jnp.maximum(mask.sum(), 1.0)
+
+    return loss
+
+
+# ------------------------------------------------------------- reference
+
+
+@jax.jit
+def _window_grad(params, x, y, mask):
+    """Gradient of the per-token mean loss over a window's whole batch."""
+
+    def loss(p):
+        return (mask * _per_example(p, x, y)).sum() / mask.sum()
+
+    return jax.grad(loss)(params)
+
+
+def _reference(opt, params, x, y, mask, k=K):
+    state = opt.init(params)
+    for t in range(0, len(x), k):
+        g = _window_grad(params, x[t : t + k], y[t : t + k], mask[t : t + k])
+        updates, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+# ---------------------------------------------------------------- drivers
+
+
+def _put_params(mesh, params):
+    return jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+        params,
+        _param_specs(mesh),
+    )
+
+
+def _put_batch(mesh, *arrays):
+    spec = P(_batch_axes(mesh))
+    return [jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays]
+
+
+def _step_fn(tx, mesh, *, ours=True, fused=True, weighted=True, axis="data"):
+    loss = _loss(_batch_axes(mesh))
+    vg = (
+        oa.unreduced_value_and_grad(loss, axis)
+        if ours
+        else jax.value_and_grad(loss)
+    )
+
+    def step(params, state, x, y, mask):
+        loss_value, grads = vg(params, x, y, mask)
+        kwargs = {"accum_weight": mask.sum()} if weighted else {}
+        if fused:
+            params, state = oa.apply_gradients(
+                tx, grads, state, params, **kwargs
+            )
+        else:
+            updates, state = tx.update(grads, state, params, **kwargs)
+            params = optax.apply_updates(params, updates)
+        return params, state, loss_value
+
+    return step
+
+
+def _run(tx, mesh, data, eager_init=False, **kwargs):
+    """Feeds ``data``'s micro-steps to the jitted step. The state comes from
+    ``jax.jit(tx.init)`` under the mesh (unreduced accumulator), or with
+    ``eager_init`` from ``tx.init`` outside any mesh context (plain zeros,
+    made unreduced by the first step)."""
+    if eager_init:
+        state = tx.init(_put_params(mesh, _init_params()))
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        if not eager_init:
+            state = jax.jit(tx.init)(params)
+        step = jax.jit(_step_fn(tx, mesh, **kwargs), donate_argnums=(0, 1))
+        for t in range(len(data[0])):
+            micro = _put_batch(mesh, *(a[t] for a in data))
+            params, state, _ = step(params, state, *micro)
+        return params, state
+
+
+def _padded(spec, ndim):
+    return spec.partitions + (None,) * (ndim - len(spec.partitions))
+
+
+def _partitions(x):
+    """The dims of ``x``'s sharding, padded with None to ``x.ndim``."""
+    typ = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    return _padded(typ.sharding.spec, typ.ndim)
+
+
+def _same_sharding(tree, params):
+    for a, p in zip(
+        jax.tree.leaves(tree), jax.tree.leaves(params), strict=True
+    ):
+        assert a.sharding.is_equivalent_to(p.sharding, a.ndim), (
+            a.sharding,
+            p.sharding,
+        )
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_unreduced_value_and_grad_type_and_value(mesh_name):
+    """Gradients keep the params' sharding, are unreduced over 'data'
+    ({U:data}) and, reduced, equal jax.grad on one device; the loss is
+    reduced as usual."""
+    mesh = _mesh(mesh_name)
+    x, y, mask = (a[1] for a in _make_data(2))
+    loss = _loss(_batch_axes(mesh))
+    seen = {}
+
+    def f(params, x, y, mask):
+        value, grads = oa.unreduced_value_and_grad(loss, "data")(
+            params, x, y, mask
+        )
+        seen["types"] = jax.tree.map(jax.typeof, grads)
+        seen["loss"] = jax.typeof(value)
+        return value, jax.tree.map(
+            lambda g: jax.reshard(
+                g, jax.typeof(g).sharding.spec.update(unreduced=frozenset())
+            ),
+            grads,
+        )
+
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        value, grads = jax.jit(f)(params, *_put_batch(mesh, x, y, mask))
+    for t, spec in zip(
+        jax.tree.leaves(seen["types"]),
+        jax.tree.leaves(_param_specs(mesh)),
+        strict=True,
+    ):
+        assert t.sharding.spec.unreduced == {"data"}, t
+        assert _partitions(t) == _padded(spec, t.ndim), t
+    assert not seen["loss"].sharding.spec.unreduced
+    want_value, want = jax.value_and_grad(_loss(None))(
+        _init_params(), x, y, mask
+    )
+    chex.assert_trees_all_close(grads, want, **TOL)
+    np.testing.assert_allclose(value, want_value, **TOL)
+    _same_sharding(grads, params)
+
+
+@pytest.mark.parametrize(
+    "mesh_name,opt_name,fused,eager_init",
+    [
+        ("data2xfsdp4", "sgd", True, False),
+        ("data2xfsdp4", "adam", True, False),
+        ("data2xfsdp4", "adam", False, True),
+        ("data8", "adam", True, True),
+        ("data8", "sgd", False, False),
+    ],
+)
+def test_accumulate_axis_name_equals_big_batch(
+    mesh_name, opt_name, fused, eager_init
+):
+    """Unreduced micro-batch gradients, weighted by their global token
+    counts, K per window, several windows: the params equal one optax step
+    per window on the window's whole batch (single device); the accumulator
+    keeps the params' sharding, unreduced over 'data'."""
+    mesh = _mesh(mesh_name)
+    opt = {"sgd": optax.sgd(0.3), "adam": optax.adam(0.05)}[opt_name]
+    data = _make_data(K * WINDOWS)
+    tx = oa.chain(oa.accumulate(K, axis_name="data"), opt)
+    params, state = _run(tx, mesh, data, eager_init, fused=fused)
+    want = _reference(opt, _init_params(), *data)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
+    acc = state[0]
+    assert int(acc.gradient_step) == WINDOWS and int(acc.mini_step) == 0
+    for a, spec in zip(
+        jax.tree.leaves(acc.acc),
+        jax.tree.leaves(_param_specs(mesh)),
+        strict=True,
+    ):
+        assert _partitions(a) == _padded(spec, a.ndim)
+        assert a.sharding.spec.unreduced == {"data"}
+    _same_sharding(params, _put_params(mesh, _init_params()))
+
+
+def test_accumulate_sum_reduction_is_the_global_weighted_sum():
+    """reduction="sum" in jit's global view: the window emits
+    sum_i w_i g_i of the micro-batches' (global) gradients, once."""
+    mesh = _mesh("data2xfsdp4")
+    lr = 0.01
+    data = _make_data(K)
+    tx = oa.chain(
+        oa.accumulate(K, reduction="sum", axis_name="data"), optax.sgd(lr)
+    )
+    params, _ = _run(tx, mesh, data, fused=False)
+    want = _init_params()
+    grads = [
+        _window_grad(want, *(a[t : t + 1] for a in data)) for t in range(K)
+    ]
+    weights = data[2].sum(-1)
+    want = jax.tree.map(
+        lambda p, *g: p - lr * sum(w * gi for w, gi in zip(weights, g)),
+        want,
+        *grads,
+    )
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, rtol=1e-4, atol=1e-5
+    )
+
+
+def test_flush_partial_window_under_mesh():
+    """oa.flush after 2 of K micro-batches reduces the unreduced
+    accumulator once and steps Adam with the mean over those 2."""
+    mesh = _mesh("data2xfsdp4")
+    opt = optax.adam(0.05)
+    tx = oa.chain(oa.accumulate(K, axis_name="data"), opt)
+    data = _make_data(2)
+    params, state = _run(tx, mesh, data)
+
+    def flush(params, state):
+        updates, state = oa.flush(tx, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+        params, state = jax.jit(flush)(params, state)
+    want = _reference(opt, _init_params(), *data, k=2)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
+    assert int(state[0].gradient_step) == 1
+
+
+# ------------------------------------------------------------ HLO census
+
+
+def _compiled_census(mesh, tx, ours):
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        state = jax.jit(tx.init)(params)
+        batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
+        lowered = jax.jit(_step_fn(tx, mesh, ours=ours)).lower(
+            params, state, *batch
+        )
+        ops = collectives.collective_census(lowered.compile().as_text(), mesh)
+    return ops, lowered.as_text(), params
+
+
+def _shard_bytes(tree):
+    """Bytes one device holds of ``tree``."""
+    return sum(
+        a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree)
+    )
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_hlo_one_data_reduction_per_window(mesh_name):
+    """Compiled step. Ours: on every call the only collectives over 'data'
+    reduce scalars (the loss, the token counts); in the closing branch exactly one all-reduce
+    over 'data', of one device's shard of the gradient tree. Naive
+    (jax.value_and_grad + oa.accumulate): the whole gradient tree is
+    all-reduced over 'data' on every micro-step (K per window)."""
+    mesh = _mesh(mesh_name)
+    opt = optax.adam(0.1)
+    ours, lowered, params = _compiled_census(
+        mesh, oa.chain(oa.accumulate(K, axis_name="data"), opt), ours=True
+    )
+    top = collectives.over(ours, "data", top=True)
+    # Only scalars: the loss and the token counts (mask sums).
+    assert sum(o["bytes"] for o in top) <= 16, top
+    branch = collectives.over(ours, "data", top=False)
+    assert len(branch) == 1 and branch[0]["op"] == "all-reduce", ours
+    assert branch[0]["branches"] == (1,), branch
+    assert branch[0]["bytes"] == _shard_bytes(params), (branch, params)
+    # The lowered module holds no collective at all (Shardy inserts them
+    # when compiling): only the unreduced types, which the compiled module
+    # above shows are honoured.
+    assert "all_reduce" not in lowered and "all-reduce" not in lowered
+    assert 'unreduced={"data"}' in lowered
+
+    naive, _, _ = _compiled_census(
+        mesh, oa.chain(oa.accumulate(K), opt), ours=False
+    )
+    tree_bytes = sum(
+        np.asarray(a).nbytes for a in jax.tree.leaves(_init_params())
+    )
+    top = collectives.over(naive, "data", top=True)
+    assert sum(o["bytes"] for o in top) >= tree_bytes, naive
+    assert not collectives.over(naive, "data", top=False), naive
+
+
+def test_naming_fsdp_too_defers_both_reductions():
+    """axis_name=("data", "fsdp"): no gradient reduction at all on
+    micro-steps (only the forward's all-gathers over fsdp), one all-reduce
+    of the whole tree over both axes per window, an unsharded accumulator;
+    the update still equals the big-batch one."""
+    mesh = _mesh("data2xfsdp4")
+    axis = ("data", "fsdp")
+    tx = oa.chain(oa.accumulate(K, axis_name=axis), optax.adam(0.05))
+    data = _make_data(K * WINDOWS)
+    params, state = _run(tx, mesh, data, axis=axis)
+    want = _reference(optax.adam(0.05), _init_params(), *data)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
+    tree_bytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(want))
+    assert _shard_bytes(state[0].acc) == tree_bytes
+    with jax.set_mesh(mesh):
+        p = _put_params(mesh, _init_params())
+        s = jax.jit(tx.init)(p)
+        batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
+        step = jax.jit(_step_fn(tx, mesh, axis=axis))
+        ops = oa.collective_census(step.lower(p, s, *batch).compile(), mesh)
+    top = [o for o in ops if not o["branches"] and o["bytes"] > 64]
+    assert {o["op"] for o in top} == {"all-gather"}, ops
+    assert all(o["axes"] == {"fsdp"} for o in top), ops
+    branch = [o for o in ops if o["branches"]]
+    assert len(branch) == 1 and branch[0]["axes"] == set(axis), ops
+    assert branch[0]["bytes"] == tree_bytes, ops
+
+
+def test_hlo_plain_gather_reduces_every_micro_batch():
+    """The trap behind the issue's first probe: a forward that gathers the
+    reduced weight with ``jax.reshard(w, P(None, None))`` drops its reduced
+    type; the gradient still *types* as {U:data}, but the backward pass has
+    all-reduced it over 'data' already (the transposed cast then zeroes all
+    but one copy). Kept as evidence of why loss_fn must keep the reduced
+    axes (docs/scaling.md)."""
+    mesh = _mesh("data2xfsdp4")
+
+    def loss(params, x, y, mask):
+        w1 = jax.reshard(params["w1"], P(None, None))
+        h = jnp.tanh(x @ w1)
+        w2 = jax.reshard(params["w2"], P(None, None))
+        return (mask * ((h @ w2 - y) ** 2).mean(-1)).sum() / mask.sum()
+
+    def grads(params, x, y, mask):
+        g = oa.unreduced_value_and_grad(loss, "data")(params, x, y, mask)[1]
+        return g["w1"], g["w2"]
+
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
+        g = jax.jit(grads)(params, *batch)
+        text = jax.jit(grads).lower(params, *batch).compile().as_text()
+    assert all(x.sharding.spec.unreduced == {"data"} for x in g)
+    per_step = collectives.over(
+        collectives.collective_census(text, mesh), "data"
+    )
+    w_bytes = 4 * (D_IN * HIDDEN + HIDDEN * D_OUT)
+    assert any(
+        o["op"] == "all-reduce" and o["bytes"] >= w_bytes // 2 for o in per_step
+    ), per_step
+
+
+def test_accumulator_per_device_bytes_are_tree_over_fsdp():
+    """data=2 x fsdp=4: each device holds 1/4 of every fsdp-sharded leaf of
+    the accumulator (and of Adam's moments), never a gathered copy."""
+    mesh = _mesh("data2xfsdp4")
+    tx = oa.chain(oa.accumulate(K, axis_name="data"), optax.adam(0.1))
+    _, state = _run(tx, mesh, _make_data(K))
+    acc = state[0].acc
+    for name in ("w1", "w2"):
+        assert (
+            _shard_bytes(acc[name]) * 4
+            == np.asarray(_init_params()[name]).nbytes
+        )
+        assert (
+            _shard_bytes(state[1][0].mu[name]) * 4
+            == np.asarray(_init_params()[name]).nbytes
+        )
+    assert _shard_bytes(acc["b1"]) == 4 * HIDDEN  # replicated like b1
+
+
+# ------------------------------------------------- non-finite micro-batches
+
+
+def _nan_on_one_device(data, t):
+    """Micro-batch ``t`` gets a NaN in an example on the last data shard."""
+    x = data[0].copy()
+    x[t, BATCH - 1, 0] = np.nan
+    mask = data[2].copy()
+    mask[t, BATCH - 1] = 1.0
+    return x, data[1], mask
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_skip_nonfinite_one_device_skips_everywhere(mesh_name):
+    """A NaN in one data shard's partial gradient drops the micro-batch on
+    every device: equals the reference without that micro-batch."""
+    mesh = _mesh(mesh_name)
+    data = _make_data(K * WINDOWS + 1)
+    bad = 2
+    data = _nan_on_one_device(data, bad)
+    tx = oa.chain(
+        oa.accumulate(K, axis_name="data", skip_nonfinite=True),
+        optax.adam(0.05),
+    )
+    params, state = _run(tx, mesh, data)
+    keep = [t for t in range(K * WINDOWS + 1) if t != bad]
+    want = _reference(
+        optax.adam(0.05), _init_params(), *(a[keep] for a in data)
+    )
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
+    assert int(state[0].gradient_step) == WINDOWS
+
+
+def test_dynamic_loss_scale_axis_name_agrees_across_devices():
+    """dynamic_loss_scale(axis_name='data') before the accumulation, with
+    unreduced gradients of the scaled loss: the NaN micro-batch is dropped
+    everywhere, the scale halves once, the rest equals the reference."""
+    mesh = _mesh("data2xfsdp4")
+    data = _nan_on_one_device(_make_data(K * WINDOWS + 1), 1)
+    tx = oa.chain(
+        oa.dynamic_loss_scale(2.0**8, axis_name="data"),
+        oa.accumulate(K, axis_name="data"),
+        optax.sgd(0.3),
+    )
+    loss = _loss(_batch_axes(mesh))
+
+    def step(params, state, x, y, mask):
+        scale = oa.loss_scale(state)
+        _, grads = oa.unreduced_value_and_grad(
+            lambda p, *a: loss(p, *a) * scale, "data"
+        )(params, x, y, mask)
+        return oa.apply_gradients(
+            tx, grads, state, params, accum_weight=mask.sum()
+        )
+
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        state = jax.jit(tx.init)(params)
+        jstep = jax.jit(step)
+        for t in range(len(data[0])):
+            params, state = jstep(
+                params, state, *_put_batch(mesh, *(a[t] for a in data))
+            )
+    keep = [t for t in range(K * WINDOWS + 1) if t != 1]
+    want = _reference(optax.sgd(0.3), _init_params(), *(a[keep] for a in data))
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, rtol=1e-4, atol=1e-5
+    )
+    assert float(oa.loss_scale(state)) == 2.0**7
+    assert int(state[1].gradient_step) == WINDOWS
+
+
+# ----------------------------------------------------------- state helpers
+
+
+def test_state_shardings_explicit_and_auto():
+    """oa.state_shardings: Adam's moments get the params' shardings, the
+    accumulator the params' sharding unreduced over the named axis (explicit
+    mesh) or the params' (auto mesh), counters are replicated; usable as
+    jax.jit(tx.init)'s out_shardings."""
+    for axis_type in (AxisType.Explicit, AxisType.Auto):
+        mesh = jax.make_mesh(
+            (2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2
+        )
+        with jax.set_mesh(mesh):
+            params = _put_params(mesh, _init_params())
+            axis = "data" if axis_type == AxisType.Explicit else None
+            tx = oa.chain(oa.accumulate(K, axis_name=axis), optax.adam(0.1))
+            shardings = oa.state_shardings(tx, params)
+            state = jax.jit(tx.init, out_shardings=shardings)(params)
+        _same_sharding(state[1][0].mu, params)
+        assert shardings[0].mini_step.spec == P()
+        for a, p in zip(
+            jax.tree.leaves(state[0].acc), jax.tree.leaves(params), strict=True
+        ):
+            assert _partitions(a) == _partitions(p)
+            assert a.sharding.spec.unreduced == (
+                {"data"} if axis else frozenset()
+            )
+
+
+def test_map_accumulators_per_device_leaves():
+    tx = oa.chain(oa.accumulate(2, axis_name="d"), optax.adam(0.1))
+    state = oa.map_accumulators(
+        tx.init(_init_params()), lambda a: jnp.broadcast_to(a, (3, *a.shape))
+    )
+    assert state[0].acc["w1"].shape == (3, D_IN, HIDDEN)
+    assert state[0].weight.shape == (3,)
+    assert state[0].mini_step.shape == ()
+    assert state[1][0].mu["w1"].shape == (D_IN, HIDDEN)
+
+
+def test_unreduced_value_and_grad_bad_input():
+    with pytest.raises(TypeError, match="axis_name"):
+        oa.unreduced_value_and_grad(lambda p: p, None)
+    f = oa.unreduced_value_and_grad(lambda p: jnp.sum(p), "data")
+    with pytest.raises(ValueError, match="Explicit"):
+        f(jnp.ones(3))  # no mesh
+
+
+# ------------------------------------------------------- the benchmark B4
+
+
+@pytest.mark.slow
+def test_bench_mesh_tiny():
+    """B4 on toy sizes, in its own process: per window, one call reduces
+    the gradient over 'data' (one op) against K for the naive jit step, on
+    both meshes; the accumulator is tree / fsdp per device."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_mesh.py", "--tiny", "--json"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for mesh_name, r in res["results"].items():
+        ours = r["census"]["oa.unreduced_value_and_grad"]
+        naive = r["census"]["naive jit"]
+        assert ours["data_grad_calls"] == 1 and ours["data_grad_ops"] == 1
+        assert ours["top_data_grad_ops"] == 0
+        assert naive["data_grad_calls"] == res["k"], (mesh_name, naive)
+        fsdp = 4 if "fsdp" in mesh_name else 1
+        assert (
+            r["acc_bytes"]["oa.unreduced_value_and_grad"] * fsdp
+            == (r["tree_bytes"])
+        )
+    both = res["results"]["data=2 x fsdp=4"]["census"][
+        'unreduced over ("data", "fsdp")'
+    ]
+    assert both["top_grad_reductions"] == 0 and both["data_grad_calls"] == 1
+    assert len(res["rows"]) == 5
+
+
+@pytest.mark.slow
+def test_example_fsdp_runs_on_8_cpu_devices():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "examples/fsdp.py", "--steps", "8", "--accum", "4"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    import re
+
+    naive = re.search(r"naive jit +(\d+) ops", out)
+    ours = re.search(r"oa.unreduced_value_and_grad +(\d+) ops", out)
+    assert naive and int(naive[1]) >= 4, out  # every micro-step
+    assert ours and int(ours[1]) == 1, out
+    assert "optimizer steps 2" in out, out
+    assert "{U:data}" in out, out
+
+
+# ------------------------------------------------- two processes (gloo)
+
+
+@pytest.mark.slow
+def test_two_processes_one_mesh_match_single_process(tmp_path):
+    """Two jax.distributed processes x 4 CPU devices, one explicit
+    data=2 x fsdp=4 mesh spanning both, unreduced gradients weighted by
+    token counts, several windows: the params equal a single-process
+    big-batch run on the same global batches."""
+    import importlib.util
+    import pathlib
+
+    from tests.test_multidevice import run_two_processes
+
+    path = pathlib.Path(__file__).resolve().parent / "_mesh_worker.py"
+    spec = importlib.util.spec_from_file_location("_mesh_worker", path)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+
+    out = run_two_processes(tmp_path, "_mesh_worker.py")
+    x, y, mask = worker.make_data(worker.WINDOWS * worker.K)
+    opt = optax.adam(worker.LEARNING_RATE)
+    params = worker.init_params()
+    state = opt.init(params)
+
+    def window_loss(p, x, y, mask):
+        return (mask * worker.per_example(p, x, y)).sum() / mask.sum()
+
+    for t in range(0, len(x), worker.K):
+        window = slice(t, t + worker.K)
+        g = jax.grad(window_loss)(params, x[window], y[window], mask[window])
+        updates, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(np.load(out), worker.flatten(params), **TOL)
+
+
+# ------------------------------------------ in-step microbatching, BatchNorm
+
+
+def test_microbatched_unreduced_value_and_grad_under_mesh():
+    """unreduced_value_and_grad wrapping microbatched_value_and_grad (4
+    interleaved micro-batches, token weights): equals jax.value_and_grad
+    on one device; the gradients stay unreduced over 'data' through the
+    scan; the compiled step has no all-to-all and no data-axis gradient
+    reduction (only scalars)."""
+    import functools
+
+    mesh = _mesh("data2xfsdp4")
+    batch_axes = _batch_axes(mesh)
+    x, y, mask = (np.concatenate(a[:2]) for a in _make_data(2))
+
+    def loss(params, batch):
+        x, y, mask = batch
+        per = _per_example(params, x, y, batch_axes)
+        return (mask * per).sum() / jnp.maximum(mask.sum(), 1.0)
+
+    micro = functools.partial(
+        oa.microbatched_value_and_grad,
+        num_microbatches=4,
+        interleave=True,
+        weight_fn=lambda batch: batch[2].sum(),
+    )
+    f = oa.unreduced_value_and_grad(loss, "data", value_and_grad=micro)
+
+    def step(params, batch):
+        value, grads = f(params, batch)
+        assert all(
+            jax.typeof(g).sharding.spec.unreduced == {"data"}
+            for g in jax.tree.leaves(grads)
+        )
+        reduced = jax.tree.map(
+            lambda g: jax.reshard(
+                g, jax.typeof(g).sharding.spec.update(unreduced=frozenset())
+            ),
+            grads,
+        )
+        return value, reduced
+
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        batch = tuple(_put_batch(mesh, x, y, mask))
+        value, grads = jax.jit(step)(params, batch)
+        ops = oa.collective_census(
+            jax.jit(lambda p, b: f(p, b)).lower(params, batch).compile(), mesh
+        )
+    want_value, want = jax.value_and_grad(_loss(None))(
+        _init_params(), x, y, mask
+    )
+    chex.assert_trees_all_close(grads, want, **TOL)
+    np.testing.assert_allclose(value, want_value, **TOL)
+    assert not [o for o in ops if o["op"] == "all-to-all"], ops
+    data_grads = [o for o in collectives.over(ops, "data") if o["bytes"] > 64]
+    assert not data_grads, ops
+
+
+def test_accum_batch_norm_under_mesh():
+    """AccumBatchNorm(accum_steps=2) in a loss differentiated with
+    unreduced_value_and_grad on the data=8 mesh (its scale and bias cast
+    back to plain, as elementwise ops need): the running statistics equal
+    nn.BatchNorm's on the concatenated window, and each micro-batch's
+    gradients, unreduced over 'data', equal jax.grad on one device."""
+    import flax.linen as nn
+
+    from optaxaccum.flax import AccumBatchNorm
+
+    class Model(nn.Module):
+        norm: type = AccumBatchNorm
+        accum: bool = True
+
+        @nn.compact
+        def __call__(self, x, train):
+            kw = {"accum_steps": 2} if self.accum else {}
+            x = self.norm(use_running_average=not train, momentum=0.9, **kw)(x)
+            return jnp.tanh(x).sum(-1)
+
+    def plain(tree):  # drop the reduced axes: elementwise ops need it
+        return jax.tree.map(
+            lambda p: jax.reshard(
+                p, jax.typeof(p).sharding.spec.update(reduced=frozenset())
+            ),
+            tree,
+        )
+
+    model = Model()
+
+    def loss(params, stats, x):
+        out, new = model.apply(
+            {"params": plain(params), "batch_stats": stats},
+            x,
+            train=True,
+            mutable=["batch_stats"],
+        )
+        return jnp.mean(out**2), new["batch_stats"]
+
+    def reduce(tree):
+        return jax.tree.map(
+            lambda g: jax.reshard(
+                g, jax.typeof(g).sharding.spec.update(unreduced=frozenset())
+            ),
+            tree,
+        )
+
+    def step(params, stats, x):
+        (_, stats), grads = oa.unreduced_value_and_grad(
+            loss, "data", has_aux=True
+        )(params, stats, x)
+        types = jax.tree.leaves(jax.tree.map(jax.typeof, grads))
+        assert all(t.sharding.spec.unreduced == {"data"} for t in types)
+        return stats, reduce(grads)
+
+    xs = np.random.default_rng(0).normal(size=(2, 16, 4)).astype(np.float32)
+    mesh = _mesh("data8")
+    with jax.set_mesh(mesh):
+        put = lambda a: jax.device_put(a, P("data", None))  # noqa: E731
+        variables = jax.jit(
+            lambda x: model.init(jax.random.key(0), x, train=False)
+        )(put(xs[0]))
+        stats = variables["batch_stats"]
+        for x in xs:
+            stats, grads = jax.jit(step)(variables["params"], stats, put(x))
+    single = jax.tree.map(np.asarray, variables)
+    want = jax.grad(lambda p: loss(p, single["batch_stats"], xs[1])[0])
+    with jax.set_mesh(
+        jax.make_mesh(
+            (1,),
+            ("data",),
+            devices=jax.devices()[:1],
+            axis_types=(AxisType.Explicit,),
+        )
+    ):
+        ref_grads = jax.jit(want)(single["params"])
+    chex.assert_trees_all_close(grads, ref_grads, **TOL)
+    ref = Model(norm=nn.BatchNorm, accum=False)
+    ref_vars = ref.init(jax.random.key(0), xs[0], train=False)
+    _, new = ref.apply(
+        ref_vars, xs.reshape(-1, 4), train=True, mutable=["batch_stats"]
+    )
+    got = stats["AccumBatchNorm_0"]
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(
+            got[name], new["batch_stats"]["BatchNorm_0"][name], **TOL
+        )
+
+
+def test_plan_microbatches_counts_per_device_for_sharded_args():
+    """plan_microbatches compiles for the arguments' shardings, so with a
+    batch sharded over 8 devices it plans against one device's memory: a
+    budget that the sharded step fits whole is too small for any split of
+    the same step on one device."""
+    mesh = _mesh("data8")
+
+    def loss_fn(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def shapes(sharded):
+        def spec(s):
+            return NamedSharding(mesh, s) if sharded else None
+
+        return (
+            jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=spec(P())),
+            jax.ShapeDtypeStruct(
+                (512, 256), jnp.float32, sharding=spec(P("data", None))
+            ),
+        )
+
+    with jax.set_mesh(mesh):
+        per_device = oa.microbatched_step_memory(
+            loss_fn, *shapes(True), num_microbatches=1, interleave=True
+        )
+        whole = oa.microbatched_step_memory(
+            loss_fn, *shapes(False), num_microbatches=1, interleave=True
+        )
+        x_bytes = 512 * 256 * 4
+        assert per_device + x_bytes * 7 // 8 <= whole
+        n = oa.plan_microbatches(
+            loss_fn, *shapes(True), memory_budget=per_device, interleave=True
+        )
+        assert n == 1
+        with pytest.raises(ValueError, match="budget"):
+            oa.plan_microbatches(
+                loss_fn,
+                *shapes(False),
+                memory_budget=per_device,
+                interleave=True,
+            )
