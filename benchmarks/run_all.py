@@ -10,9 +10,9 @@ Each benchmark module has ``main(tiny: bool = False) -> dict`` returning
 * optionally ``notes``: a list of sentences printed under its tables;
 * anything else (raw seconds, bytes), kept out of the report.
 
-B1 (``bench_step``), B1-nnx (``bench_nnx``) and B2 (``bench_microbatch``)
-always run; the multi-device benchmarks (B3 ``bench_multidevice``, B4
-``bench_mesh``) run when their modules are there.
+B1 (``bench_step``), B1-nnx (``bench_nnx``), B2 (``bench_microbatch``) and
+B5 (``bench_compile``) always run; the multi-device benchmarks (B3
+``bench_multidevice``, B4 ``bench_mesh``) run when their modules are there.
 
 Run: ``python benchmarks/run_all.py [--tiny] [--out DIR]`` (``make bench``).
 ``--tiny`` runs on toy sizes (a smoke test; the figures mean nothing) and
@@ -33,7 +33,7 @@ sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
 
-BENCHMARKS = ("bench_step", "bench_nnx", "bench_microbatch")
+BENCHMARKS = ("bench_step", "bench_nnx", "bench_microbatch", "bench_compile")
 OPTIONAL = ("bench_multidevice", "bench_mesh")
 
 NOISE_NOTE = (

@@ -133,3 +133,26 @@ def test_bn_pooling_script_runs(capsys):
     _load("bn_pooling").main()
     out = capsys.readouterr().out
     assert out.count("AccumBatchNorm vs nn.BatchNorm") == 2
+
+
+def test_bench_compile_main_quick():
+    """B5 on toy trees: every configuration compiles in its own process and
+    reports its stages, peak RSS and HLO counts; the gated configurations
+    hold one conditional."""
+    bench = _load("bench_compile")
+    res = bench.main(tiny=True)
+    _check_result_format(res)
+    for config in bench.CONFIGS:
+        for n in bench.QUICK_SIZES:
+            (run,) = res["runs"][f"{config} N={n}"]
+            assert "error" not in run, run
+            assert run["total_cpu_s"] > 0 and run["peak_rss_kib"] > 0
+            gated = config.startswith(("README", "accumulate"))
+            assert run["conditionals"] == gated, (config, run["conditionals"])
+    assert set(res["seconds"]) == {
+        "tree add (floor)",
+        "accumulate fused non-closing",
+        "accumulate fused identity step",
+        "README fused non-closing",
+        "README fused identity step",
+    }

@@ -115,8 +115,7 @@ def _unscaled_all_finite(
             peaks.append(jnp.max(jnp.abs(g)))
     if not peaks:
         return jnp.array(True)
-    unscaled = _unscale(peaks, scale)
-    return jnp.stack([jnp.isfinite(u) for u in unscaled]).all()
+    return utils.all_true([jnp.isfinite(u) for u in _unscale(peaks, scale)])
 
 
 def dynamic_loss_scale(

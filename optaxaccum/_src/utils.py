@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import numbers
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -15,6 +15,7 @@ import numpy as np
 __all__ = [
     "NO_PARAMS_MSG",
     "all_finite",
+    "all_true",
     "check_axis_name",
     "check_bool",
     "check_extra_args",
@@ -251,10 +252,32 @@ def check_same_structure(
 
 def all_finite(tree: Any) -> jax.Array:
     """Boolean scalar: whether every element of every leaf is finite."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
+    return all_true([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
+
+
+#: Largest number of flags combined by one node of all_true.
+FAN_IN = 32
+
+
+def all_true(flags: Sequence[Any]) -> jax.Array:
+    """Whether every boolean scalar in ``flags`` is true (a boolean scalar).
+
+    Compile time, not run time, shapes this: the flags (one per gradient
+    leaf) are combined in a tree of fan-in :data:`FAN_IN` whose nodes are
+    sorts, an operation XLA neither fuses nor duplicates. A ``jnp.stack`` of
+    them all builds one fusion with an operand per leaf, which XLA compiles
+    in time quadratic in the number of operands (20 s for 1 000 leaves on
+    CPU), and elementwise nodes are merged back into one such fusion, or
+    copied into every consumer of the result. A false flag becomes NaN,
+    which a sort puts last.
+    """
+    if not flags:
         return jnp.array(True)
-    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+    nans = [jnp.where(f, 0.0, jnp.nan).astype(jnp.float32) for f in flags]
+    while len(nans) > 1:
+        chunks = [nans[i : i + FAN_IN] for i in range(0, len(nans), FAN_IN)]
+        nans = [jnp.sort(jnp.stack(c))[-1] for c in chunks]
+    return ~jnp.isnan(nans[0])
 
 
 def check_bool(name: str, value: Any) -> bool:
