@@ -251,58 +251,33 @@ def agc(
 ) -> optax.GradientTransformationExtraArgs:
     r"""Adaptive gradient clipping, unit-wise (the NFNet AGC).
 
-    Each *unit* ``u`` of a gradient leaf (by default one output feature: see
-    :func:`unitwise_norm`) is rescaled so that its norm is at most a fraction
-    ``clipping`` of the norm of the matching unit of the parameters:
-
-    .. math::
-
-      g_u \leftarrow \begin{cases}
-        \lambda \, \dfrac{\max(\|w_u\|, \epsilon)}{\|g_u\|} \, g_u
-          & \text{if } \|g_u\| > \lambda \max(\|w_u\|, \epsilon), \\
-        g_u & \text{otherwise,}
-      \end{cases}
-
-    with :math:`\lambda` = ``clipping`` and :math:`\epsilon` = ``eps``. Units
-    under the bound pass bit-for-bit unchanged; zero-norm parameters (fresh
-    biases) use ``eps``; zero gradients stay zero. Norms are computed in
-    float32 (or wider); the updates keep the gradients' dtype.
+    Each unit :math:`u` of a gradient leaf (by default one output feature, see
+    :func:`unitwise_norm`) is rescaled to a norm of at most
+    :math:`\lambda \max(\|w_u\|, \epsilon)`, the matching unit of the
+    parameters; units under the bound pass bit-for-bit unchanged. Norms are
+    computed in float32 (or wider); updates keep the gradients' dtype. Units,
+    other layouts (Equinox), excluding the classifier and the differences
+    from :func:`optax.adaptive_grad_clip`: docs/concepts.md.
 
     Args:
-      clipping: :math:`\lambda`, the largest allowed ratio of a unit's
-        gradient norm to its parameter norm; a real number > 0.
-      eps: :math:`\epsilon`, the floor of the parameter norm, so that
-        zero-initialised parameters can move; a real number >= 0.
-      axis: the units. ``None`` (default): chosen per leaf by its ``ndim``,
-        as in :func:`unitwise_norm`. An int or a tuple of ints: the axes a
-        unit spans, for every leaf (negative values allowed). A pytree with
-        the structure of ``params`` (or a prefix of it, as for
-        :func:`optax.masked`) whose leaves are ``None`` (default rule for that
-        leaf or subtree), ints or tuples of ints; since a tuple of ints is
-        read as one axis spec, give per-leaf axes of tuple-shaped params as
-        1-tuples, e.g. ``((0,), (1,))``. Or a callable ``(path, leaf) ->``
-        ``None``/int/tuple receiving each parameter leaf and its key path
-        (as :func:`jax.tree_util.tree_map_with_path` does; the leaf may be a
-        tracer, so look only at its shape).
+      clipping: :math:`\lambda`, the largest ratio of a unit's gradient norm
+        to its parameter norm; a real number > 0.
+      eps: :math:`\epsilon`, the floor of the parameter norm (so that
+        zero-initialised parameters can move); a real number >= 0.
+      axis: the units: ``None`` (by each leaf's ``ndim``), an int or a tuple
+        of axes for every leaf, a pytree (or prefix) of those matching
+        ``params``, or a callable ``(path, leaf) -> None | int | tuple``.
 
     Returns:
-      A stateless :class:`optax.GradientTransformationExtraArgs` (its state
-      is :class:`optax.EmptyState`) whose ``update`` requires ``params``.
+      A stateless :class:`optax.GradientTransformationExtraArgs` whose
+      ``update`` requires ``params``.
 
     Raises:
-      TypeError: if ``clipping`` or ``eps`` is not a real number, or
-        ``axis`` (or a per-leaf entry of it) has the wrong type.
-      ValueError: if ``clipping`` is not > 0 or ``eps`` not >= 0 (NaN
-        included); from ``init``/``update``: if an axis is out of range for
-        its leaf, ``axis`` does not match the structure of ``params``, or the
-        gradients do not match ``params``; from ``update``: if ``params`` is
-        missing.
+      TypeError, ValueError: for a bad argument (naming it), an axis out of
+        range or not matching ``params``, or missing ``params``.
 
     Examples:
-      Clip each output feature of a dense kernel, ``(in, out)``:
-
-      >>> import jax.numpy as jnp, optax
-      >>> import optaxaccum as oa
+      >>> import jax.numpy as jnp, optax, optaxaccum as oa
       >>> params = {"w": jnp.array([[3.0, 1.0], [4.0, 0.0]])}  # norms 5, 1
       >>> grads = {"w": jnp.array([[0.5, 3.0], [1.0, 4.0]])}  # norms 1.1, 5
       >>> tx = oa.agc(clipping=0.5)
@@ -311,74 +286,9 @@ def agc(
       Array([[0.5, 0.3],
              [1. , 0.4]], dtype=float32)
 
-      Clip every micro-batch, then accumulate and step once per window:
-
-      >>> tx = oa.chain(oa.agc(0.5), oa.accumulate(2), optax.sgd(1.0))
-      >>> state = tx.init(params)
-      >>> _, state = tx.update(grads, state, params)
-      >>> updates, state = tx.update(grads, state, params)
-      >>> updates["w"]
-      Array([[-0.5, -0.3],
-             [-1. , -0.4]], dtype=float32)
-
-      Equinox keeps the output features first, ``(out, in, *spatial)``:
-      reduce over every axis but the first.
-
-      >>> def eqx_axis(path, x):
-      ...     return tuple(range(1, x.ndim)) if x.ndim >= 2 else None
-      >>> tx = oa.agc(0.5, axis=eqx_axis)
-      >>> params_t = {"w": params["w"].T}
-      >>> updates, _ = tx.update({"w": grads["w"].T}, tx.init(params_t),
-      ...                        params_t)
-      >>> updates["w"]  # the transpose of the first example
-      Array([[0.5, 1. ],
-             [0.3, 0.4]], dtype=float32)
-
-      The NFNet paper does not clip the final classifier; leave it out with
-      :func:`optax.masked`:
-
-      >>> params = {"body": jnp.ones((2, 2)), "head": jnp.ones((2, 3))}
-      >>> mask = {"body": True, "head": False}
-      >>> tx = optax.masked(oa.agc(0.01), mask)
-      >>> grads = {"body": jnp.ones((2, 2)), "head": jnp.ones((2, 3))}
-      >>> updates, _ = tx.update(grads, tx.init(params), params)
-      >>> updates["body"], updates["head"]
-      (Array([[0.01, 0.01],
-             [0.01, 0.01]], dtype=float32), Array([[1., 1., 1.],
-             [1., 1., 1.]], dtype=float32))
-
     References:
       Brock et al., `High-Performance Large-Scale Image Recognition Without
       Normalization <https://arxiv.org/abs/2102.06171>`_, 2021
-
-    .. note::
-      **Differences from** :func:`optax.adaptive_grad_clip`. The results are
-      the same for 1-, 2-, 4- and 5-D leaves without size-1 axes. optax
-      squeezes size-1 axes before choosing the units (so a ``(1, out)``
-      kernel is clipped as a whole rather than per output feature), reduces
-      3-D leaves over axis 0 only — wrong for Conv1D kernels ``(W, in,
-      out)``, whose units span ``W`` and ``in``, and for Flax attention
-      output kernels ``(heads, head_dim, features)`` — and, by default,
-      raises for leaves of more than 5 dimensions (its own ``axis``
-      argument, in recent optax, chooses units explicitly). Here the default
-      rule depends on ``ndim`` alone: all axes
-      but the last, the output-feature axis of Flax/Haiku dense and
-      convolution kernels, so shapes such as ``(1, out)`` (a layer with one
-      input) are never clipped as a whole by accident. For Flax's
-      ``(features, heads, head_dim)`` query/key/value kernels, optax's
-      axis 0 gives one unit per ``(head, head_dim)`` output while the
-      default here groups the heads (one unit per ``head_dim`` index); pass
-      ``axis`` (e.g. a callable returning ``0`` for those paths) to get
-      optax's units. Norms are also reduced in float32 for bf16/fp16 leaves,
-      and a unit under the bound is left exactly untouched.
-
-    .. note::
-      Layouts with the output features first (Equinox, PyTorch-style
-      ``(out, in, *spatial)``) need ``axis``: the callable
-      ``lambda path, x: tuple(range(1, x.ndim)) if x.ndim >= 2 else None``
-      reduces over all axes but the first for kernels and keeps the default
-      for biases (see the example above). Exclude the final classifier with
-      :func:`optax.masked`, as the paper recommends.
     """
     clipping = utils.check_real("clipping", clipping)
     if not clipping > 0:  # also rejects NaN

@@ -22,7 +22,6 @@ __all__ = [
     "static_loss_scale",
 ]
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -73,13 +72,6 @@ def _check_float32(name: str, value: Any, *, lower: float) -> np.float32:
     return x32
 
 
-def _at_least_float32(dtype: Any) -> np.dtype:
-    """``dtype`` if it has at least 32 bits of float, else float32 (without
-    relying on implicit promotion, which strict mode forbids)."""
-    dtype = jnp.dtype(dtype)
-    return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
-
-
 def _unscale(updates: optax.Updates, scale: jax.Array) -> optax.Updates:
     """``updates / scale``, computed in (at least) float32, in each leaf's
     dtype."""
@@ -89,7 +81,7 @@ def _unscale(updates: optax.Updates, scale: jax.Array) -> optax.Updates:
         g = jnp.asarray(g)
         if not jnp.issubdtype(g.dtype, jnp.inexact):
             return g
-        wide = _at_least_float32(g.dtype)
+        wide = utils.widen(g.dtype)
         return sharding.times(inv.astype(wide), g.astype(wide)).astype(g.dtype)
 
     return jax.tree.map(one, updates)
@@ -115,7 +107,8 @@ def _unscaled_all_finite(
             peaks.append(jnp.max(jnp.abs(g)))
     if not peaks:
         return jnp.array(True)
-    return utils.all_true([jnp.isfinite(u) for u in _unscale(peaks, scale)])
+    unscaled = jax.tree.leaves(_unscale(peaks, scale))
+    return utils.all_true([jnp.isfinite(u) for u in unscaled])
 
 
 def dynamic_loss_scale(
@@ -129,86 +122,43 @@ def dynamic_loss_scale(
     r"""Dynamic loss scaling: unscales gradients and skips overflowing steps.
 
     The incoming gradients are those of ``loss * scale`` (see
-    :func:`scaled_value_and_grad`); they are unscaled,
-    :math:`g = \tilde g / s`, in float32 and cast back to each gradient's
-    dtype. Then, as in ``jmp.DynamicLossScale``:
-
-    * if every unscaled gradient is finite, it is passed on to the elements
-      that follow, and after ``period`` consecutive finite steps the scale
-      grows, :math:`s \leftarrow f s` (kept unchanged if :math:`f s`
-      overflows float32);
-    * if any is not finite, the elements that follow do not run (their
-      states stay bit-for-bit unchanged), zero updates are emitted and
-      :math:`s \leftarrow \max(s_{\min}, s / f)`.
-
-    In both cases the counter of consecutive finite steps is advanced or
-    reset exactly as jmp's ``adjust`` does, so the scale follows the same
-    trajectory. It is a gate of :func:`chain`: place it first, e.g.
-    ``oa.chain(oa.dynamic_loss_scale(), oa.agc(), oa.accumulate(k),
-    optax.adam(lr))`` unscales each micro-batch gradient *before* clipping
-    it, clips per micro-batch and steps Adam once per window. A micro-batch
-    whose gradients overflow never reaches the :func:`accumulate`, so it does
-    not count toward the window: the window still closes after ``k`` finite
-    micro-batches and emits their mean.
+    :func:`scaled_value_and_grad`); they are unscaled in float32. If all are
+    finite they pass on, and after ``period`` finite steps in a row the
+    scale grows by ``factor`` (kept if that overflows float32); otherwise
+    the elements after it do not run (zeros are emitted, their states are
+    untouched, an :func:`accumulate` does not count the micro-batch) and
+    :math:`s \leftarrow \max(s_{\min}, s / f)`: jmp's schedule. Place it
+    first in an :func:`chain` (docs/concepts.md, "Loss scaling first").
 
     Args:
       init_scale: the initial loss scale, finite and ``> 0``.
-      period: number of consecutive finite steps after which the scale is
-        multiplied by ``factor``; an int ``>= 1``.
+      period: finite steps in a row before the scale grows; an int ``>= 1``.
       factor: growth and shrink factor, finite and ``> 1``.
       min_scale: lower bound of the scale, ``0 < min_scale <= init_scale``.
-      axis_name: inside ``pmap``/``shard_map``, the mapped axis over which
-        devices agree on finiteness: one device's overflow makes every
-        device skip the step and shrink its scale, so replicas stay equal.
+      axis_name: the device axis over which devices agree on finiteness
+        (one device's overflow skips the step everywhere).
 
     Returns:
-      A :class:`GatedTransformation` (an
-      :class:`optax.GradientTransformationExtraArgs`) whose state is a
-      :class:`DynamicLossScaleState`.
+      A :class:`GatedTransformation` with a :class:`DynamicLossScaleState`.
 
     Raises:
-      TypeError: if an argument has the wrong type (e.g. a non-int
-        ``period`` or a bool).
-      ValueError: if an argument is out of range.
+      TypeError, ValueError: for a bad argument, naming it.
 
     Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> import optaxaccum as oa
+      >>> import jax.numpy as jnp, optax, optaxaccum as oa
       >>> tx = oa.chain(oa.dynamic_loss_scale(1024.0), optax.sgd(1.0))
       >>> params = jnp.zeros(2)
       >>> state = tx.init(params)
-      >>> # grads of loss * 1024
-      >>> u, state = tx.update(jnp.array([1024.0, 2048.0]), state, params)
-      >>> u
-      Array([-1., -2.], dtype=float32)
       >>> u, state = tx.update(jnp.array([1.0, jnp.inf]), state, params)
-      >>> u   # overflow: sgd not run, scale halved
-      Array([0., 0.], dtype=float32)
-      >>> oa.loss_scale(state)
-      Array(512., dtype=float32)
+      >>> u, oa.loss_scale(state)   # overflow: sgd not run, scale halved
+      (Array([0., 0.], dtype=float32), Array(512., dtype=float32))
 
     References:
       Micikevicius et al., `Mixed Precision Training
       <https://arxiv.org/abs/1710.03740>`_, 2018.
-
-    .. note::
-      The state holds ``period``, ``factor`` and ``min_scale`` as array
-      leaves and ``update`` uses those, so all of them survive flattening,
-      ``jit``, ``pmap`` and checkpoints (jmp's pytree drops
-      ``min_loss_scale``).
-
-    .. warning::
-      Inside stock :func:`optax.chain` this cannot gate: the elements after
-      it run on every call, so a stateful optimizer would step (with zero
-      gradients) on overflowing steps. Put it, and the optimizer, in an
-      :func:`chain`.
     """
     init32 = _check_float32("init_scale", init_scale, lower=0.0)
     period = utils.check_positive_int("period", period)
-    if period > _INT32_MAX:
-        raise ValueError(
-            f"period must fit in int32 (<= {_INT32_MAX}), got {period=}"
-        )
     factor32 = _check_float32("factor", factor, lower=1.0)
     min32 = _check_float32("min_scale", min_scale, lower=0.0)
     if min32 > init32:
@@ -216,8 +166,7 @@ def dynamic_loss_scale(
             "min_scale must be <= init_scale, got "
             f"min_scale={min_scale!r} and init_scale={init_scale!r}"
         )
-    if axis_name is not None and not isinstance(axis_name, Hashable):
-        raise TypeError(f"axis_name must be hashable, got {axis_name=!r}")
+    utils.check_axis_name(axis_name)
 
     def init_fn(params):
         del params
@@ -328,12 +277,11 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
       >>> oa.loss_scale(optax.sgd(0.1).init(jnp.zeros(3)))
       Array(1., dtype=float32)
     """
-    for s in jax.tree.leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, _SCALE_STATES)
-    ):
-        if isinstance(s, _SCALE_STATES):
-            return jnp.asarray(s.scale).astype(jnp.float32)
-    return jnp.ones([], jnp.float32)
+    try:
+        found = utils.find_state(opt_state, _SCALE_STATES, "oa.loss_scale")
+    except ValueError:  # no loss scale: the gradients are not scaled
+        return jnp.ones([], jnp.float32)
+    return jnp.asarray(found.scale).astype(jnp.float32)
 
 
 def _scale_argument(value: Any) -> jax.Array:
@@ -373,15 +321,11 @@ def scaled_value_and_grad(
 ) -> Callable[..., tuple[Any, Any]]:
     """Like :func:`jax.value_and_grad`, differentiating ``fun * scale``.
 
-    The returned function computes the loss ``fun(*args)`` and the gradients
-    of ``loss * scale``: the *scaled* gradients, which a chain starting with
-    :func:`dynamic_loss_scale` (or :func:`static_loss_scale`) expects and
-    unscales. The loss it returns is the *unscaled* one, ready for logging.
-    The product ``loss * scale`` is computed in float32 (or wider, if the
-    loss is), so for a float16 loss the scaling itself cannot overflow; the
-    gradients flow back in the dtypes of the computation (the cotangent is
-    cast back to float16 where the loss was float16, so too large a scale
-    shows up as non-finite gradients, which the dynamic loss scale detects).
+    Returns the *unscaled* loss (for logging) and the gradients of
+    ``loss * scale`` (the product in float32 or wider), which a chain that
+    starts with :func:`dynamic_loss_scale` or :func:`static_loss_scale`
+    unscales. Do not log the scaled loss, nor feed the chain the gradients
+    of the unscaled one (they would be divided by the scale twice).
 
     Args:
       fun: the loss function; returns a real scalar, or ``(loss, aux)``
@@ -390,47 +334,27 @@ def scaled_value_and_grad(
         with :func:`loss_scale`; ``1.0`` if it holds none) or the scale
         itself, a real scalar.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
-      argnums: which positional argument(s) to differentiate, as in
-        :func:`jax.value_and_grad`.
+      argnums: which positional argument(s) to differentiate.
 
     Returns:
       A function with ``fun``'s arguments returning ``(loss, grads)``, or
-      ``((loss, aux), grads)`` with ``has_aux=True``, where ``loss`` is the
-      unscaled loss and ``grads`` those of ``loss * scale``.
+      ``((loss, aux), grads)`` with ``has_aux=True``.
 
     Raises:
-      TypeError: if ``opt_state_or_scale`` is a bool, a string, or a loss
-        scale object of another library (e.g. ``jmp``'s).
-      ValueError: if ``opt_state_or_scale`` is a number or a concrete scalar
-        array that is not finite and positive, or a non-scalar array.
+      TypeError: for a bool, a string or another library's loss scale.
+      ValueError: for a scale that is not finite and positive, or not a
+        scalar.
 
     Examples:
-      The one obvious way: build it from the current state in each step.
-
-      >>> import jax, jax.numpy as jnp, optax
-      >>> import optaxaccum as oa
-      >>> def loss_fn(params, x):
-      ...   return jnp.sum((params * x) ** 2)
+      >>> import jax, jax.numpy as jnp, optax, optaxaccum as oa
       >>> tx = oa.chain(oa.dynamic_loss_scale(256.0), optax.sgd(0.1))
       >>> params = jnp.ones(2)
       >>> opt_state = tx.init(params)
-      >>> @jax.jit
-      ... def step(params, opt_state, x):
-      ...   loss, grads = oa.scaled_value_and_grad(loss_fn, opt_state)(
-      ...       params, x)
-      ...   params, opt_state = oa.apply_gradients(tx, grads, opt_state, params)
-      ...   return params, opt_state, loss
-      >>> params, opt_state, loss = step(params, opt_state, jnp.ones(2))
-      >>> loss   # unscaled
-      Array(2., dtype=float32)
-      >>> params   # 1 - 0.1 * 2
-      Array([0.8, 0.8], dtype=float32)
-
-    .. warning::
-      Two easy mistakes: logging the *scaled* loss (``loss * scale``, off by
-      a factor that changes during training), and feeding the chain the
-      gradients of the *unscaled* loss (:func:`jax.grad` of ``fun``), which
-      the loss scale then divides by ``scale`` a second time.
+      >>> loss_fn = lambda p, x: jnp.sum((p * x) ** 2)
+      >>> loss, grads = oa.scaled_value_and_grad(loss_fn, opt_state)(
+      ...     params, jnp.ones(2))
+      >>> loss, grads   # unscaled loss, gradients of loss * 256
+      (Array(2., dtype=float32), Array([512., 512.], dtype=float32))
     """
     scale = _scale_argument(opt_state_or_scale)
 
@@ -438,7 +362,7 @@ def scaled_value_and_grad(
         out = fun(*args, **kwargs)
         loss, aux = out if has_aux else (out, None)
         loss = jnp.asarray(loss)
-        wide = _at_least_float32(loss.dtype)
+        wide = utils.widen(loss.dtype)
         return loss.astype(wide) * scale.astype(wide), (loss, aux)
 
     value_and_grad = jax.value_and_grad(

@@ -118,14 +118,11 @@ def unreduced_value_and_grad(
 ) -> Callable[..., tuple[Any, Any]]:
     """:func:`jax.value_and_grad` leaving gradients unreduced over mesh axes.
 
-    For use under an explicit mesh (``jax.set_mesh``). The differentiated
-    arguments are cast (free: no data moves) to *reduced* over ``axis_name``,
-    so their gradients come back *unreduced* over it: each device holds the
-    partial sum of its own examples (``jax.typeof(g)`` shows ``{U:data}``)
-    and no reduction over ``axis_name`` runs in the backward pass. Give them
-    to ``oa.accumulate(k, axis_name=axis_name)``, which adds them locally
-    and reduces once per window, to the params' sharding. The loss (and
-    ``aux``) are reduced as usual.
+    Under an explicit mesh (``jax.set_mesh``) the differentiated arguments
+    are cast (no data moves) to *reduced* over ``axis_name``, so their
+    gradients come back *unreduced* (``{U:data}``): each device's partial
+    sum, with no reduction in the backward pass. ``oa.accumulate(k,
+    axis_name=axis_name)`` adds them locally and reduces once per window.
 
     Args:
       loss_fn: the loss, as for :func:`jax.value_and_grad`; it must keep the
@@ -144,9 +141,8 @@ def unreduced_value_and_grad(
       ``((loss, aux), grads)``.
 
     Raises:
-      TypeError: if ``axis_name`` is not a name or a tuple of names.
-      ValueError: (when called) if an argument is not on a mesh whose axes
-        ``axis_name`` are Explicit.
+      TypeError, ValueError: for a bad ``axis_name``, or (when called) an
+        argument not on a mesh whose ``axis_name`` axes are Explicit.
 
     Examples:
       >>> import jax, jax.numpy as jnp
