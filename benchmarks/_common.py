@@ -160,8 +160,10 @@ def targets_table(targets: Sequence[Mapping[str, Any]]) -> str:
     """The targets of a benchmark as a markdown table."""
     return markdown_table(
         ["target", "measured", "met"],
-        [[t["target"], t["measured"], "yes" if t["met"] else "NO"]
-         for t in targets],
+        [
+            [t["target"], t["measured"], "yes" if t["met"] else "NO"]
+            for t in targets
+        ],
     )
 
 

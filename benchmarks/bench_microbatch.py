@@ -121,8 +121,11 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
         loss, grads = compiled[name](params, batch)
         close = all(
             bool(jnp.allclose(a, b, rtol=1e-4, atol=1e-6))
-            for a, b in zip(jax.tree.leaves((ref_loss, ref_grads)),
-                            jax.tree.leaves((loss, grads)), strict=True)
+            for a, b in zip(
+                jax.tree.leaves((ref_loss, ref_grads)),
+                jax.tree.leaves((loss, grads)),
+                strict=True,
+            )
         )
         if not close:
             raise RuntimeError(f"{name} disagrees with the full-batch result")
@@ -135,7 +138,8 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     mem = {name: _common.memory_stats(c) for name, c in compiled.items()}
     sweep = {
         n: _common.memory_stats(
-            compiled["oa.microbatched"] if n == NUM_MICROBATCHES
+            compiled["oa.microbatched"]
+            if n == NUM_MICROBATCHES
             else compile_fn(oa.microbatched_value_and_grad(loss_fn, n))
         )["temp"]
         for n in SWEEP
@@ -153,38 +157,62 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
         for name, t in seconds.items()
     ]
     rows += [
-        [f"oa.microbatched (n={n}), memory only", "", "",
-         _common.format_bytes(temp), f"{temp / temp_full:.2f}x"]
+        [
+            f"oa.microbatched (n={n}), memory only",
+            "",
+            "",
+            _common.format_bytes(temp),
+            f"{temp / temp_full:.2f}x",
+        ]
         for n, temp in sweep.items()
     ]
-    headers = ["variant", "ms/step", "time vs full", "temp",
-               "temp vs full"]
+    headers = ["variant", "ms/step", "time vs full", "temp", "temp vs full"]
 
     t_ours, t_optax = seconds["oa.microbatched"], seconds["optax micro_grad"]
     t_scan = seconds["lax.scan by hand"]
     temps = [sweep[n] for n in SWEEP]
     targets = [
-        _common.target("oa.microbatched <= 0.65x optax micro_grad time",
-                       t_ours / t_optax, t_ours <= 0.65 * t_optax),
-        _common.target("oa.microbatched <= 1.2x full-batch time",
-                       t_ours / t_full, t_ours <= 1.2 * t_full),
-        _common.target("oa.microbatched temp <= 1/2 of full-batch temp",
-                       mem["oa.microbatched"]["temp"] / temp_full,
-                       mem["oa.microbatched"]["temp"] <= temp_full / 2),
-        _common.target(f"temp shrinks with more micro-batches {SWEEP}",
-                       " > ".join(_common.format_bytes(t) for t in temps),
-                       temps == sorted(set(temps), reverse=True)),
+        _common.target(
+            "oa.microbatched <= 0.65x optax micro_grad time",
+            t_ours / t_optax,
+            t_ours <= 0.65 * t_optax,
+        ),
+        _common.target(
+            "oa.microbatched <= 1.2x full-batch time",
+            t_ours / t_full,
+            t_ours <= 1.2 * t_full,
+        ),
+        _common.target(
+            "oa.microbatched temp <= 1/2 of full-batch temp",
+            mem["oa.microbatched"]["temp"] / temp_full,
+            mem["oa.microbatched"]["temp"] <= temp_full / 2,
+        ),
+        _common.target(
+            f"temp shrinks with more micro-batches {SWEEP}",
+            " > ".join(_common.format_bytes(t) for t in temps),
+            temps == sorted(set(temps), reverse=True),
+        ),
     ]
-    ratios = {f"B2 {n} time": t / t_full for n, t in seconds.items()
-              if n != "full batch"}
-    ratios.update({f"B2 {n} temp": mem[n]["temp"] / temp_full
-                   for n in seconds if n != "full batch"})
+    ratios = {
+        f"B2 {n} time": t / t_full
+        for n, t in seconds.items()
+        if n != "full batch"
+    }
+    ratios.update(
+        {
+            f"B2 {n} temp": mem[n]["temp"] / temp_full
+            for n in seconds
+            if n != "full batch"
+        }
+    )
     return {
         "name": "B2",
-        "title": (f"B2: microbatching, MLP {'-'.join(map(str, widths))} "
-                  f"({n_params:,} float32 params), batch {batch_size} in "
-                  f"{NUM_MICROBATCHES} micro-batches; median of {rounds} "
-                  "interleaved rounds"),
+        "title": (
+            f"B2: microbatching, MLP {'-'.join(map(str, widths))} "
+            f"({n_params:,} float32 params), batch {batch_size} in "
+            f"{NUM_MICROBATCHES} micro-batches; median of {rounds} "
+            "interleaved rounds"
+        ),
         "headers": headers,
         "rows": rows,
         "ratios": ratios,

@@ -122,10 +122,14 @@ def make_steps(mesh, params):
 
     variants = {
         "pmean + MultiSteps": (optax.MultiSteps(adam, K), pmean_multisteps),
-        "pmean + oa.accumulate": (oa.chain(oa.accumulate(K), adam),
-                                  pmean_accumulate),
+        "pmean + oa.accumulate": (
+            oa.chain(oa.accumulate(K), adam),
+            pmean_accumulate,
+        ),
         "oa.accumulate(axis_name)": (
-            oa.chain(oa.accumulate(K, axis_name=AXIS), adam), ours),
+            oa.chain(oa.accumulate(K, axis_name=AXIS), adam),
+            ours,
+        ),
     }
     batch_spec = P(AXIS)
     out = {}
@@ -142,9 +146,12 @@ def make_steps(mesh, params):
             specs = jax.tree.map(lambda _: P(), state0)
             init = tx.init
         step = jax.jit(
-            jax.shard_map(make(tx), mesh=mesh,
-                          in_specs=(P(), specs, batch_spec, batch_spec),
-                          out_specs=(P(), specs)),
+            jax.shard_map(
+                make(tx),
+                mesh=mesh,
+                in_specs=(P(), specs, batch_spec, batch_spec),
+                out_specs=(P(), specs),
+            ),
             donate_argnums=(0, 1),
         )
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
@@ -159,8 +166,12 @@ def _measure(tiny: bool) -> dict:
 
     cfg = TINY if tiny else FULL
     devices = jax.devices()[:N_DEVICES]
-    mesh = jax.make_mesh((N_DEVICES,), (AXIS,), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh(
+        (N_DEVICES,),
+        (AXIS,),
+        devices=devices,
+        axis_types=(jax.sharding.AxisType.Explicit,),
+    )
     widths, batch = cfg["widths"], cfg["batch"]
     replicated = NamedSharding(mesh, P())
     data_sharding = NamedSharding(mesh, P(AXIS))
@@ -171,12 +182,20 @@ def _measure(tiny: bool) -> dict:
     params = fresh_params()
     n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     rng = np.random.default_rng(0)
-    xs = [jax.device_put(
-        rng.normal(size=(N_DEVICES * batch, widths[0])).astype(np.float32),
-        data_sharding) for _ in range(K)]
-    ys = [jax.device_put(
-        rng.normal(size=(N_DEVICES * batch, widths[-1])).astype(np.float32),
-        data_sharding) for _ in range(K)]
+    xs = [
+        jax.device_put(
+            rng.normal(size=(N_DEVICES * batch, widths[0])).astype(np.float32),
+            data_sharding,
+        )
+        for _ in range(K)
+    ]
+    ys = [
+        jax.device_put(
+            rng.normal(size=(N_DEVICES * batch, widths[-1])).astype(np.float32),
+            data_sharding,
+        )
+        for _ in range(K)
+    ]
 
     steps = make_steps(mesh, params)
     compiled, hlo, loops = {}, {}, {}
@@ -214,12 +233,18 @@ def _measure(tiny: bool) -> dict:
             # Adam's first step is about +-lr per entry, less where the
             # gradient is near 0 (there summation order shows): compare
             # against lr.
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0,
-                                       atol=1e-2 * LEARNING_RATE, err_msg=name)
+            np.testing.assert_allclose(
+                np.asarray(a),
+                np.asarray(b),
+                rtol=0,
+                atol=1e-2 * LEARNING_RATE,
+                err_msg=name,
+            )
 
     seconds = _common.time_interleaved(
         {name: window_call(name) for name in steps},
-        rounds=cfg["rounds"], warmup=cfg["warmup"],
+        rounds=cfg["rounds"],
+        warmup=cfg["warmup"],
     )
     ours = "oa.accumulate(axis_name)"
     rows = []
@@ -228,48 +253,67 @@ def _measure(tiny: bool) -> dict:
         h = hlo[name]
         executed = K * h["top_ops"] + h["branch_ops"]
         per_window[name] = executed
-        rows.append([
-            name,
-            f"{h['top_ops']} ({_common.format_bytes(h['top_bytes'])})",
-            f"{h['branch_ops']} ({_common.format_bytes(h['branch_bytes'])})",
-            str(executed),
-            _common.format_bytes(K * h["top_bytes"] + h["branch_bytes"]),
-            f"{1e3 * seconds[name]:.2f}",
-            f"{seconds[name] / seconds[ours]:.2f}x",
-        ])
-    headers = ["variant", "all-reduce every call (bytes)",
-               "all-reduce in closing branch (bytes)",
-               f"all-reduces per window of {K}", "bytes per window",
-               "ms/window", f"vs {ours}"]
+        rows.append(
+            [
+                name,
+                f"{h['top_ops']} ({_common.format_bytes(h['top_bytes'])})",
+                f"{h['branch_ops']} "
+                f"({_common.format_bytes(h['branch_bytes'])})",
+                str(executed),
+                _common.format_bytes(K * h["top_bytes"] + h["branch_bytes"]),
+                f"{1e3 * seconds[name]:.2f}",
+                f"{seconds[name] / seconds[ours]:.2f}x",
+            ]
+        )
+    headers = [
+        "variant",
+        "all-reduce every call (bytes)",
+        "all-reduce in closing branch (bytes)",
+        f"all-reduces per window of {K}",
+        "bytes per window",
+        "ms/window",
+        f"vs {ours}",
+    ]
     tree_bytes = 4 * n_params
     target = _common.target
     targets = [
-        target(f"{ours}: no all-reduce outside the closing branch",
-                str(hlo[ours]["top_ops"]), hlo[ours]["top_ops"] == 0),
-        target(f"{ours}: 1 gradient all-reduce per window "
-                f"(>= one tree, {_common.format_bytes(tree_bytes)})",
-                f"{per_window[ours]} "
-                f"({_common.format_bytes(hlo[ours]['branch_bytes'])})",
-                per_window[ours] == 1
-                and hlo[ours]["branch_bytes"] >= tree_bytes),
-        target(f"pmean + MultiSteps: {K} gradient all-reduces per window",
-                str(per_window["pmean + MultiSteps"]),
-                per_window["pmean + MultiSteps"] == K),
-        target(f"{ours} window not slower than pmean + MultiSteps",
-                seconds["pmean + MultiSteps"] / seconds[ours],
-                seconds[ours] <= seconds["pmean + MultiSteps"],
-                suffix="x faster"),
+        target(
+            f"{ours}: no all-reduce outside the closing branch",
+            str(hlo[ours]["top_ops"]),
+            hlo[ours]["top_ops"] == 0,
+        ),
+        target(
+            f"{ours}: 1 gradient all-reduce per window "
+            f"(>= one tree, {_common.format_bytes(tree_bytes)})",
+            f"{per_window[ours]} "
+            f"({_common.format_bytes(hlo[ours]['branch_bytes'])})",
+            per_window[ours] == 1 and hlo[ours]["branch_bytes"] >= tree_bytes,
+        ),
+        target(
+            f"pmean + MultiSteps: {K} gradient all-reduces per window",
+            str(per_window["pmean + MultiSteps"]),
+            per_window["pmean + MultiSteps"] == K,
+        ),
+        target(
+            f"{ours} window not slower than pmean + MultiSteps",
+            seconds["pmean + MultiSteps"] / seconds[ours],
+            seconds[ours] <= seconds["pmean + MultiSteps"],
+            suffix="x faster",
+        ),
     ]
     return {
         "name": "B3",
-        "title": (f"B3: data parallel, a window of k={K} micro-batches on "
-                  f"{N_DEVICES} {devices[0].platform.upper()} devices, "
-                  f"{n_params:,} float32 params, Adam; "
-                  f"median of {cfg['rounds']} interleaved rounds"),
+        "title": (
+            f"B3: data parallel, a window of k={K} micro-batches on "
+            f"{N_DEVICES} {devices[0].platform.upper()} devices, "
+            f"{n_params:,} float32 params, Adam; "
+            f"median of {cfg['rounds']} interleaved rounds"
+        ),
         "headers": headers,
         "rows": rows,
-        "ratios": {f"B3 {n}": seconds[n] / seconds[ours]
-                   for n in steps if n != ours},
+        "ratios": {
+            f"B3 {n}": seconds[n] / seconds[ours] for n in steps if n != ours
+        },
         "ratio_label": f"window time / {ours}",
         "targets": targets,
         "seconds": seconds,

@@ -57,8 +57,13 @@ FULL_SHAPES = {f"w{i}": (2048, 4096) for i in range(4)}
 TINY_SHAPES = {"w0": (64, 128), "w1": (32, 32), "b": (128,)}
 _STATE_TYPES = (oa.AccumulateState, optax.MultiStepsState, oa.MultiStepsState)
 # The kinds of step compared, as named in the rows.
-KINDS = ("fused", "plain", "MultiSteps", "oa.MultiSteps(fused)",
-         "oa.MultiSteps(plain)")
+KINDS = (
+    "fused",
+    "plain",
+    "MultiSteps",
+    "oa.MultiSteps(fused)",
+    "oa.MultiSteps(plain)",
+)
 # Temporary bytes below this are scalars (flags, counters), not tree data.
 SCALARS = 1024
 
@@ -180,22 +185,32 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     p0 = params()
     floor = compile_step(_floor_step, p0, grads, donate=(0,))
     compiled = {
-        "fused": compile_step(_fused_step(ours), p0, ours.init(p0), grads,
-                              donate=(0, 1)),
-        "plain": compile_step(_plain_step(ours), p0, ours.init(p0), grads,
-                              donate=(0, 1)),
-        "MultiSteps": compile_step(_plain_step(multi), p0, multi.init(p0),
-                                   grads, donate=(0, 1)),
+        "fused": compile_step(
+            _fused_step(ours), p0, ours.init(p0), grads, donate=(0, 1)
+        ),
+        "plain": compile_step(
+            _plain_step(ours), p0, ours.init(p0), grads, donate=(0, 1)
+        ),
+        "MultiSteps": compile_step(
+            _plain_step(multi), p0, multi.init(p0), grads, donate=(0, 1)
+        ),
         "oa.MultiSteps(fused)": compile_step(
-            _fused_step(drop_in), p0, drop_in.init(p0), grads, donate=(0, 1)),
+            _fused_step(drop_in), p0, drop_in.init(p0), grads, donate=(0, 1)
+        ),
         "oa.MultiSteps(plain)": compile_step(
-            _plain_step(drop_in), p0, drop_in.init(p0), grads, donate=(0, 1)),
+            _plain_step(drop_in), p0, drop_in.init(p0), grads, donate=(0, 1)
+        ),
     }
-    compiled_adam = compile_step(_fused_step(adam), p0, adam.init(p0), grads,
-                                 donate=(0, 1))
-    inits = {"fused": ours.init, "plain": ours.init, "MultiSteps": multi.init,
-             "oa.MultiSteps(fused)": drop_in.init,
-             "oa.MultiSteps(plain)": drop_in.init}
+    compiled_adam = compile_step(
+        _fused_step(adam), p0, adam.init(p0), grads, donate=(0, 1)
+    )
+    inits = {
+        "fused": ours.init,
+        "plain": ours.init,
+        "MultiSteps": multi.init,
+        "oa.MultiSteps(fused)": drop_in.init,
+        "oa.MultiSteps(plain)": drop_in.init,
+    }
     del p0
 
     variants: dict[str, _common.Timed] = {}
@@ -234,8 +249,11 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
         variants[f"{kind} {phase}"].run_once()
         moved = any(
             bool(jnp.any(a != b))
-            for a, b in zip(jax.tree.leaves(before),
-                            jax.tree.leaves(loop.params), strict=True)
+            for a, b in zip(
+                jax.tree.leaves(before),
+                jax.tree.leaves(loop.params),
+                strict=True,
+            )
         )
         mini_step = (loop.mini_step + 1) % K
         if moved != (phase == "closing") or _mini_step(loop.state) != mini_step:
@@ -252,71 +270,105 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     t_floor = per_call["floor"]
     ratios = {name: t / t_floor for name, t in per_call.items()}
 
-    mem = {"floor": _common.memory_stats(floor),
-           "Adam": _common.memory_stats(compiled_adam)}
+    mem = {
+        "floor": _common.memory_stats(floor),
+        "Adam": _common.memory_stats(compiled_adam),
+    }
     mem.update({k: _common.memory_stats(c) for k, c in compiled.items()})
-    copies = {"floor": _tree_copies(floor, shapes),
-              "Adam": _tree_copies(compiled_adam, shapes)}
+    copies = {
+        "floor": _tree_copies(floor, shapes),
+        "Adam": _tree_copies(compiled_adam, shapes),
+    }
     copies.update({k: _tree_copies(c, shapes) for k, c in compiled.items()})
 
     rows = []
     for name, t in per_call.items():
         m = mem[name.split()[0]]
-        rows.append([
-            name,
-            f"{1e3 * t:.2f}",
-            f"{ratios[name]:.2f}x",
-            _common.format_bytes(m["argument"]),
-            _common.format_bytes(m["output"]),
-            _common.format_bytes(m["alias"]),
-            _common.format_bytes(m["temp"]),
-            str(copies[name.split()[0]]),
-        ])
-    headers = ["variant", "ms/call", "vs floor", "args", "out", "alias",
-               "temp", "leaf copies in HLO"]
+        rows.append(
+            [
+                name,
+                f"{1e3 * t:.2f}",
+                f"{ratios[name]:.2f}x",
+                _common.format_bytes(m["argument"]),
+                _common.format_bytes(m["output"]),
+                _common.format_bytes(m["alias"]),
+                _common.format_bytes(m["temp"]),
+                str(copies[name.split()[0]]),
+            ]
+        )
+    headers = [
+        "variant",
+        "ms/call",
+        "vs floor",
+        "args",
+        "out",
+        "alias",
+        "temp",
+        "leaf copies in HLO",
+    ]
 
     ms_open = per_call["MultiSteps non-closing"]
     speedups = {
-        n: ms_open / t for n, t in per_call.items()
+        n: ms_open / t
+        for n, t in per_call.items()
         if n.split()[0] in ("fused", "plain") and "window" not in n
     }
     targets = [
-        _common.target("fused non-closing <= 1.2x floor",
-                       ratios["fused non-closing"],
-                       ratios["fused non-closing"] <= 1.2),
-        _common.target("fused step: no tree-sized temporary "
-                       f"(temp < {_common.format_bytes(SCALARS)}: scalars)",
-                       _common.format_bytes(mem["fused"]["temp"]),
-                       mem["fused"]["temp"] < SCALARS),
-        _common.target("fused closing <= 4x floor",
-                       ratios["fused closing"], ratios["fused closing"] <= 4.0),
-        _common.target("plain non-closing <= 8x floor",
-                       ratios["plain non-closing"],
-                       ratios["plain non-closing"] <= 8.0),
-        _common.target("plain step temp <= one tree "
-                       f"({_common.format_bytes(tree_bytes)}) + scalars",
-                       _common.format_bytes(mem["plain"]["temp"]),
-                       mem["plain"]["temp"] < tree_bytes + SCALARS),
-        _common.target("every fused/plain step >= 2.5x faster than "
-                       "MultiSteps non-closing",
-                       ", ".join(f"{n} {v:.2f}x" for n, v in speedups.items()),
-                       min(speedups.values()) >= 2.5),
-        _common.target("oa.MultiSteps(fused) non-closing <= 1.2x floor",
-                       ratios["oa.MultiSteps(fused) non-closing"],
-                       ratios["oa.MultiSteps(fused) non-closing"] <= 1.2),
-        _common.target("oa.MultiSteps(fused): no tree-sized temporary",
-                       _common.format_bytes(mem["oa.MultiSteps(fused)"]["temp"]),
-                       mem["oa.MultiSteps(fused)"]["temp"] < SCALARS),
-        _common.target("oa.MultiSteps(plain) non-closing >= 1.5x faster than "
-                       "MultiSteps non-closing",
-                       ms_open / per_call["oa.MultiSteps(plain) non-closing"],
-                       ms_open / per_call["oa.MultiSteps(plain) non-closing"]
-                       >= 1.5),
+        _common.target(
+            "fused non-closing <= 1.2x floor",
+            ratios["fused non-closing"],
+            ratios["fused non-closing"] <= 1.2,
+        ),
+        _common.target(
+            "fused step: no tree-sized temporary "
+            f"(temp < {_common.format_bytes(SCALARS)}: scalars)",
+            _common.format_bytes(mem["fused"]["temp"]),
+            mem["fused"]["temp"] < SCALARS,
+        ),
+        _common.target(
+            "fused closing <= 4x floor",
+            ratios["fused closing"],
+            ratios["fused closing"] <= 4.0,
+        ),
+        _common.target(
+            "plain non-closing <= 8x floor",
+            ratios["plain non-closing"],
+            ratios["plain non-closing"] <= 8.0,
+        ),
+        _common.target(
+            "plain step temp <= one tree "
+            f"({_common.format_bytes(tree_bytes)}) + scalars",
+            _common.format_bytes(mem["plain"]["temp"]),
+            mem["plain"]["temp"] < tree_bytes + SCALARS,
+        ),
+        _common.target(
+            "every fused/plain step >= 2.5x faster than MultiSteps non-closing",
+            ", ".join(f"{n} {v:.2f}x" for n, v in speedups.items()),
+            min(speedups.values()) >= 2.5,
+        ),
+        _common.target(
+            "oa.MultiSteps(fused) non-closing <= 1.2x floor",
+            ratios["oa.MultiSteps(fused) non-closing"],
+            ratios["oa.MultiSteps(fused) non-closing"] <= 1.2,
+        ),
+        _common.target(
+            "oa.MultiSteps(fused): no tree-sized temporary",
+            _common.format_bytes(mem["oa.MultiSteps(fused)"]["temp"]),
+            mem["oa.MultiSteps(fused)"]["temp"] < SCALARS,
+        ),
+        _common.target(
+            "oa.MultiSteps(plain) non-closing >= 1.5x faster than "
+            "MultiSteps non-closing",
+            ms_open / per_call["oa.MultiSteps(plain) non-closing"],
+            ms_open / per_call["oa.MultiSteps(plain) non-closing"] >= 1.5,
+        ),
     ]
     return {
         "name": "B1",
-        "title": (f"B1: micro-step cost, {n_params:,} float32 params, Adam, "
-                  f"k={K}, donated; median of {rounds} interleaved rounds"),
+        "title": (
+            f"B1: micro-step cost, {n_params:,} float32 params, Adam, "
+            f"k={K}, donated; median of {rounds} interleaved rounds"
+        ),
         "headers": headers,
         "rows": rows,
         "ratios": {f"B1 {n}": r for n, r in ratios.items() if n != "floor"},

@@ -22,24 +22,31 @@ def main():
     rng = np.random.default_rng(0)
     for label, sizes, drift in CASES:
         batches = [
-            jnp.asarray(rng.normal(3 + drift * i, 2.0, (n, 6, 6, 8)),
-                        jnp.float32)
+            jnp.asarray(
+                rng.normal(3 + drift * i, 2.0, (n, 6, 6, 8)), jnp.float32
+            )
             for i, n in enumerate(sizes)
         ]
-        bn = AccumBatchNorm(use_running_average=False, momentum=0.0,
-                            accum_steps=len(sizes))
+        bn = AccumBatchNorm(
+            use_running_average=False, momentum=0.0, accum_steps=len(sizes)
+        )
         variables = bn.init(jax.random.key(0), batches[0])
         stats = variables["batch_stats"]
         for b in batches:
-            _, upd = bn.apply({**variables, "batch_stats": stats}, b,
-                              mutable=["batch_stats"])
+            _, upd = bn.apply(
+                {**variables, "batch_stats": stats}, b, mutable=["batch_stats"]
+            )
             stats = upd["batch_stats"]
         ref = nn.BatchNorm(use_running_average=False, momentum=0.0)
-        _, upd = ref.apply(ref.init(jax.random.key(0), batches[0]),
-                           jnp.concatenate(batches), mutable=["batch_stats"])
+        _, upd = ref.apply(
+            ref.init(jax.random.key(0), batches[0]),
+            jnp.concatenate(batches),
+            mutable=["batch_stats"],
+        )
         want = upd["batch_stats"]
         averaged = jnp.mean(
-            jnp.stack([jnp.var(b, axis=(0, 1, 2)) for b in batches]), axis=0)
+            jnp.stack([jnp.var(b, axis=(0, 1, 2)) for b in batches]), axis=0
+        )
         bias = jnp.mean((averaged - want["var"]) / want["var"])
 
         def max_diff(a, b):

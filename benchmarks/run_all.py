@@ -98,15 +98,17 @@ def write_report(
         "# optaxaccum benchmarks",
         "",
         "Written by `benchmarks/run_all.py` (`make bench`)"
-        + (" with `--tiny`: toy sizes, the figures mean nothing." if tiny
-           else "."),
+        + (
+            " with `--tiny`: toy sizes, the figures mean nothing."
+            if tiny
+            else "."
+        ),
         "",
         f"- date: {_common.today()}",
         "- machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
-        "- wall time: " + ", ".join(
-            f"{r['name']} {r['wall_s']:.0f} s" for r in results
-        ),
+        "- wall time: "
+        + ", ".join(f"{r['name']} {r['wall_s']:.0f} s" for r in results),
         f"- load average (1/5/15 min): {load or _load()}",
         "",
         NOISE_NOTE,
@@ -131,8 +133,11 @@ def plot(results: list[dict], path: str) -> None:
     charted = [r for r in results if r.get("ratios")]
     heights = [0.6 + 0.32 * len(r["ratios"]) for r in charted]
     fig, axes = plt.subplots(
-        len(charted), 1, figsize=(9, sum(heights) + 0.8),
-        gridspec_kw={"height_ratios": heights}, squeeze=False,
+        len(charted),
+        1,
+        figsize=(9, sum(heights) + 0.8),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
     )
     for ax, res in zip(axes[:, 0], charted, strict=True):
         values = list(res["ratios"].values())
@@ -145,8 +150,7 @@ def plot(results: list[dict], path: str) -> None:
         ax.axvline(1.0, color="black", linewidth=0.8)
         for i, v in enumerate(values):
             ax.text(v, i, f" {v:.2f}", va="center", fontsize=7)
-        ax.set_xlabel(f"ratio: {res.get('ratio_label', 'ratio')}",
-                      fontsize=8)
+        ax.set_xlabel(f"ratio: {res.get('ratio_label', 'ratio')}", fontsize=8)
         ax.set_ylabel(res["name"])
         ax.set_xlim(0, max(values + [1.0]) * 1.15)
     fig.suptitle("optaxaccum benchmarks (lower is better; 1 = reference)")
@@ -168,9 +172,11 @@ def main(tiny: bool = False, out_dir: str | None = None) -> list[dict]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true",
-                        help="toy sizes (smoke test)")
-    parser.add_argument("--out", default=None,
-                        help="directory for RESULTS.md and results.png")
+    parser.add_argument(
+        "--tiny", action="store_true", help="toy sizes (smoke test)"
+    )
+    parser.add_argument(
+        "--out", default=None, help="directory for RESULTS.md and results.png"
+    )
     args = parser.parse_args()
     main(tiny=args.tiny, out_dir=args.out)

@@ -25,7 +25,10 @@ def load_data(*, images=True, n_train=None, n_test=None):
     """
     digits = load_digits()
     x_train, x_test, y_train, y_test = train_test_split(
-        digits.data, digits.target, test_size=0.3, random_state=0,
+        digits.data,
+        digits.target,
+        test_size=0.3,
+        random_state=0,
         stratify=digits.target,
     )
     x_train, y_train = x_train[:n_train], y_train[:n_train]
@@ -36,8 +39,12 @@ def load_data(*, images=True, n_train=None, n_test=None):
     def prepare(x):
         return scaler.transform(x).astype(np.float32).reshape(shape)
 
-    return (prepare(x_train), y_train.astype(np.int32),
-            prepare(x_test), y_test.astype(np.int32))
+    return (
+        prepare(x_train),
+        y_train.astype(np.int32),
+        prepare(x_test),
+        y_test.astype(np.int32),
+    )
 
 
 class CNN(nn.Module):
@@ -67,7 +74,8 @@ def accuracy(state, x, y):
     running statistics (evaluation mode)."""
     logits = state.apply_fn(
         {"params": state.params, "batch_stats": state.batch_stats},
-        x, train=False,
+        x,
+        train=False,
     )
     return jnp.mean(jnp.argmax(logits, -1) == y)
 

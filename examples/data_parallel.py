@@ -44,7 +44,6 @@ import optaxaccum as oa  # noqa: E402
 AXIS = "data"
 
 
-
 def logits_fn(params, x):
     for layer in params[:-1]:
         x = jax.nn.relu(x @ layer["w"] + layer["b"])
@@ -61,12 +60,24 @@ def loss_fn(params, x, y, mask):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=200,
-                        help="micro-steps (calls of the train step)")
-    parser.add_argument("--accum", type=int, default=4,
-                        help="micro-batches per optimizer step (window)")
-    parser.add_argument("--batch", type=int, default=16,
-                        help="examples per device and micro-batch")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=200,
+        help="micro-steps (calls of the train step)",
+    )
+    parser.add_argument(
+        "--accum",
+        type=int,
+        default=4,
+        help="micro-batches per optimizer step (window)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=16,
+        help="examples per device and micro-batch",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--log-every", type=int, default=50)
@@ -74,18 +85,22 @@ def main(argv=None):
 
     devices = jax.devices()
     n = len(devices)
-    mesh = jax.make_mesh((n,), (AXIS,),
-                         axis_types=(jax.sharding.AxisType.Explicit,))
-    print(f"{n} {devices[0].platform} device(s); window of {args.accum} "
-          f"micro-batches of {n} x {args.batch} examples")
+    mesh = jax.make_mesh(
+        (n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+    print(
+        f"{n} {devices[0].platform} device(s); window of {args.accum} "
+        f"micro-batches of {n} x {args.batch} examples"
+    )
 
     digits = load_digits()
     x_all = (digits.data / 16.0).astype(np.float32)
     y_all = digits.target.astype(np.int32)
     rng = np.random.default_rng(0)
 
-    tx = oa.chain(oa.accumulate(args.accum, axis_name=AXIS),
-                  optax.adam(args.lr))
+    tx = oa.chain(
+        oa.accumulate(args.accum, axis_name=AXIS), optax.adam(args.lr)
+    )
     params = init_mlp(jax.random.key(0), [64, args.hidden, 10])
     # The state's accumulators get a leading device axis (one row per
     # device); everything else, like the params, is replicated.
@@ -114,9 +129,12 @@ def main(argv=None):
 
     batch = P(AXIS)
     step = jax.jit(
-        jax.shard_map(train_step, mesh=mesh,
-                      in_specs=(P(), state_specs, batch, batch, batch),
-                      out_specs=(P(), state_specs, P())),
+        jax.shard_map(
+            train_step,
+            mesh=mesh,
+            in_specs=(P(), state_specs, batch, batch, batch),
+            out_specs=(P(), state_specs, P()),
+        ),
         donate_argnums=(0, 1),
     )
 
@@ -136,17 +154,23 @@ def main(argv=None):
         keep = rng.integers(args.batch // 2, args.batch + 1, size=n)
         mask = (np.arange(args.batch) < keep[:, None]).reshape(-1)
         params, state, loss = step(
-            params, state,
-            *put((x_all[idx], y_all[idx], mask.astype(np.float32)),
-                 (batch, batch, batch)),
+            params,
+            state,
+            *put(
+                (x_all[idx], y_all[idx], mask.astype(np.float32)),
+                (batch, batch, batch),
+            ),
         )
         losses.append(float(loss))
         if (t + 1) % args.log_every == 0 or t + 1 == args.steps:
             windows = int(state[0].gradient_step)
-            print(f"micro-step {t + 1:4d}  optimizer steps {windows:3d}  "
-                  f"loss {np.mean(losses[-args.log_every:]):.4f}")
-    accuracy = float(jnp.mean(
-        jnp.argmax(logits_fn(params, x_all), -1) == y_all))
+            print(
+                f"micro-step {t + 1:4d}  optimizer steps {windows:3d}  "
+                f"loss {np.mean(losses[-args.log_every :]):.4f}"
+            )
+    accuracy = float(
+        jnp.mean(jnp.argmax(logits_fn(params, x_all), -1) == y_all)
+    )
     print(f"final loss {losses[-1]:.4f}  train accuracy {accuracy:.3f}")
     return losses[-1]
 

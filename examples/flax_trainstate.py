@@ -35,27 +35,37 @@ MICRO = 16
 MOMENTUM = 0.9
 
 
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--period", type=int, default=200,
-                        help="finite micro-batches before the scale grows")
-    parser.add_argument("--log-every", type=int, default=100,
-                        help="micro-batches between log lines")
-    parser.add_argument("--tiny", action="store_true",
-                        help="2 epochs on a subset (a smoke test)")
+    parser.add_argument(
+        "--period",
+        type=int,
+        default=200,
+        help="finite micro-batches before the scale grows",
+    )
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=100,
+        help="micro-batches between log lines",
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="2 epochs on a subset (a smoke test)",
+    )
     args = parser.parse_args(argv)
     epochs = 2 if args.tiny else args.epochs
     log_every = 5 if args.tiny else args.log_every
 
     x_train, y_train, x_test, y_test = (
-        load_data(n_train=160) if args.tiny else load_data())
+        load_data(n_train=160) if args.tiny else load_data()
+    )
     model = CNN(accum_steps=args.accum, momentum=MOMENTUM)
-    variables = model.init(
-        jax.random.key(0), x_train[:MICRO], train=False)
+    variables = model.init(jax.random.key(0), x_train[:MICRO], train=False)
     tx = oa.chain(
         oa.dynamic_loss_scale(period=args.period),
         oa.agc(0.01),
@@ -63,7 +73,9 @@ def main(argv=None):
         optax.adam(args.lr),
     )
     state = TrainState.create(
-        apply_fn=model.apply, params=variables["params"], tx=tx,
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=tx,
         batch_stats=variables["batch_stats"],
     )
 
@@ -72,16 +84,20 @@ def main(argv=None):
         def loss_fn(params):
             logits, updates = state.apply_fn(
                 {"params": params, "batch_stats": state.batch_stats},
-                x, train=True, mutable=["batch_stats"],
+                x,
+                train=True,
+                mutable=["batch_stats"],
             )
             loss = optax.softmax_cross_entropy_with_integer_labels(
-                logits, y).mean()
+                logits, y
+            ).mean()
             return loss, updates["batch_stats"]
 
         # Gradients of loss * scale (what the chain's loss scale unscales);
         # the loss returned is the unscaled one.
         (loss, batch_stats), grads = oa.scaled_value_and_grad(
-            loss_fn, state.opt_state, has_aux=True)(state.params)
+            loss_fn, state.opt_state, has_aux=True
+        )(state.params)
         state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
         return state, loss
 
@@ -89,30 +105,39 @@ def main(argv=None):
     flush = jax.jit(TrainState.flush, donate_argnums=0)
 
     n_micro = len(x_train) // MICRO
-    print(f"{len(x_train)} training images, {n_micro} micro-batches of "
-          f"{MICRO} per epoch, windows of {args.accum}; chain: "
-          "dynamic_loss_scale -> agc -> accumulate -> adam")
-    print(f"{'micro-step':>10}  {'opt steps':>9}  {'loss scale':>10}  "
-          f"{'loss':>7}")
+    print(
+        f"{len(x_train)} training images, {n_micro} micro-batches of "
+        f"{MICRO} per epoch, windows of {args.accum}; chain: "
+        "dynamic_loss_scale -> agc -> accumulate -> adam"
+    )
+    print(
+        f"{'micro-step':>10}  {'opt steps':>9}  {'loss scale':>10}  {'loss':>7}"
+    )
     losses = []
     for epoch in range(epochs):
         perm = np.random.default_rng([0, epoch]).permutation(len(x_train))
         for i in range(n_micro):
-            idx = perm[i * MICRO:(i + 1) * MICRO]
+            idx = perm[i * MICRO : (i + 1) * MICRO]
             state, loss = train_step(state, x_train[idx], y_train[idx])
             losses.append(loss)
             if int(state.step) % log_every == 0:
                 acc_state = state.opt_state[2]  # the AccumulateState
-                print(f"{int(state.step):>10}  "
-                      f"{int(acc_state.gradient_step):>9}  "
-                      f"{float(oa.loss_scale(state.opt_state)):>10.0f}  "
-                      f"{float(np.mean(losses[-log_every:])):>7.4f}")
+                print(
+                    f"{int(state.step):>10}  "
+                    f"{int(acc_state.gradient_step):>9}  "
+                    f"{float(oa.loss_scale(state.opt_state)):>10.0f}  "
+                    f"{float(np.mean(losses[-log_every:])):>7.4f}"
+                )
         state = flush(state)  # the epoch's last, partial window
-        print(f"end of epoch {epoch + 1}: test accuracy "
-              f"{float(accuracy(state, x_test, y_test)):.4f}")
+        print(
+            f"end of epoch {epoch + 1}: test accuracy "
+            f"{float(accuracy(state, x_test, y_test)):.4f}"
+        )
     final = float(np.mean(losses[-n_micro:]))
-    print(f"final: loss scale {float(oa.loss_scale(state.opt_state)):.0f}, "
-          f"last epoch's mean loss {final:.4f}")
+    print(
+        f"final: loss scale {float(oa.loss_scale(state.opt_state)):.0f}, "
+        f"last epoch's mean loss {final:.4f}"
+    )
     return final
 
 

@@ -52,8 +52,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--tiny", action="store_true",
-                        help="a single epoch (a smoke test)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a single epoch (a smoke test)"
+    )
     args = parser.parse_args(argv)
     epochs = 1 if args.tiny else args.epochs
 
@@ -80,11 +81,14 @@ def main(argv=None):
     @jax.jit
     def ref_step(params, opt_state, xb, yb):
         updates, opt_state = ref_tx.update(
-            jax.grad(loss_fn)(params, xb, yb), opt_state, params)
+            jax.grad(loss_fn)(params, xb, yb), opt_state, params
+        )
         return optax.apply_updates(params, updates), opt_state
 
-    print(f"an epoch: {N_MICRO} micro-batches of {MICRO} examples, "
-          f"accumulate({K}) -> windows of 4, 4 and 2 micro-batches")
+    print(
+        f"an epoch: {N_MICRO} micro-batches of {MICRO} examples, "
+        f"accumulate({K}) -> windows of 4, 4 and 2 micro-batches"
+    )
     runs = {
         "big-batch reference": [params0, ref_tx.init(params0)],
         "with oa.flush": [params0, tx.init(params0)],
@@ -109,32 +113,46 @@ def main(argv=None):
             if name == "with oa.flush":
                 run[:] = flush(*run)
         print(f"\nafter epoch {epoch + 1}:")
-        print(f"  {'':<20}  {'SGD steps':>9}  {'left in window':>14}  "
-              f"{'|params - reference|':>20}")
+        print(
+            f"  {'':<20}  {'SGD steps':>9}  {'left in window':>14}  "
+            f"{'|params - reference|':>20}"
+        )
         for name, (params, opt_state) in runs.items():
             if name == "big-batch reference":
                 steps, pending = 3 * (epoch + 1), 0
             else:
                 acc = opt_state[0]  # the AccumulateState
                 steps, pending = int(acc.gradient_step), int(acc.mini_step)
-            print(f"  {name:<20}  {steps:>9}  {pending:>14}  "
-                  f"{distance(params, ref[0]):>20.2e}")
+            print(
+                f"  {name:<20}  {steps:>9}  {pending:>14}  "
+                f"{distance(params, ref[0]):>20.2e}"
+            )
 
     # The divisor: flushing after micro-batches 8 and 9 emits their mean.
     acc = oa.accumulate(K)
     state = acc.init(params0)
-    grads = [grad_fn(params0, x[i * MICRO:(i + 1) * MICRO],
-                     y[i * MICRO:(i + 1) * MICRO]) for i in (8, 9)]
+    grads = [
+        grad_fn(
+            params0,
+            x[i * MICRO : (i + 1) * MICRO],
+            y[i * MICRO : (i + 1) * MICRO],
+        )
+        for i in (8, 9)
+    ]
     for g in grads:
         _, state = acc.update(g, state, params0)
     flushed, state = oa.flush(acc, state, params0)
     total = optax.tree.add(*grads)
     print("\nthe flushed window of 2 micro-batches emits (g8 + g9) / 2:")
-    print(f"  |flushed - (g8 + g9) / 2| = "
-          f"{distance(flushed, optax.tree.scale(0.5, total)):.2e}")
-    print(f"  |flushed - (g8 + g9) / 4| = "
-          f"{distance(flushed, optax.tree.scale(0.25, total)):.2e}"
-          "   (the window length, 4, as divisor)")
+    print(
+        f"  |flushed - (g8 + g9) / 2| = "
+        f"{distance(flushed, optax.tree.scale(0.5, total)):.2e}"
+    )
+    print(
+        f"  |flushed - (g8 + g9) / 4| = "
+        f"{distance(flushed, optax.tree.scale(0.25, total)):.2e}"
+        "   (the window length, 4, as divisor)"
+    )
     params, _ = runs["with oa.flush"]
     return distance(params, runs["big-batch reference"][0])
 

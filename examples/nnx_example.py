@@ -37,8 +37,9 @@ MICRO = 16
 class CNN(nnx.Module):
     def __init__(self, accum_steps: int, rngs: nnx.Rngs):
         self.conv1 = nnx.Conv(1, 16, (3, 3), use_bias=False, rngs=rngs)
-        self.bn = oa_nnx.AccumBatchNorm(16, accum_steps=accum_steps,
-                                        momentum=0.9, rngs=rngs)
+        self.bn = oa_nnx.AccumBatchNorm(
+            16, accum_steps=accum_steps, momentum=0.9, rngs=rngs
+        )
         self.conv2 = nnx.Conv(16, 32, (3, 3), strides=2, rngs=rngs)
         self.head = nnx.Linear(4 * 4 * 32, 10, rngs=rngs)
 
@@ -46,7 +47,6 @@ class CNN(nnx.Module):
         x = nnx.relu(self.bn(self.conv1(x)))
         x = nnx.relu(self.conv2(x))
         return self.head(x.reshape(x.shape[0], -1))
-
 
 
 def loss_fn(model, x, y):
@@ -77,36 +77,46 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--tiny", action="store_true",
-                        help="2 epochs on a subset (a smoke test)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="2 epochs on a subset (a smoke test)",
+    )
     args = parser.parse_args(argv)
     epochs = 2 if args.tiny else args.epochs
 
     x_train, y_train, x_test, y_test = (
-        load_data(n_train=160) if args.tiny else load_data())
+        load_data(n_train=160) if args.tiny else load_data()
+    )
     model = CNN(args.accum, nnx.Rngs(0))
     optimizer = oa_nnx.Optimizer(
-        model, oa.chain(oa.accumulate(args.accum), optax.adam(args.lr)))
+        model, oa.chain(oa.accumulate(args.accum), optax.adam(args.lr))
+    )
     n_micro = len(x_train) // MICRO
-    print(f"{len(x_train)} training images: {n_micro} micro-batches of "
-          f"{MICRO} per epoch = {n_micro // args.accum} windows of "
-          f"{args.accum} + {n_micro % args.accum} flushed")
+    print(
+        f"{len(x_train)} training images: {n_micro} micro-batches of "
+        f"{MICRO} per epoch = {n_micro // args.accum} windows of "
+        f"{args.accum} + {n_micro % args.accum} flushed"
+    )
     for epoch in range(epochs):
         model.train()
         perm = np.random.default_rng([0, epoch]).permutation(len(x_train))
         losses = []
         for i in range(n_micro):
-            idx = perm[i * MICRO:(i + 1) * MICRO]
-            losses.append(train_step(model, optimizer, x_train[idx],
-                                     y_train[idx]))
+            idx = perm[i * MICRO : (i + 1) * MICRO]
+            losses.append(
+                train_step(model, optimizer, x_train[idx], y_train[idx])
+            )
         end_of_epoch(model, optimizer)
         acc_state = optimizer.opt_state[0]  # the AccumulateState
         model.eval()
-        print(f"epoch {epoch + 1}: mean loss {float(np.mean(losses)):.4f}, "
-              f"micro-steps {int(optimizer.step[...])}, Adam steps "
-              f"{int(acc_state.gradient_step[...])}, open BN window "
-              f"{int(model.bn.window_step[...])}, test accuracy "
-              f"{float(accuracy(model, x_test, y_test)):.4f}")
+        print(
+            f"epoch {epoch + 1}: mean loss {float(np.mean(losses)):.4f}, "
+            f"micro-steps {int(optimizer.step[...])}, Adam steps "
+            f"{int(acc_state.gradient_step[...])}, open BN window "
+            f"{int(model.bn.window_step[...])}, test accuracy "
+            f"{float(accuracy(model, x_test, y_test)):.4f}"
+        )
     final = float(accuracy(model, x_test, y_test))
     print(f"final test accuracy {final:.4f}")
     return final

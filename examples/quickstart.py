@@ -53,7 +53,8 @@ MOMENTUM = 0.9  # of the BatchNorm running averages
 
 def cross_entropy(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits, labels).mean()
+        logits, labels
+    ).mean()
 
 
 def make_train_step(model):
@@ -63,12 +64,15 @@ def make_train_step(model):
         def loss_fn(params):
             logits, updates = model.apply(
                 {"params": params, "batch_stats": state.batch_stats},
-                x, train=True, mutable=["batch_stats"],
+                x,
+                train=True,
+                mutable=["batch_stats"],
             )
             return cross_entropy(logits, y), updates["batch_stats"]
 
-        (loss, batch_stats), grads = jax.value_and_grad(
-            loss_fn, has_aux=True)(state.params)
+        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params
+        )
         # The fused path: on the 3 micro-steps out of 4 that do not close the
         # window, the params are handed back untouched.
         state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
@@ -82,27 +86,35 @@ def memory_bytes(compiled):
     """``(footprint, temp)`` bytes of a compiled step: arguments + outputs
     - aliased (donated) + temporaries, as XLA's memory analysis counts them."""
     m = compiled.memory_analysis()
-    total = (m.argument_size_in_bytes + m.output_size_in_bytes
-             - m.alias_size_in_bytes + m.temp_size_in_bytes)
+    total = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
     return total, m.temp_size_in_bytes
 
 
 def batches(x, y, size):
     """Consecutive batches of ``size`` (the last one may be smaller)."""
     for i in range(0, len(x), size):
-        yield x[i:i + size], y[i:i + size]
+        yield x[i : i + size], y[i : i + size]
 
 
 def train(name, batch, accum, data, epochs, lr, seed, progress):
     """Trains one configuration; returns its per-epoch history and summary."""
     x_train, y_train, x_test, y_test = data
     model = CNN(accum_steps=accum, momentum=MOMENTUM)
-    variables = model.init(
-        jax.random.key(seed), x_train[:MICRO], train=False)
-    tx = optax.adam(lr) if accum == 1 else oa.chain(
-        oa.accumulate(accum), optax.adam(lr))
+    variables = model.init(jax.random.key(seed), x_train[:MICRO], train=False)
+    tx = (
+        optax.adam(lr)
+        if accum == 1
+        else oa.chain(oa.accumulate(accum), optax.adam(lr))
+    )
     state = TrainState.create(
-        apply_fn=model.apply, params=variables["params"], tx=tx,
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=tx,
         batch_stats=variables["batch_stats"],
     )
     train_step = make_train_step(model)
@@ -124,10 +136,11 @@ def train(name, batch, accum, data, epochs, lr, seed, progress):
     n_micro = len(x_train) // MICRO
     history = {"test_acc": [], "train_loss": []}
     start = time.perf_counter()
-    for epoch in tqdm(range(epochs), desc=f"{name:>20}", unit="epoch",
-                      disable=not progress):
+    for epoch in tqdm(
+        range(epochs), desc=f"{name:>20}", unit="epoch", disable=not progress
+    ):
         perm = np.random.default_rng([seed, epoch]).permutation(len(x_train))
-        perm = perm[:n_micro * MICRO]
+        perm = perm[: n_micro * MICRO]
         losses, sizes = [], []
         for xb, yb in batches(x_train[perm], y_train[perm], batch):
             state, loss = step(state, xb, yb)
@@ -138,13 +151,15 @@ def train(name, batch, accum, data, epochs, lr, seed, progress):
             # count, for the optimizer and for the BatchNorm statistics.
             state = flush(state)
         history["train_loss"].append(
-            float(np.average(jax.device_get(losses), weights=sizes)))
+            float(np.average(jax.device_get(losses), weights=sizes))
+        )
         history["test_acc"].append(float(accuracy(state, x_test, y_test)))
     jax.block_until_ready(state)
     wall = time.perf_counter() - start
     memory = memory_bytes(compiled[batch])
-    steps = (int(state.step) if accum == 1
-             else int(state.opt_state[0].gradient_step))
+    steps = (
+        int(state.step) if accum == 1 else int(state.opt_state[0].gradient_step)
+    )
     return history, {
         "run": name,
         "test acc": history["test_acc"][-1],
@@ -157,21 +172,36 @@ def train(name, batch, accum, data, epochs, lr, seed, progress):
 
 
 def print_table(rows):
-    headers = ["run", "test acc", "train loss", "opt steps", "wall s",
-               "step mem KiB", "temp KiB"]
+    headers = [
+        "run",
+        "test acc",
+        "train loss",
+        "opt steps",
+        "wall s",
+        "step mem KiB",
+        "temp KiB",
+    ]
     cells = [
-        [r["run"], f"{r['test acc']:.4f}", f"{r['train loss']:.4f}",
-         str(r["opt steps"]), f"{r['wall s']:.1f}",
-         f"{r['step memory'] / 1024:.1f}", f"{r['step temp'] / 1024:.1f}"]
+        [
+            r["run"],
+            f"{r['test acc']:.4f}",
+            f"{r['train loss']:.4f}",
+            str(r["opt steps"]),
+            f"{r['wall s']:.1f}",
+            f"{r['step memory'] / 1024:.1f}",
+            f"{r['step temp'] / 1024:.1f}",
+        ]
         for r in rows
     ]
-    widths = [max(len(h), *(len(c[i]) for c in cells))
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)
+    ]
 
     def line(values):
         return "  ".join(
             v.ljust(w) if i == 0 else v.rjust(w)
-            for i, (v, w) in enumerate(zip(values, widths, strict=True)))
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
+        )
 
     print(line(headers))
     print("  ".join("-" * w for w in widths))
@@ -185,12 +215,14 @@ def plot(histories, path, title):
     for (name, hist), style in zip(histories.items(), styles, strict=True):
         epochs = np.arange(1, len(hist["test_acc"]) + 1)
         ax_acc.plot(epochs, hist["test_acc"], style, marker=".", label=name)
-        ax_loss.plot(epochs, hist["train_loss"], style, marker=".",
-                     label=name)
-    ax_acc.set(xlabel="epoch", ylabel="test accuracy",
-               title="Test accuracy")
-    ax_loss.set(xlabel="epoch", ylabel="train loss (cross-entropy)",
-                title="Train loss", yscale="log")
+        ax_loss.plot(epochs, hist["train_loss"], style, marker=".", label=name)
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="Test accuracy")
+    ax_loss.set(
+        xlabel="epoch",
+        ylabel="train loss (cross-entropy)",
+        title="Train loss",
+        yscale="log",
+    )
     for ax in (ax_acc, ax_loss):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
@@ -206,23 +238,29 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=".",
-                        help="directory for quickstart.png")
-    parser.add_argument("--tiny", action="store_true",
-                        help="2 epochs on a subset (a smoke test, seconds)")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bars")
+    parser.add_argument(
+        "--out", default=".", help="directory for quickstart.png"
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="2 epochs on a subset (a smoke test, seconds)",
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bars"
+    )
     args = parser.parse_args(argv)
     epochs = 2 if args.tiny else args.epochs
 
-    data = (load_data(n_train=288, n_test=128) if args.tiny
-            else load_data())
+    data = load_data(n_train=288, n_test=128) if args.tiny else load_data()
     n_train, n_test = len(data[0]), len(data[2])
     n_micro = n_train // MICRO
-    print(f"digits: {n_train} training / {n_test} test images (8x8); "
-          f"{n_micro} micro-batches of {MICRO} per epoch = "
-          f"{n_micro // K} windows of {K} + {n_micro % K}; {epochs} epochs; "
-          f"{jax.devices()[0].platform}")
+    print(
+        f"digits: {n_train} training / {n_test} test images (8x8); "
+        f"{n_micro} micro-batches of {MICRO} per epoch = "
+        f"{n_micro // K} windows of {K} + {n_micro % K}; {epochs} epochs; "
+        f"{jax.devices()[0].platform}"
+    )
     runs = [  # (name, batch size, accumulation window)
         (f"(a) batch {MICRO * K}", MICRO * K, 1),
         (f"(b) {MICRO} x accumulate({K})", MICRO, K),
@@ -231,21 +269,32 @@ def main(argv=None):
     histories, rows = {}, []
     for name, batch, accum in runs:
         histories[name], row = train(
-            name, batch, accum, data, epochs, args.lr, args.seed,
+            name,
+            batch,
+            accum,
+            data,
+            epochs,
+            args.lr,
+            args.seed,
             progress=not args.no_progress,
         )
         rows.append(row)
 
     print()
     print_table(rows)
-    print("\n(a) and (b) take the same Adam steps on the same examples; (b) "
-          "holds the\nactivations of 16 examples, not 64 (temp). (c) takes "
-          "4x the steps, each on 16.\nWall time includes compilation.")
+    print(
+        "\n(a) and (b) take the same Adam steps on the same examples; (b) "
+        "holds the\nactivations of 16 examples, not 64 (temp). (c) takes "
+        "4x the steps, each on 16.\nWall time includes compilation."
+    )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "quickstart.png")
-    plot(histories, path,
-         f"CNN on digits, {epochs} epochs: batch {MICRO * K} vs "
-         f"{K} accumulated micro-batches of {MICRO} vs batch {MICRO}")
+    plot(
+        histories,
+        path,
+        f"CNN on digits, {epochs} epochs: batch {MICRO * K} vs "
+        f"{K} accumulated micro-batches of {MICRO} vs batch {MICRO}",
+    )
     print(f"saved {path}")
     return rows
 

@@ -55,8 +55,10 @@ def make_batch(rng, batch, max_len, vocab):
     step = rng.integers(1, 4, size=(batch, 1))
     tokens = 1 + (start + step * np.arange(max_len)) % (vocab - 1)
     tokens = np.where(np.arange(max_len) < lengths[:, None], tokens, PAD)
-    return {"tokens": tokens.astype(np.int32),
-            "lengths": lengths.astype(np.int32)}
+    return {
+        "tokens": tokens.astype(np.int32),
+        "lengths": lengths.astype(np.int32),
+    }
 
 
 def init_params(key, vocab, max_len, dim):
@@ -68,9 +70,12 @@ def init_params(key, vocab, max_len, dim):
     return {
         "embed": 0.5 * jax.random.normal(ks[0], (vocab, dim)),
         "pos": 0.1 * jax.random.normal(ks[1], (max_len, dim)),
-        "wq": dense(ks[2], dim, dim), "wk": dense(ks[3], dim, dim),
-        "wv": dense(ks[4], dim, dim), "w1": dense(ks[5], dim, 4 * dim),
-        "w2": dense(ks[6], 4 * dim, dim), "out": dense(ks[7], dim, vocab),
+        "wq": dense(ks[2], dim, dim),
+        "wk": dense(ks[3], dim, dim),
+        "wv": dense(ks[4], dim, dim),
+        "w1": dense(ks[5], dim, 4 * dim),
+        "w2": dense(ks[6], 4 * dim, dim),
+        "out": dense(ks[7], dim, vocab),
     }
 
 
@@ -105,8 +110,9 @@ def loss_fn(params, batch):
 
 def split(batch, k):
     """``k`` consecutive micro-batches of ``batch``."""
-    return [jax.tree.map(lambda a, i=i: np.split(a, k)[i], batch)
-            for i in range(k)]
+    return [
+        jax.tree.map(lambda a, i=i: np.split(a, k)[i], batch) for i in range(k)
+    ]
 
 
 grad_fn = jax.jit(jax.value_and_grad(loss_fn))
@@ -135,16 +141,24 @@ def relative_distance(grads, reference):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=16,
-                        help="sequences in the batch")
-    parser.add_argument("--accum", type=int, default=4,
-                        help="micro-batches (must divide --batch)")
+    parser.add_argument(
+        "--batch", type=int, default=16, help="sequences in the batch"
+    )
+    parser.add_argument(
+        "--accum",
+        type=int,
+        default=4,
+        help="micro-batches (must divide --batch)",
+    )
     parser.add_argument("--max-len", type=int, default=24)
     parser.add_argument("--vocab", type=int, default=32)
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tiny", action="store_true",
-                        help="smaller batch and model (a smoke test)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="smaller batch and model (a smoke test)",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.batch, args.max_len, args.dim = 8, 12, 16
@@ -153,34 +167,48 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed)
     batch = make_batch(rng, args.batch, args.max_len, args.vocab)
     params = jax.jit(init_params, static_argnums=(1, 2, 3))(
-        jax.random.key(args.seed), args.vocab, args.max_len, args.dim)
+        jax.random.key(args.seed), args.vocab, args.max_len, args.dim
+    )
     micro_batches = split(batch, k)
     counts = [int(num_tokens(mb)) for mb in micro_batches]
     print(f"{args.batch} sequences of lengths {batch['lengths'].tolist()}")
-    print(f"{k} micro-batches of {args.batch // k} sequences, with "
-          f"{counts} real target tokens ({sum(counts)} in all)\n")
+    print(
+        f"{k} micro-batches of {args.batch // k} sequences, with "
+        f"{counts} real target tokens ({sum(counts)} in all)\n"
+    )
 
     full_loss, full_grads = grad_fn(params, batch)
     weighted, weighted_loss = accumulated(
-        oa.accumulate(k), params, micro_batches, weighted=True)
+        oa.accumulate(k), params, micro_batches, weighted=True
+    )
     naive, naive_loss = accumulated(
-        oa.accumulate(k), params, micro_batches, weighted=False)
-    scan_loss, scan_grads = jax.jit(oa.microbatched_value_and_grad(
-        loss_fn, k, weight_fn=num_tokens))(params, batch)
+        oa.accumulate(k), params, micro_batches, weighted=False
+    )
+    scan_loss, scan_grads = jax.jit(
+        oa.microbatched_value_and_grad(loss_fn, k, weight_fn=num_tokens)
+    )(params, batch)
 
     def distance(grads):
         return float(relative_distance(grads, full_grads))
 
     rows = [
         ("full batch, jax.value_and_grad", float(full_loss), 0.0),
-        ("oa.accumulate, accum_weight=tokens", weighted_loss,
-         distance(weighted)),
+        (
+            "oa.accumulate, accum_weight=tokens",
+            weighted_loss,
+            distance(weighted),
+        ),
         ("oa.accumulate, unweighted (naive)", naive_loss, distance(naive)),
-        ("oa.microbatched_value_and_grad", float(scan_loss),
-         distance(scan_grads)),
+        (
+            "oa.microbatched_value_and_grad",
+            float(scan_loss),
+            distance(scan_grads),
+        ),
     ]
-    print(f"{'gradient of the token-mean loss':<36}  {'loss':>8}  "
-          f"{'|g - g_full| / |g_full|':>23}")
+    print(
+        f"{'gradient of the token-mean loss':<36}  {'loss':>8}  "
+        f"{'|g - g_full| / |g_full|':>23}"
+    )
     for name, loss, dist in rows:
         print(f"{name:<36}  {loss:>8.5f}  {dist:>23.2e}")
 
@@ -189,19 +217,27 @@ def main(argv=None):
     lr = 1e-2
     big_adam = optax.adam(lr)
     big_updates, _ = jax.jit(big_adam.update)(
-        full_grads, big_adam.init(params), params)
+        full_grads, big_adam.init(params), params
+    )
     reference = jax.jit(optax.apply_updates)(params, big_updates)
     print(f"\none Adam step (lr {lr}): max |params - params_full_batch|")
     for name, weighted_flag in (("weighted", True), ("naive", False)):
         tx = oa.chain(oa.accumulate(k), optax.adam(lr))
-        updates, _ = accumulated(tx, params, micro_batches,
-                                 weighted=weighted_flag)
+        updates, _ = accumulated(
+            tx, params, micro_batches, weighted=weighted_flag
+        )
         new = jax.jit(optax.apply_updates)(params, updates)
-        err = max(np.max(np.abs(a - b)) for a, b in zip(
-            jax.device_get(jax.tree.leaves(new)),
-            jax.device_get(jax.tree.leaves(reference)), strict=True))
-        print(f"  oa.chain(oa.accumulate({k}), optax.adam), {name:<8}  "
-              f"{err:.2e}")
+        err = max(
+            np.max(np.abs(a - b))
+            for a, b in zip(
+                jax.device_get(jax.tree.leaves(new)),
+                jax.device_get(jax.tree.leaves(reference)),
+                strict=True,
+            )
+        )
+        print(
+            f"  oa.chain(oa.accumulate({k}), optax.adam), {name:<8}  {err:.2e}"
+        )
     return {name: dist for name, _, dist in rows}
 
 

@@ -30,8 +30,9 @@ D_IN, D_OUT = 5, 3
 LEARNING_RATE = 0.05
 
 
-def make_data(num_devices: int, steps: int, *, ragged: bool = True,
-              seed: int = 0):
+def make_data(
+    num_devices: int, steps: int, *, ragged: bool = True, seed: int = 0
+):
     """``steps`` micro-steps of data for ``num_devices`` devices: ``x, y,
     mask`` of shape ``(steps, num_devices, BATCH, ...)``. ``mask`` marks the
     real tokens: with ``ragged``, unequal counts per device (one device has
@@ -100,9 +101,7 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
     order = sorted(d.id for d in jax.devices())
     rows = np.array([order.index(i) for i in mine])
 
-    tx = oa.chain(
-        oa.accumulate(K, axis_name="d"), optax.adam(LEARNING_RATE)
-    )
+    tx = oa.chain(oa.accumulate(K, axis_name="d"), optax.adam(LEARNING_RATE))
 
     def step(params, state, x, y, mask):
         grads = jax.grad(local_loss)(params, x, y, mask)

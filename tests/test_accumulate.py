@@ -13,7 +13,10 @@ import optaxaccum as oa
 JIT_OR_NOT = [lambda f: f, jax.jit]
 
 # Tolerances by gradient dtype (params stay float32).
-TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-6), jnp.bfloat16: dict(rtol=3e-2, atol=3e-3)}
+TOL = {
+    jnp.float32: dict(rtol=2e-5, atol=2e-6),
+    jnp.bfloat16: dict(rtol=3e-2, atol=3e-3),
+}
 
 
 def _problem(seed=0, n=96, din=5, dout=3):
@@ -42,7 +45,9 @@ def _optimizers():
         "sgd": optax.sgd(0.1),
         "sgd_momentum": optax.sgd(0.05, momentum=0.9),
         "adamw_masked": optax.adamw(0.05, weight_decay=0.1, mask=mask),
-        "clip_adam": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.05)),
+        "clip_adam": optax.chain(
+            optax.clip_by_global_norm(1.0), optax.adam(0.05)
+        ),
         "adam_schedule": optax.adam(schedule),
     }
 
@@ -113,7 +118,9 @@ def test_accumulate_equals_multisteps(k):
         if not bool(oa.has_updated(s_ours)):
             # The follower's state is untouched on a non-closing micro-step.
             chex.assert_trees_all_equal(s_ours[1], inner_before)
-        assert bool(oa.has_updated(s_ours)) == bool(theirs.has_updated(s_theirs))
+        assert bool(oa.has_updated(s_ours)) == bool(
+            theirs.has_updated(s_theirs)
+        )
         p_ours = optax.apply_updates(p_ours, u_ours)
         p_theirs = optax.apply_updates(p_theirs, u_theirs)
     chex.assert_trees_all_close(
@@ -337,7 +344,9 @@ def test_accumulator_dtype_and_emitted_dtype(grad_dtype):
 
 def test_apply_gradients_matches_plain_protocol():
     params, x, y = _problem(4)
-    tx = oa.chain(optax.clip_by_global_norm(1.0), oa.accumulate(3), optax.adamw(0.1))
+    tx = oa.chain(
+        optax.clip_by_global_norm(1.0), oa.accumulate(3), optax.adamw(0.1)
+    )
     s_fused = s_plain = tx.init(params)
     p_fused = p_plain = params
     fused = jax.jit(lambda g, s, p: oa.apply_gradients(tx, g, s, p))
@@ -351,7 +360,9 @@ def test_apply_gradients_matches_plain_protocol():
         chex.assert_trees_all_close(p_fused, p_plain, rtol=1e-6, atol=1e-7)
         chex.assert_trees_all_close(s_fused, s_plain, rtol=1e-6, atol=1e-7)
     # Non-gate transformations take the ordinary path.
-    p, s = oa.apply_gradients(optax.sgd(1.0), jnp.ones(1), (optax.EmptyState(),) * 2, jnp.zeros(1))
+    p, s = oa.apply_gradients(
+        optax.sgd(1.0), jnp.ones(1), (optax.EmptyState(),) * 2, jnp.zeros(1)
+    )
     np.testing.assert_allclose(p, [-1.0])
 
 
@@ -372,8 +383,16 @@ def test_gradient_step_saturates_not_wraps():
         (dict(every_k=True), TypeError, "every_k=True"),
         (dict(every_k="4"), TypeError, "every_k"),
         (dict(every_k=2, reduction="avg"), ValueError, "reduction='avg'"),
-        (dict(every_k=2, accumulator_dtype=jnp.int32), ValueError, "accumulator_dtype"),
-        (dict(every_k=2, accumulator_dtype="nonsense"), TypeError, "accumulator_dtype"),
+        (
+            dict(every_k=2, accumulator_dtype=jnp.int32),
+            ValueError,
+            "accumulator_dtype",
+        ),
+        (
+            dict(every_k=2, accumulator_dtype="nonsense"),
+            TypeError,
+            "accumulator_dtype",
+        ),
         (dict(every_k=2, skip_nonfinite=1), TypeError, "skip_nonfinite"),
         (dict(every_k=2, axis_name=["d"]), TypeError, "axis_name"),
     ],
@@ -386,10 +405,14 @@ def test_accumulate_bad_arguments(kwargs, exc, match):
 def test_mismatched_gradient_structure_names_both():
     tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
     s = tx.init({"a": jnp.zeros(2), "b": jnp.zeros(1)})
-    with pytest.raises(ValueError, match=r"(?s)gradients.*'a'.*'c'.*accumulator.*'b'"):
+    with pytest.raises(
+        ValueError, match=r"(?s)gradients.*'a'.*'c'.*accumulator.*'b'"
+    ):
         tx.update({"a": jnp.zeros(2), "c": jnp.zeros(1)}, s)
     with pytest.raises(ValueError, match="accum_weight must be a scalar"):
-        tx.update({"a": jnp.zeros(2), "b": jnp.zeros(1)}, s, accum_weight=jnp.ones(2))
+        tx.update(
+            {"a": jnp.zeros(2), "b": jnp.zeros(1)}, s, accum_weight=jnp.ones(2)
+        )
 
 
 def test_chain_rejects_non_transformations():
@@ -416,7 +439,8 @@ def test_axis_name_window_of_zero_total_weight_emits_zeros(reduction):
         return tx.update(g, s, accum_weight=w)
 
     u, s = jax.pmap(step, axis_name="d", devices=jax.devices()[:2])(
-        grads, state, weights)
+        grads, state, weights
+    )
     chex.assert_trees_all_equal(u, jnp.zeros((2, 2)))
     assert not bool(jnp.any(s.updated))
 
@@ -424,7 +448,9 @@ def test_axis_name_window_of_zero_total_weight_emits_zeros(reduction):
 def test_float16_accumulator_keeps_weights_in_float32():
     """Regression: token-count weights summed in float16 overflowed (40000 x 2
     > 65504) and zeroed the update."""
-    tx = oa.chain(oa.accumulate(2, accumulator_dtype=jnp.float16), optax.sgd(1.0))
+    tx = oa.chain(
+        oa.accumulate(2, accumulator_dtype=jnp.float16), optax.sgd(1.0)
+    )
     params = jnp.zeros(2)
     s = tx.init(params)
     assert s[0].weight.dtype == jnp.float32
@@ -434,10 +460,13 @@ def test_float16_accumulator_keeps_weights_in_float32():
     np.testing.assert_allclose(u, -g, rtol=1e-3)
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(every_k=2**31), ValueError, "int32"),
-    (dict(every_k=2, accumulator_dtype=jnp.float64), ValueError, "64-bit"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(every_k=2**31), ValueError, "int32"),
+        (dict(every_k=2, accumulator_dtype=jnp.float64), ValueError, "64-bit"),
+    ],
+)
 def test_accumulate_more_bad_arguments(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         oa.accumulate(**kwargs)

@@ -29,8 +29,9 @@ def np_agc(g, w, axes, clipping, eps):
     g = np.asarray(g, np.float64)
     w = np.asarray(w, np.float64)
     g_norm = np.sqrt(np.sum(g * g, axis=axes, keepdims=True))
-    bound = clipping * np.maximum(np.sqrt(np.sum(w * w, axis=axes,
-                                                 keepdims=True)), eps)
+    bound = clipping * np.maximum(
+        np.sqrt(np.sum(w * w, axis=axes, keepdims=True)), eps
+    )
     scale = np.ones_like(g_norm)
     over = g_norm > bound
     scale[over] = bound[over] / g_norm[over]
@@ -49,8 +50,9 @@ def normal(rng, shape, dtype=jnp.float32, scale=1.0):
 
 def random_tree(seed, shapes, dtype=jnp.float32, scale=1.0):
     rng = np.random.default_rng(seed)
-    return {name: normal(rng, shape, dtype, scale)
-            for name, shape in shapes.items()}
+    return {
+        name: normal(rng, shape, dtype, scale) for name, shape in shapes.items()
+    }
 
 
 def spread_grads(seed, shapes, dtype=jnp.float32):
@@ -96,8 +98,7 @@ def test_agc_matches_optax_float32(wrap, clipping):
     chex.assert_trees_all_close(got, want, **TOL[jnp.float32])
     # Both regimes occur: some units are clipped, some are not.
     n_changed = sum(
-        int(np.sum(np.asarray(got[k]) != np.asarray(grads[k])))
-        for k in grads
+        int(np.sum(np.asarray(got[k]) != np.asarray(grads[k]))) for k in grads
     )
     assert 0 < n_changed < sum(g.size for g in grads.values())
 
@@ -121,10 +122,16 @@ def test_agc_bfloat16_grads_float32_params_strict(wrap):
     got = run(oa.agc(0.05), grads, params, wrap)  # strict promotion inside
     chex.assert_trees_all_equal_dtypes(got, grads)
     for k in grads:
-        want = np_agc(np.asarray(grads[k], np.float32), params[k],
-                      default_axes(grads[k].ndim), 0.05, 1e-3)
-        np.testing.assert_allclose(np.asarray(got[k], np.float64), want,
-                                   **TOL[jnp.bfloat16])
+        want = np_agc(
+            np.asarray(grads[k], np.float32),
+            params[k],
+            default_axes(grads[k].ndim),
+            0.05,
+            1e-3,
+        )
+        np.testing.assert_allclose(
+            np.asarray(got[k], np.float64), want, **TOL[jnp.bfloat16]
+        )
 
 
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
@@ -145,29 +152,37 @@ def test_agc_3d_kernels(wrap, shape):
 
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
 def test_agc_attention_qkv_per_head_units_via_callable(wrap):
-    params = {"query": random_tree(8, {"kernel": (6, 2, 3)}),
-              "out": random_tree(9, {"kernel": (2, 3, 6)})}
-    grads = {"query": random_tree(10, {"kernel": (6, 2, 3)}, scale=0.2),
-             "out": random_tree(11, {"kernel": (2, 3, 6)}, scale=0.2)}
+    params = {
+        "query": random_tree(8, {"kernel": (6, 2, 3)}),
+        "out": random_tree(9, {"kernel": (2, 3, 6)}),
+    }
+    grads = {
+        "query": random_tree(10, {"kernel": (6, 2, 3)}, scale=0.2),
+        "out": random_tree(11, {"kernel": (2, 3, 6)}, scale=0.2),
+    }
 
     def axis(path, x):
         return 0 if path[0].key in ("query", "key", "value") else None
 
     got = run(oa.agc(0.05, axis=axis), grads, params, wrap)
-    want_q = np_agc(grads["query"]["kernel"], params["query"]["kernel"],
-                    (0,), 0.05, 1e-3)
-    want_o = np_agc(grads["out"]["kernel"], params["out"]["kernel"],
-                    (0, 1), 0.05, 1e-3)
-    np.testing.assert_allclose(got["query"]["kernel"], want_q,
-                               **TOL[jnp.float32])
-    np.testing.assert_allclose(got["out"]["kernel"], want_o,
-                               **TOL[jnp.float32])
+    want_q = np_agc(
+        grads["query"]["kernel"], params["query"]["kernel"], (0,), 0.05, 1e-3
+    )
+    want_o = np_agc(
+        grads["out"]["kernel"], params["out"]["kernel"], (0, 1), 0.05, 1e-3
+    )
+    np.testing.assert_allclose(
+        got["query"]["kernel"], want_q, **TOL[jnp.float32]
+    )
+    np.testing.assert_allclose(got["out"]["kernel"], want_o, **TOL[jnp.float32])
     # axis=0 is exactly optax's rule for 3-D leaves.
     ref_tx = optax.adaptive_grad_clip(0.05)
-    ref, _ = ref_tx.update(grads["query"], ref_tx.init(params["query"]),
-                           params["query"])
-    np.testing.assert_allclose(got["query"]["kernel"], ref["kernel"],
-                               **TOL[jnp.float32])
+    ref, _ = ref_tx.update(
+        grads["query"], ref_tx.init(params["query"]), params["query"]
+    )
+    np.testing.assert_allclose(
+        got["query"]["kernel"], ref["kernel"], **TOL[jnp.float32]
+    )
 
 
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
@@ -181,11 +196,11 @@ def test_agc_clips_per_output_unit(wrap, dtype):
     assert got.dtype == dtype
     np.testing.assert_array_equal(got[:, 0], g[:, 0])  # bit-for-bit
     loud = np.asarray(got[:, 1], np.float64)
-    np.testing.assert_allclose(np.linalg.norm(loud), 0.1 * 13.0,
-                               **TOL[dtype])
+    np.testing.assert_allclose(np.linalg.norm(loud), 0.1 * 13.0, **TOL[dtype])
     g1 = np.asarray(g[:, 1], np.float64)  # direction kept
-    np.testing.assert_allclose(loud, g1 * (1.3 / np.linalg.norm(g1)),
-                               **TOL[dtype])
+    np.testing.assert_allclose(
+        loud, g1 * (1.3 / np.linalg.norm(g1)), **TOL[dtype]
+    )
 
 
 # ---------------------------------------------------------------- axis forms
@@ -199,8 +214,7 @@ def axis_case(axis, per_leaf_axes, wrap):
     got = run(oa.agc(0.1, axis=axis), grads, params, wrap)
     for k in grads:
         want = np_agc(grads[k], params[k], per_leaf_axes[k], 0.1, 1e-3)
-        np.testing.assert_allclose(got[k], want, **TOL[jnp.float32],
-                                   err_msg=k)
+        np.testing.assert_allclose(got[k], want, **TOL[jnp.float32], err_msg=k)
 
 
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
@@ -236,12 +250,15 @@ def test_agc_axis_pytree_with_none_entries(wrap):
 
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
 def test_agc_axis_pytree_prefix(wrap):
-    params = {"enc": random_tree(16, {"w": (4, 3), "v": (3, 5)}),
-              "head": random_tree(17, {"w": (3, 2)})}
-    grads = {"enc": random_tree(18, {"w": (4, 3), "v": (3, 5)}, scale=0.3),
-             "head": random_tree(19, {"w": (3, 2)}, scale=0.3)}
-    got = run(oa.agc(0.1, axis={"enc": 1, "head": None}), grads, params,
-              wrap)
+    params = {
+        "enc": random_tree(16, {"w": (4, 3), "v": (3, 5)}),
+        "head": random_tree(17, {"w": (3, 2)}),
+    }
+    grads = {
+        "enc": random_tree(18, {"w": (4, 3), "v": (3, 5)}, scale=0.3),
+        "head": random_tree(19, {"w": (3, 2)}, scale=0.3),
+    }
+    got = run(oa.agc(0.1, axis={"enc": 1, "head": None}), grads, params, wrap)
     for k in ("w", "v"):
         want = np_agc(grads["enc"][k], params["enc"][k], (1,), 0.1, 1e-3)
         np.testing.assert_allclose(got["enc"][k], want, **TOL[jnp.float32])
@@ -256,10 +273,12 @@ def test_agc_axis_pytree_for_tuple_params(wrap):
     params = (normal(rng, (4, 3)), normal(rng, (3, 4)))
     grads = (normal(rng, (4, 3), scale=0.3), normal(rng, (3, 4), scale=0.3))
     got = run(oa.agc(0.1, axis=((0,), (1,))), grads, params, wrap)
-    np.testing.assert_allclose(got[0], np_agc(grads[0], params[0], (0,),
-                                              0.1, 1e-3), **TOL[jnp.float32])
-    np.testing.assert_allclose(got[1], np_agc(grads[1], params[1], (1,),
-                                              0.1, 1e-3), **TOL[jnp.float32])
+    np.testing.assert_allclose(
+        got[0], np_agc(grads[0], params[0], (0,), 0.1, 1e-3), **TOL[jnp.float32]
+    )
+    np.testing.assert_allclose(
+        got[1], np_agc(grads[1], params[1], (1,), 0.1, 1e-3), **TOL[jnp.float32]
+    )
 
 
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
@@ -303,11 +322,15 @@ def test_agc_zero_params_use_eps(wrap, dtype):
     # Each unit's norm becomes 0.5 * 0.25: w columns and b have norms
     # sqrt(3) and sqrt(2), all entries equal.
     np.testing.assert_allclose(
-        np.asarray(got["w"], np.float64), np.full((3, 2), 0.125 / math.sqrt(3)),
-        **TOL[dtype])
+        np.asarray(got["w"], np.float64),
+        np.full((3, 2), 0.125 / math.sqrt(3)),
+        **TOL[dtype],
+    )
     np.testing.assert_allclose(
-        np.asarray(got["b"], np.float64), np.full((2,), 0.125 / math.sqrt(2)),
-        **TOL[dtype])
+        np.asarray(got["b"], np.float64),
+        np.full((2,), 0.125 / math.sqrt(2)),
+        **TOL[dtype],
+    )
 
 
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
@@ -390,16 +413,26 @@ def test_agc_accepts_integer_and_scalar_array_args():
         ((0, -2), ValueError, r"params\['w'\].*repeats"),
         ({"w": 0, "z": 3}, ValueError, r"params\['z'\].*out of range"),
         ({"w": 0}, ValueError, "structure of agc's axis"),
-        ({"w": 0, "z": None, "extra": 0}, ValueError,
-         "structure of agc's axis"),
-        (lambda path, x: x.ndim, ValueError,
-         r"params\['w'\].*out of range"),
+        (
+            {"w": 0, "z": None, "extra": 0},
+            ValueError,
+            "structure of agc's axis",
+        ),
+        (lambda path, x: x.ndim, ValueError, r"params\['w'\].*out of range"),
         (lambda path, x: "last", TypeError, r"params\['w'\]"),
         (lambda path, x: 0.0, TypeError, r"params\['w'\]"),
     ],
-    ids=["too_big", "too_negative", "repeated", "pytree_leaf",
-         "pytree_missing_key", "pytree_extra_key", "callable_range",
-         "callable_str", "callable_float"],
+    ids=[
+        "too_big",
+        "too_negative",
+        "repeated",
+        "pytree_leaf",
+        "pytree_missing_key",
+        "pytree_extra_key",
+        "callable_range",
+        "callable_str",
+        "callable_float",
+    ],
 )
 def test_agc_bad_axes_raise_naming_the_leaf(wrap, axis, exc, match):
     params = {"w": jnp.ones((2, 3)), "z": jnp.ones((2, 3, 4))}
@@ -440,20 +473,26 @@ def test_agc_is_stateless_and_takes_extra_args(wrap):
 
 def test_agc_inside_optax_masked():
     # The NFNet recipe: no clipping for the final classifier.
-    params = {"body": random_tree(21, {"w": (4, 3)}),
-              "head": random_tree(22, {"w": (3, 2)})}
-    grads = {k: {"w": jnp.asarray(10.0 * np.asarray(v["w"]))}
-             for k, v in params.items()}
+    params = {
+        "body": random_tree(21, {"w": (4, 3)}),
+        "head": random_tree(22, {"w": (3, 2)}),
+    }
+    grads = {
+        k: {"w": jnp.asarray(10.0 * np.asarray(v["w"]))}
+        for k, v in params.items()
+    }
     mask = {"body": {"w": True}, "head": {"w": False}}
-    for axis in (None, -2, {"body": {"w": 0}, "head": {"w": 0}},
-                 lambda path, x: 0):
+    for axis in (
+        None,
+        -2,
+        {"body": {"w": 0}, "head": {"w": 0}},
+        lambda path, x: 0,
+    ):
         tx = optax.masked(oa.agc(0.1, axis=axis), mask)
         got = run(tx, grads, params)
         np.testing.assert_array_equal(got["head"]["w"], grads["head"]["w"])
-        want = np_agc(grads["body"]["w"], params["body"]["w"], (0,), 0.1,
-                      1e-3)
-        np.testing.assert_allclose(got["body"]["w"], want,
-                                   **TOL[jnp.float32])
+        want = np_agc(grads["body"]["w"], params["body"]["w"], (0,), 0.1, 1e-3)
+        np.testing.assert_allclose(got["body"]["w"], want, **TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
@@ -478,8 +517,9 @@ def test_agc_clips_every_microbatch_in_chain(wrap, dtype):
     c2, _ = ref.update(f32(g2), ref.init(params), f32(params))
     want = jax.tree.map(lambda a, b: -lr * (a + b) / 2, c1, c2)
     # Clipping before accumulation differs from clipping the mean.
-    unclipped_mean = jax.tree.map(lambda a, b: -lr * (a + b) / 2,
-                                  f32(g1), f32(g2))
+    unclipped_mean = jax.tree.map(
+        lambda a, b: -lr * (a + b) / 2, f32(g1), f32(g2)
+    )
     assert not np.allclose(want["w"], unclipped_mean["w"], rtol=0.05)
     if dtype == jnp.float32:
         tol = TOL[dtype]
@@ -487,8 +527,9 @@ def test_agc_clips_every_microbatch_in_chain(wrap, dtype):
         # Each clipped micro-batch gradient is rounded to bf16 (relative
         # error 2**-9) before the two are averaged, so where they cancel the
         # error is relative to the terms, not to their mean.
-        biggest = max(float(np.max(np.abs(x))) for x in
-                      jax.tree.leaves((c1, c2)))
+        biggest = max(
+            float(np.max(np.abs(x))) for x in jax.tree.leaves((c1, c2))
+        )
         tol = dict(rtol=2.0**-7, atol=2.0**-8 * lr * biggest)
     chex.assert_trees_all_close(f32(u2), want, **tol)
 
@@ -545,13 +586,17 @@ def test_unitwise_norm_bad_axis():
 def test_agc_property_bound_holds(shape, clipping, log_grad_scale, seed):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(shape).astype(np.float32)
-    g = (10.0 ** log_grad_scale * rng.standard_normal(shape)).astype(
-        np.float32)
-    got = np.asarray(run(oa.agc(clipping), {"x": jnp.asarray(g)},
-                         {"x": jnp.asarray(w)})["x"], np.float64)
+    g = (10.0**log_grad_scale * rng.standard_normal(shape)).astype(np.float32)
+    got = np.asarray(
+        run(oa.agc(clipping), {"x": jnp.asarray(g)}, {"x": jnp.asarray(w)})[
+            "x"
+        ],
+        np.float64,
+    )
     axes = default_axes(len(shape))
-    norm = lambda a: np.sqrt(np.sum(np.asarray(a, np.float64) ** 2,
-                                    axis=axes, keepdims=True))
+    norm = lambda a: np.sqrt(
+        np.sum(np.asarray(a, np.float64) ** 2, axis=axes, keepdims=True)
+    )
     bound = clipping * np.maximum(norm(w), 1e-3)
     assert np.all(norm(got) <= bound * (1 + 1e-5))
     # Units clearly under the bound are untouched (bit-for-bit); units over
@@ -562,4 +607,5 @@ def test_agc_property_bound_holds(shape, clipping, log_grad_scale, seed):
     np.testing.assert_array_equal(got[under], g[under])
     over = g_norm > b * (1 + 1e-5)
     np.testing.assert_allclose(
-        np.broadcast_to(norm(got), shape)[over], b[over], rtol=1e-5)
+        np.broadcast_to(norm(got), shape)[over], b[over], rtol=1e-5
+    )

@@ -24,8 +24,15 @@ def _load(name):
 
 
 def _check_result_format(res):
-    for key in ("name", "title", "headers", "rows", "targets", "ratios",
-                "ratio_label"):
+    for key in (
+        "name",
+        "title",
+        "headers",
+        "rows",
+        "targets",
+        "ratios",
+        "ratio_label",
+    ):
         assert key in res, key
     assert all(len(row) == len(res["headers"]) for row in res["rows"])
     for t in res["targets"]:
@@ -42,8 +49,13 @@ def test_bench_step_main_tiny():
     names = [row[0] for row in res["rows"]]
     expected = ["floor", "Adam step alone"] + [
         f"{kind} {phase}"
-        for kind in ("fused", "plain", "MultiSteps", "oa.MultiSteps(fused)",
-                     "oa.MultiSteps(plain)")
+        for kind in (
+            "fused",
+            "plain",
+            "MultiSteps",
+            "oa.MultiSteps(fused)",
+            "oa.MultiSteps(plain)",
+        )
         for phase in ("non-closing", "closing", f"window/{bench.K}")
     ]
     assert names == expected
@@ -85,7 +97,9 @@ def test_bench_microbatch_main_tiny():
     res = bench.main(tiny=True)  # raises if a variant's result is wrong
     _check_result_format(res)
     assert set(res["seconds"]) == {
-        "full batch", "optax micro_grad", "oa.microbatched",
+        "full batch",
+        "optax micro_grad",
+        "oa.microbatched",
         "lax.scan by hand",
     }
     assert list(res["temp_by_num_microbatches"]) == list(bench.SWEEP)
@@ -111,9 +125,16 @@ def test_run_all_write_report(tmp_path):
     ]
     md_path, png_path = run_all.write_report(results, str(tmp_path), tiny=True)
     md = pathlib.Path(md_path).read_text()
-    for text in ("Bx: a made-up benchmark", "| slow one | 2.00 |",
-                 "| fast   | 0.25x    | yes |", "jax " + jax.__version__,
-                 "cpu_count", "device_kind", "load average", "results.png"):
+    for text in (
+        "Bx: a made-up benchmark",
+        "| slow one | 2.00 |",
+        "| fast   | 0.25x    | yes |",
+        "jax " + jax.__version__,
+        "cpu_count",
+        "device_kind",
+        "load average",
+        "results.png",
+    ):
         assert text in md, text
     png = pathlib.Path(png_path).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000

@@ -86,7 +86,9 @@ def test_extra_args_reach_every_element():
         seen.update(extra_args)
         return updates, state
 
-    spy = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), spy_update)
+    spy = optax.GradientTransformationExtraArgs(
+        lambda p: optax.EmptyState(), spy_update
+    )
     tx = oa.chain(spy, oa.accumulate(1), spy, optax.sgd(1.0))
     s = tx.init(jnp.zeros(1))
     tx.update(jnp.ones(1), s, jnp.zeros(1), accum_weight=2.0, foo=3)
@@ -117,7 +119,9 @@ def test_hlo_non_closing_step_skips_follower():
     """Adam's square root runs only inside the conditional's branch; optax's
     MultiSteps computes it on every micro-step (optax #472)."""
     params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
-    always, branch = _split_hlo(oa.chain(oa.accumulate(4), optax.adam(1e-3)), params)
+    always, branch = _split_hlo(
+        oa.chain(oa.accumulate(4), optax.adam(1e-3)), params
+    )
     assert _hlo.count(always, "sqrt") == 0
     assert _hlo.count(branch, "sqrt") >= 1
     assert _hlo.count(always, "divide") == 0  # no mean on non-closing steps
@@ -145,9 +149,11 @@ def test_hlo_fused_non_closing_step_is_one_pass():
     comps, entry = _hlo.parse_hlo(text)
     always, branch = _hlo.split(text)
     tree_sized = [
-        line for line in comps[entry]
+        line
+        for line in comps[entry]
         if "f32[256,256]" in line.split("=", 1)[1].split("(")[0]
-        and " parameter(" not in line and " get-tuple-element(" not in line
+        and " parameter(" not in line
+        and " get-tuple-element(" not in line
         and " tuple(" not in line
     ]
     assert len(tree_sized) == 1 and " fusion(" in tree_sized[0], tree_sized
@@ -169,21 +175,30 @@ def test_fused_step_needs_no_tree_sized_temporaries():
     assert mem.temp_size_in_bytes < tree_bytes // 64, mem.temp_size_in_bytes
     plain = jax.jit(
         lambda p, s, g: (lambda u, s2: (optax.apply_updates(p, u), s2))(
-            *tx.update(g, s, p)),
+            *tx.update(g, s, p)
+        ),
         donate_argnums=(0, 1),
     )
     mem_plain = plain.lower(params, state, params).compile().memory_analysis()
-    assert mem_plain.temp_size_in_bytes >= tree_bytes, mem_plain.temp_size_in_bytes
+    assert mem_plain.temp_size_in_bytes >= tree_bytes, (
+        mem_plain.temp_size_in_bytes
+    )
 
 
 def test_apply_gradients_extra_args_and_non_gate():
     tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
     params = jnp.zeros(1)
     s = tx.init(params)
-    params, s = oa.apply_gradients(tx, jnp.array([4.0]), s, params, accum_weight=3.0)
-    params, s = oa.apply_gradients(tx, jnp.array([0.0]), s, params, accum_weight=1.0)
+    params, s = oa.apply_gradients(
+        tx, jnp.array([4.0]), s, params, accum_weight=3.0
+    )
+    params, s = oa.apply_gradients(
+        tx, jnp.array([0.0]), s, params, accum_weight=1.0
+    )
     np.testing.assert_allclose(params, [-3.0])
-    p2, _ = oa.apply_gradients(optax.sgd(0.5), jnp.ones(1), optax.sgd(0.5).init(params), params)
+    p2, _ = oa.apply_gradients(
+        optax.sgd(0.5), jnp.ones(1), optax.sgd(0.5).init(params), params
+    )
     np.testing.assert_allclose(p2, [-3.5])
 
 
@@ -199,25 +214,43 @@ def test_apply_gradients_casts_to_param_dtype():
 
 
 def _grads_with_overflow():
-    return [jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 1.0]), jnp.array([3.0, -1.0]),
-            jnp.array([0.5, 0.5]), jnp.array([2.0, 2.0]), jnp.array([-1.0, 4.0])]
+    return [
+        jnp.array([1.0, 2.0]),
+        jnp.array([jnp.inf, 1.0]),
+        jnp.array([3.0, -1.0]),
+        jnp.array([0.5, 0.5]),
+        jnp.array([2.0, 2.0]),
+        jnp.array([-1.0, 4.0]),
+    ]
 
 
-@pytest.mark.parametrize("nested", [
-    lambda: oa.chain(oa.chain(oa.dynamic_loss_scale(4.0), oa.accumulate(2)),
-                     optax.adam(0.1)),
-    lambda: oa.chain(oa.chain(oa.agc(0.5), oa.dynamic_loss_scale(4.0),
-                              oa.accumulate(2)), optax.adam(0.1)),
-    lambda: oa.chain(oa.dynamic_loss_scale(4.0),
-                     oa.chain(oa.accumulate(2), optax.adam(0.1))),
-])
+@pytest.mark.parametrize(
+    "nested",
+    [
+        lambda: oa.chain(
+            oa.chain(oa.dynamic_loss_scale(4.0), oa.accumulate(2)),
+            optax.adam(0.1),
+        ),
+        lambda: oa.chain(
+            oa.chain(oa.agc(0.5), oa.dynamic_loss_scale(4.0), oa.accumulate(2)),
+            optax.adam(0.1),
+        ),
+        lambda: oa.chain(
+            oa.dynamic_loss_scale(4.0),
+            oa.chain(oa.accumulate(2), optax.adam(0.1)),
+        ),
+    ],
+)
 def test_nested_gated_chains_equal_the_flat_chain(nested):
     """Regression: a nested chain whose first gate opened but whose second
     stayed closed used to let the outer followers step (Adam counted 4
     steps instead of 2 over two windows)."""
     has_agc = "agc" in str(nested.__code__.co_names)
     flat_elems = ([oa.agc(0.5)] if has_agc else []) + [
-        oa.dynamic_loss_scale(4.0), oa.accumulate(2), optax.adam(0.1)]
+        oa.dynamic_loss_scale(4.0),
+        oa.accumulate(2),
+        optax.adam(0.1),
+    ]
     flat = oa.chain(*flat_elems)
     tx = nested()
     params = jnp.array([1.0, -2.0])
@@ -226,17 +259,22 @@ def test_nested_gated_chains_equal_the_flat_chain(nested):
         u, s = tx.update(4.0 * g, s, params)
         u_flat, s_flat = flat.update(4.0 * g, s_flat, params)
         chex.assert_trees_all_equal(u, u_flat)
-    counts = [int(x.count) for x in jax.tree.leaves(
-        s, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-        if isinstance(x, optax.ScaleByAdamState)]
+    counts = [
+        int(x.count)
+        for x in jax.tree.leaves(
+            s, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)
+        )
+        if isinstance(x, optax.ScaleByAdamState)
+    ]
     assert counts == [2]  # two windows of two finite micro-batches
 
 
 def test_second_gate_closed_on_window_close_keeps_followers():
     """accumulate closes the window on an overflowing micro-batch caught by a
     later loss-scale gate: nothing steps."""
-    tx = oa.chain(oa.chain(oa.accumulate(2), oa.dynamic_loss_scale(1.0)),
-                  optax.adam(0.1))
+    tx = oa.chain(
+        oa.chain(oa.accumulate(2), oa.dynamic_loss_scale(1.0)), optax.adam(0.1)
+    )
     params = jnp.zeros(2)
     s = tx.init(params)
     _, s = tx.update(jnp.ones(2), s, params)
@@ -248,9 +286,13 @@ def test_second_gate_closed_on_window_close_keeps_followers():
 def test_closed_opened_flag_gives_zeros_everywhere():
     """A gate whose emit says opened=False emits zeros, alone, last in a
     chain, and through apply_gradients (params untouched)."""
+
     def gate_update(updates, state, params=None, **extra_args):
-        return oa.GateResult(state, jnp.asarray(True),
-                             lambda: (updates, state, jnp.asarray(False)))
+        return oa.GateResult(
+            state,
+            jnp.asarray(True),
+            lambda: (updates, state, jnp.asarray(False)),
+        )
 
     gate = oa.GatedTransformation(lambda p: optax.EmptyState(), gate_update)
     params = jnp.ones(2)
@@ -258,7 +300,9 @@ def test_closed_opened_flag_gives_zeros_everywhere():
         s = tx.init(params)
         u, _ = jax.jit(tx.update)(jnp.ones(2), s, params)
         chex.assert_trees_all_equal(u, jnp.zeros(2))
-        p, _ = jax.jit(lambda p, s: oa.apply_gradients(tx, jnp.ones(2), s, p))(params, s)
+        p, _ = jax.jit(lambda p, s: oa.apply_gradients(tx, jnp.ones(2), s, p))(
+            params, s
+        )
         chex.assert_trees_all_equal(p, params)
 
 
@@ -289,20 +333,27 @@ def test_fused_fast_path_with_a_loss_scale_in_front():
         if fused:
             fn = lambda p, s, g: oa.apply_gradients(tx, g, s, p)  # noqa: E731
         else:
+
             def fn(p, s, g):
                 u, s = tx.update(g, s, p)
                 return optax.apply_updates(p, u), s
+
         step = jax.jit(fn, donate_argnums=(0, 1))
         return step, state, step.lower(params, state, params).compile()
 
     step, state, comp = compiled(
-        oa.chain(oa.dynamic_loss_scale(), oa.accumulate(4), optax.adam(1e-3)))
+        oa.chain(oa.dynamic_loss_scale(), oa.accumulate(4), optax.adam(1e-3))
+    )
     assert comp.memory_analysis().temp_size_in_bytes < tree_bytes // 64
     p, _ = step(params, state, {"w": jnp.ones((256, 256))})
     assert bool(jnp.all(jnp.signbit(p["w"])))
 
-    headline = oa.chain(oa.dynamic_loss_scale(), oa.agc(0.01), oa.accumulate(4),
-                        optax.adam(1e-3))
+    headline = oa.chain(
+        oa.dynamic_loss_scale(),
+        oa.agc(0.01),
+        oa.accumulate(4),
+        optax.adam(1e-3),
+    )
     step, state, comp = compiled(headline)
     temp = comp.memory_analysis().temp_size_in_bytes
     _, _, plain = compiled(headline, fused=False)
@@ -315,6 +366,7 @@ def test_fused_fast_path_with_a_loss_scale_in_front():
 
 def _counting_follower(counter):
     """A stateless transformation that counts (on the host) its runs."""
+
     def update(updates, state, params=None):
         jax.debug.callback(lambda: counter.append(1))
         return updates, state
@@ -322,11 +374,15 @@ def _counting_follower(counter):
     return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
 
 
-@pytest.mark.parametrize("build", [
-    lambda f: oa.chain(oa.accumulate(2), oa.accumulate(2), f),
-    lambda f: oa.chain(oa.accumulate(2), oa.chain(oa.accumulate(2), f)),
-    lambda f: oa.chain(oa.accumulate(1), oa.accumulate(4), f),
-], ids=["flat", "nested", "1x4"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda f: oa.chain(oa.accumulate(2), oa.accumulate(2), f),
+        lambda f: oa.chain(oa.accumulate(2), oa.chain(oa.accumulate(2), f)),
+        lambda f: oa.chain(oa.accumulate(1), oa.accumulate(4), f),
+    ],
+    ids=["flat", "nested", "1x4"],
+)
 def test_second_lazy_gate_runs_its_followers_only_when_it_opens(build):
     """Regression: after a lazy gate opened, a later gate's emit and its
     followers ran even when that later gate stayed closed."""
@@ -343,11 +399,13 @@ def test_second_lazy_gate_runs_its_followers_only_when_it_opens(build):
 
 def test_eager_gate_in_its_own_chain_keeps_the_fast_path():
     params = {"w": jnp.zeros((256, 256))}
-    tx = oa.chain(oa.chain(oa.dynamic_loss_scale()), oa.accumulate(4),
-                  optax.adam(1e-3))
+    tx = oa.chain(
+        oa.chain(oa.dynamic_loss_scale()), oa.accumulate(4), optax.adam(1e-3)
+    )
     state = tx.init(params)
-    step = jax.jit(lambda p, s, g: oa.apply_gradients(tx, g, s, p),
-                   donate_argnums=(0, 1))
+    step = jax.jit(
+        lambda p, s, g: oa.apply_gradients(tx, g, s, p), donate_argnums=(0, 1)
+    )
     mem = step.lower(params, state, params).compile().memory_analysis()
     assert mem.temp_size_in_bytes < 256 * 256 * 4 // 64
 

@@ -35,7 +35,10 @@ TRANSFORMS = {
         _same,
     ),
     "agc": (lambda: oa.agc(0.01), None),
-    "dynamic_loss_scale": (lambda: oa.dynamic_loss_scale(2.0**4, period=2), _inf),
+    "dynamic_loss_scale": (
+        lambda: oa.dynamic_loss_scale(2.0**4, period=2),
+        _inf,
+    ),
     "static_loss_scale": (lambda: oa.static_loss_scale(8.0), None),
     "full_chain": (
         lambda: oa.chain(

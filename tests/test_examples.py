@@ -23,10 +23,16 @@ def _run(script, *args, cwd):
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
         [sys.executable, "-W", "default", str(EXAMPLES / script), *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
-    report = f"{script} {' '.join(args)}\n--- stdout\n{proc.stdout}\n" \
-             f"--- stderr\n{proc.stderr}"
+    report = (
+        f"{script} {' '.join(args)}\n--- stdout\n{proc.stdout}\n"
+        f"--- stderr\n{proc.stderr}"
+    )
     assert proc.returncode == 0, report
     assert "Warning:" not in proc.stderr, report
     return proc.stdout
@@ -41,8 +47,12 @@ def _number(pattern, text):
 def test_quickstart(tmp_path):
     out = tmp_path / "figures"
     stdout = _run("quickstart.py", "--tiny", "--out", str(out), cwd=tmp_path)
-    header = re.search(r"^run +test acc +train loss +opt steps +wall s +"
-                       r"step mem KiB +temp KiB$", stdout, re.MULTILINE)
+    header = re.search(
+        r"^run +test acc +train loss +opt steps +wall s +"
+        r"step mem KiB +temp KiB$",
+        stdout,
+        re.MULTILINE,
+    )
     assert header, stdout
     for run in ("(a) batch 64", "(b) 16 x accumulate(4)", "(c) batch 16"):
         assert re.search(rf"^{re.escape(run)} ", stdout, re.MULTILINE), stdout
@@ -50,8 +60,7 @@ def test_quickstart(tmp_path):
     # micro-batches, each one a step (18 per epoch for 2 epochs).
     steps = {
         name: _number(rf"^{re.escape(name)} +\S+ +\S+ +(\d+) ", stdout)
-        for name in ("(a) batch 64", "(b) 16 x accumulate(4)",
-                     "(c) batch 16")
+        for name in ("(a) batch 64", "(b) 16 x accumulate(4)", "(c) batch 16")
     }
     assert steps["(a) batch 64"] == steps["(b) 16 x accumulate(4)"] == 10
     assert steps["(c) batch 16"] == 36
@@ -99,10 +108,12 @@ def test_token_weighting(tmp_path):
 
 def test_flush_epoch(tmp_path):
     stdout = _run("flush_epoch.py", "--tiny", cwd=tmp_path)
-    flushed = re.search(r"^ +with oa.flush +(\d+) +(\d+) +(\S+)$", stdout,
-                        re.MULTILINE)
-    unflushed = re.search(r"^ +without flush +(\d+) +(\d+) +(\S+)$", stdout,
-                          re.MULTILINE)
+    flushed = re.search(
+        r"^ +with oa.flush +(\d+) +(\d+) +(\S+)$", stdout, re.MULTILINE
+    )
+    unflushed = re.search(
+        r"^ +without flush +(\d+) +(\d+) +(\S+)$", stdout, re.MULTILINE
+    )
     assert flushed and unflushed, stdout
     assert flushed.group(1, 2) == ("3", "0")  # 3 SGD steps, nothing left
     assert unflushed.group(1, 2) == ("2", "2")  # 2 steps, 2 micro-batches
@@ -111,27 +122,45 @@ def test_flush_epoch(tmp_path):
 
 
 def test_data_parallel(tmp_path):
-    stdout = _run("data_parallel.py", "--steps", "8", "--accum", "4",
-                  "--log-every", "4", cwd=tmp_path)
+    stdout = _run(
+        "data_parallel.py",
+        "--steps",
+        "8",
+        "--accum",
+        "4",
+        "--log-every",
+        "4",
+        cwd=tmp_path,
+    )
     assert stdout.startswith("8 cpu device(s)"), stdout
     assert "micro-step    8  optimizer steps   2" in stdout
-    assert re.search(r"^final loss [\d.]+  train accuracy [\d.]+$", stdout,
-                     re.MULTILINE)
+    assert re.search(
+        r"^final loss [\d.]+  train accuracy [\d.]+$", stdout, re.MULTILINE
+    )
 
 
 def test_transformer_lm(tmp_path):
-    stdout = _run("transformer_lm.py", "--quick", "--no-progress", "--out",
-                  str(tmp_path / "figures"), cwd=tmp_path)
+    stdout = _run(
+        "transformer_lm.py",
+        "--quick",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "figures"),
+        cwd=tmp_path,
+    )
     k = _number(r"oa.plan_microbatches picks k = (\d+) ", stdout)
     assert k >= 2
 
     def row(name, column):  # the table: steps, train, eval, dparams, grad err
         match = re.search(rf"^{re.escape(name)} .*$", stdout, re.MULTILINE)
         assert match, stdout
-        return float(match.group(0)[len(name):].split()[column])
+        return float(match.group(0)[len(name) :].split()[column])
 
-    a, b, c = "(a) batch 8", f"(b) {8 // int(k)} x accumulate({int(k)}), weighted", \
-        f"(c) {8 // int(k)} x accumulate({int(k)}), naive"
+    a, b, c = (
+        "(a) batch 8",
+        f"(b) {8 // int(k)} x accumulate({int(k)}), weighted",
+        f"(c) {8 // int(k)} x accumulate({int(k)}), naive",
+    )
     # (b) takes the updates of (a), to float tolerance; (c) does not.
     assert row(a, 0) == row(b, 0) == row(c, 0)  # optimizer steps
     assert row(b, 4) < 1e-5 and row(c, 4) > 1e-3  # gradient error at init

@@ -41,7 +41,10 @@ def _run_linen(module, variables, batches, **kw):
     outs = []
     for xb in batches:
         y, upd = module.apply(
-            {**variables, "batch_stats": stats}, xb, mutable=["batch_stats"], **kw
+            {**variables, "batch_stats": stats},
+            xb,
+            mutable=["batch_stats"],
+            **kw,
         )
         stats = upd["batch_stats"]
         outs.append(y)
@@ -56,10 +59,14 @@ def _run_linen(module, variables, batches, **kw):
 @pytest.mark.parametrize(
     "sizes", [(8, 8, 8), (3, 11, 6)], ids=["equal", "unequal"]
 )
-def test_linen_running_stats_equal_batchnorm_on_concatenation(dtype, shape, sizes):
+def test_linen_running_stats_equal_batchnorm_on_concatenation(
+    dtype, shape, sizes
+):
     k = len(sizes)
     windows = [_data(sizes, shape, dtype, seed=s) for s in range(3)]
-    ours = AccumBatchNorm(use_running_average=False, momentum=0.8, accum_steps=k)
+    ours = AccumBatchNorm(
+        use_running_average=False, momentum=0.8, accum_steps=k
+    )
     ref = nn.BatchNorm(use_running_average=False, momentum=0.8)
     variables = ours.init(jax.random.key(0), windows[0][0])
     ref_stats = ref.init(jax.random.key(0), windows[0][0])["batch_stats"]
@@ -68,7 +75,9 @@ def test_linen_running_stats_equal_batchnorm_on_concatenation(dtype, shape, size
         # Inside a window the running averages do not move.
         for i, xb in enumerate(window):
             before = stats
-            _, stats = _run_linen(ours, {**variables, "batch_stats": stats}, [xb])
+            _, stats = _run_linen(
+                ours, {**variables, "batch_stats": stats}, [xb]
+            )
             if i < k - 1:
                 chex.assert_trees_all_equal(stats["mean"], before["mean"])
                 chex.assert_trees_all_equal(stats["var"], before["var"])
@@ -85,12 +94,18 @@ def test_linen_running_stats_equal_batchnorm_on_concatenation(dtype, shape, size
 
 
 @pytest.mark.parametrize("use_fast_variance", [True, False])
-def test_linen_training_outputs_equal_batchnorm_per_micro_batch(use_fast_variance):
+def test_linen_training_outputs_equal_batchnorm_per_micro_batch(
+    use_fast_variance,
+):
     batches = _data((6, 10), (4, 4, 3))
     ours = AccumBatchNorm(
-        use_running_average=False, accum_steps=2, use_fast_variance=use_fast_variance
+        use_running_average=False,
+        accum_steps=2,
+        use_fast_variance=use_fast_variance,
     )
-    ref = nn.BatchNorm(use_running_average=False, use_fast_variance=use_fast_variance)
+    ref = nn.BatchNorm(
+        use_running_average=False, use_fast_variance=use_fast_variance
+    )
     variables = ours.init(jax.random.key(0), batches[0])
     ref_vars = ref.init(jax.random.key(0), batches[0])
     outs, _ = _run_linen(ours, variables, batches)
@@ -101,30 +116,53 @@ def test_linen_training_outputs_equal_batchnorm_per_micro_batch(use_fast_varianc
 
 def test_linen_mask_pools_only_unmasked_elements():
     batches = _data((6, 10), (3,))
-    masks = [jax.random.bernoulli(jax.random.key(i), 0.7, xb.shape) for i, xb in enumerate(batches)]
-    ours = AccumBatchNorm(use_running_average=False, momentum=0.0, accum_steps=2)
+    masks = [
+        jax.random.bernoulli(jax.random.key(i), 0.7, xb.shape)
+        for i, xb in enumerate(batches)
+    ]
+    ours = AccumBatchNorm(
+        use_running_average=False, momentum=0.0, accum_steps=2
+    )
     ref = nn.BatchNorm(use_running_average=False, momentum=0.0)
     variables = ours.init(jax.random.key(0), batches[0])
     stats = variables["batch_stats"]
     for xb, m in zip(batches, masks):
-        _, upd = ours.apply({**variables, "batch_stats": stats}, xb, mask=m, mutable=["batch_stats"])
+        _, upd = ours.apply(
+            {**variables, "batch_stats": stats},
+            xb,
+            mask=m,
+            mutable=["batch_stats"],
+        )
         stats = upd["batch_stats"]
     _, ref_upd = ref.apply(
-        ref.init(jax.random.key(0), batches[0]), jnp.concatenate(batches),
-        mask=jnp.concatenate(masks), mutable=["batch_stats"],
+        ref.init(jax.random.key(0), batches[0]),
+        jnp.concatenate(batches),
+        mask=jnp.concatenate(masks),
+        mutable=["batch_stats"],
     )
-    np.testing.assert_allclose(stats["mean"], ref_upd["batch_stats"]["mean"], **TOL)
-    np.testing.assert_allclose(stats["var"], ref_upd["batch_stats"]["var"], **TOL)
+    np.testing.assert_allclose(
+        stats["mean"], ref_upd["batch_stats"]["mean"], **TOL
+    )
+    np.testing.assert_allclose(
+        stats["var"], ref_upd["batch_stats"]["var"], **TOL
+    )
 
 
 def test_linen_eval_mode_uses_running_stats():
     (x,) = _data((8,), (3,))
     bn = AccumBatchNorm(accum_steps=2)
     variables = bn.init(jax.random.key(0), x, use_running_average=True)
-    stats = {**variables["batch_stats"], "mean": jnp.array([1.0, 2.0, 3.0]),
-             "var": jnp.array([4.0, 1.0, 0.25])}
-    y = bn.apply({**variables, "batch_stats": stats}, x, use_running_average=True)
-    expected = (x - stats["mean"][None]) / jnp.sqrt(stats["var"][None] + bn.epsilon)
+    stats = {
+        **variables["batch_stats"],
+        "mean": jnp.array([1.0, 2.0, 3.0]),
+        "var": jnp.array([4.0, 1.0, 0.25]),
+    }
+    y = bn.apply(
+        {**variables, "batch_stats": stats}, x, use_running_average=True
+    )
+    expected = (x - stats["mean"][None]) / jnp.sqrt(
+        stats["var"][None] + bn.epsilon
+    )
     np.testing.assert_allclose(y, expected, **TOL)
 
 
@@ -146,27 +184,45 @@ def test_linen_loads_pretrained_batchnorm_variables():
     ref_vars = ref.init(jax.random.key(0), batches[0])
     _, ref_vars_trained = _run_linen(ref, ref_vars, batches)
     ref = nn.BatchNorm(momentum=0.5)
-    pretrained = {"params": {"scale": jnp.array([1.0, 2.0, 0.5]), "bias": jnp.ones(3)},
-                  "batch_stats": ref_vars_trained}
+    pretrained = {
+        "params": {"scale": jnp.array([1.0, 2.0, 0.5]), "bias": jnp.ones(3)},
+        "batch_stats": ref_vars_trained,
+    }
     ours = AccumBatchNorm(momentum=0.5, accum_steps=2)
     # Evaluation: same output as nn.BatchNorm, from the same variables.
     y = ours.apply(pretrained, batches[0], use_running_average=True)
     y_ref = ref.apply(pretrained, batches[0], use_running_average=True)
     chex.assert_trees_all_equal(y, y_ref)
     # Training: the window entries are created on the first call.
-    _, upd = ours.apply(pretrained, batches[0], use_running_average=False,
-                        mutable=["batch_stats"])
+    _, upd = ours.apply(
+        pretrained,
+        batches[0],
+        use_running_average=False,
+        mutable=["batch_stats"],
+    )
     assert set(upd["batch_stats"]) == {
-        "mean", "var", "momentum", "window_count", "window_mean", "window_m2",
-        "window_step"}
-    chex.assert_trees_all_equal(upd["batch_stats"]["mean"], ref_vars_trained["mean"])
+        "mean",
+        "var",
+        "momentum",
+        "window_count",
+        "window_mean",
+        "window_m2",
+        "window_step",
+    }
+    chex.assert_trees_all_equal(
+        upd["batch_stats"]["mean"], ref_vars_trained["mean"]
+    )
 
 
 def test_linen_axis_name_pools_across_devices():
     n_dev = 4
     per_device = _data((4,) * n_dev * 3, (3,))  # 3 micro-batches per device
-    ours = AccumBatchNorm(use_running_average=False, momentum=0.0, accum_steps=3,
-                          axis_name="batch")
+    ours = AccumBatchNorm(
+        use_running_average=False,
+        momentum=0.0,
+        accum_steps=3,
+        axis_name="batch",
+    )
     variables = ours.init(jax.random.key(0), per_device[0])
     rep = jax.tree.map(lambda v: jnp.stack([v] * n_dev), variables)
 
@@ -176,14 +232,21 @@ def test_linen_axis_name_pools_across_devices():
         return {**v, "batch_stats": upd["batch_stats"]}
 
     for i in range(3):
-        xb = jnp.stack(per_device[i * n_dev:(i + 1) * n_dev])
+        xb = jnp.stack(per_device[i * n_dev : (i + 1) * n_dev])
         rep = step(rep, xb)
     ref = nn.BatchNorm(use_running_average=False, momentum=0.0)
-    _, ref_upd = ref.apply(ref.init(jax.random.key(0), per_device[0]),
-                           jnp.concatenate(per_device), mutable=["batch_stats"])
+    _, ref_upd = ref.apply(
+        ref.init(jax.random.key(0), per_device[0]),
+        jnp.concatenate(per_device),
+        mutable=["batch_stats"],
+    )
     for d in range(n_dev):
-        np.testing.assert_allclose(rep["batch_stats"]["mean"][d], ref_upd["batch_stats"]["mean"], **TOL)
-        np.testing.assert_allclose(rep["batch_stats"]["var"][d], ref_upd["batch_stats"]["var"], **TOL)
+        np.testing.assert_allclose(
+            rep["batch_stats"]["mean"][d], ref_upd["batch_stats"]["mean"], **TOL
+        )
+        np.testing.assert_allclose(
+            rep["batch_stats"]["var"][d], ref_upd["batch_stats"]["var"], **TOL
+        )
 
 
 def test_pooled_variance_versus_tf_package_average_of_variances():
@@ -191,18 +254,27 @@ def test_pooled_variance_versus_tf_package_average_of_variances():
     misses the spread of the micro-batch means and is biased low. Ours is the
     variance of the whole window. Figures derived here, not hard-coded."""
     # Micro-batches whose means differ (e.g. a sorted or drifting stream).
-    batches = [jnp.asarray(np.random.default_rng(i).normal(loc=2.0 * i, size=(16, 1)),
-                           jnp.float32) for i in range(4)]
+    batches = [
+        jnp.asarray(
+            np.random.default_rng(i).normal(loc=2.0 * i, size=(16, 1)),
+            jnp.float32,
+        )
+        for i in range(4)
+    ]
     full = jnp.concatenate(batches)
     true_var = jnp.var(full, axis=0)
-    averaged = jnp.mean(jnp.stack([jnp.var(b, axis=0) for b in batches]), axis=0)
+    averaged = jnp.mean(
+        jnp.stack([jnp.var(b, axis=0) for b in batches]), axis=0
+    )
     bn = AccumBatchNorm(use_running_average=False, momentum=0.0, accum_steps=4)
     variables = bn.init(jax.random.key(0), batches[0])
     _, stats = _run_linen(bn, variables, batches)
     np.testing.assert_allclose(stats["var"], true_var, **TOL)
     # The average of variances falls short by the variance of the means.
     means = jnp.stack([jnp.mean(b, axis=0) for b in batches])
-    np.testing.assert_allclose(true_var - averaged, jnp.var(means, axis=0), rtol=1e-4)
+    np.testing.assert_allclose(
+        true_var - averaged, jnp.var(means, axis=0), rtol=1e-4
+    )
     assert float(averaged[0]) < 0.5 * float(true_var[0])
 
 
@@ -224,10 +296,17 @@ def test_flush_batch_stats_uses_true_count():
     _, stats = _run_linen(bn, variables, batches)
     flushed = flush_batch_stats({"bn": stats, "other": {"mean": jnp.ones(1)}})
     ref = nn.BatchNorm(use_running_average=False, momentum=0.5)
-    _, ref_upd = ref.apply(ref.init(jax.random.key(0), batches[0]),
-                           jnp.concatenate(batches), mutable=["batch_stats"])
-    np.testing.assert_allclose(flushed["bn"]["mean"], ref_upd["batch_stats"]["mean"], **TOL)
-    np.testing.assert_allclose(flushed["bn"]["var"], ref_upd["batch_stats"]["var"], **TOL)
+    _, ref_upd = ref.apply(
+        ref.init(jax.random.key(0), batches[0]),
+        jnp.concatenate(batches),
+        mutable=["batch_stats"],
+    )
+    np.testing.assert_allclose(
+        flushed["bn"]["mean"], ref_upd["batch_stats"]["mean"], **TOL
+    )
+    np.testing.assert_allclose(
+        flushed["bn"]["var"], ref_upd["batch_stats"]["var"], **TOL
+    )
     assert int(flushed["bn"]["window_step"]) == 0
     chex.assert_trees_all_equal(flushed["other"], {"mean": jnp.ones(1)})
     # An empty window: nothing changes.
@@ -240,11 +319,15 @@ def test_flush_batch_stats_uses_true_count():
 
 
 @pytest.mark.parametrize("shape", [(5,), (4, 4, 3)], ids=["2d", "4d"])
-@pytest.mark.parametrize("sizes", [(8, 8), (3, 11, 6)], ids=["equal", "unequal"])
+@pytest.mark.parametrize(
+    "sizes", [(8, 8), (3, 11, 6)], ids=["equal", "unequal"]
+)
 def test_nnx_running_stats_equal_batchnorm_on_concatenation(shape, sizes):
     k = len(sizes)
     feats = shape[-1]
-    ours = oa_nnx.AccumBatchNorm(feats, accum_steps=k, momentum=0.8, rngs=nnx.Rngs(0))
+    ours = oa_nnx.AccumBatchNorm(
+        feats, accum_steps=k, momentum=0.8, rngs=nnx.Rngs(0)
+    )
     ref = nnx.BatchNorm(feats, momentum=0.8, rngs=nnx.Rngs(0))
     for seed in range(2):
         window = _data(sizes, shape, seed=seed)
@@ -261,7 +344,10 @@ def test_nnx_running_stats_equal_batchnorm_on_concatenation(shape, sizes):
     # Eval mode uses the running statistics.
     x = window[0]
     chex.assert_trees_all_close(
-        ours(x, use_running_average=True), ref(x, use_running_average=True), **TOL)
+        ours(x, use_running_average=True),
+        ref(x, use_running_average=True),
+        **TOL,
+    )
 
 
 def test_nnx_accum_steps_one_is_batchnorm_and_flush():
@@ -271,7 +357,9 @@ def test_nnx_accum_steps_one_is_batchnorm_and_flush():
     for xb in batches:
         chex.assert_trees_all_equal(ours(xb), ref(xb))
     chex.assert_trees_all_equal(nnx.state(ours), nnx.state(ref))
-    part = oa_nnx.AccumBatchNorm(3, accum_steps=4, momentum=0.0, rngs=nnx.Rngs(0))
+    part = oa_nnx.AccumBatchNorm(
+        3, accum_steps=4, momentum=0.0, rngs=nnx.Rngs(0)
+    )
     model = nnx.Sequential(nnx.Linear(3, 3, rngs=nnx.Rngs(1)), part)
     for xb in batches[:2]:
         part(xb)
@@ -295,8 +383,12 @@ class CNN(nn.Module):
         # Adam would blow up to full-size steps.
         x = nn.Conv(8, (3, 3), use_bias=False)(x)
         # An explicit name keeps the variable paths of both models equal.
-        x = self.bn(use_running_average=not train, momentum=0.9, name="bn",
-                    **dict(self.bn_kwargs))(x)
+        x = self.bn(
+            use_running_average=not train,
+            momentum=0.9,
+            name="bn",
+            **dict(self.bn_kwargs),
+        )(x)
         x = nn.relu(x)
         x = x.mean(axis=(1, 2))
         return nn.Dense(10)(x)
@@ -304,7 +396,9 @@ class CNN(nn.Module):
 
 def _images(n, seed):
     kx, ky = jax.random.split(jax.random.key(seed))
-    return jax.random.normal(kx, (n, 8, 8, 1)), jax.random.randint(ky, (n,), 0, 10)
+    return jax.random.normal(kx, (n, 8, 8, 1)), jax.random.randint(
+        ky, (n,), 0, 10
+    )
 
 
 def _ce(logits, y):
@@ -316,8 +410,11 @@ def _make_step(model):
     def step(state, x, y, **kw):
         def loss_fn(params):
             logits, upd = model.apply(
-                {"params": params, "batch_stats": state.batch_stats}, x, True,
-                mutable=["batch_stats"])
+                {"params": params, "batch_stats": state.batch_stats},
+                x,
+                True,
+                mutable=["batch_stats"],
+            )
             return _ce(logits, y), upd["batch_stats"]
 
         grads, bs = jax.grad(loss_fn, has_aux=True)(state.params)
@@ -337,12 +434,16 @@ def test_trainstate_cnn_accumulate_matches_ghost_batch_reference():
     x0, _ = _images(micro, 0)
     variables = ours.init(jax.random.key(0), x0, False)
     state = TrainState.create(
-        apply_fn=ours.apply, params=variables["params"],
+        apply_fn=ours.apply,
+        params=variables["params"],
         tx=oa.chain(oa.accumulate(k), optax.adam(1e-2)),
-        batch_stats=variables["batch_stats"])
+        batch_stats=variables["batch_stats"],
+    )
     step = _make_step(ours)
     ref_params = variables["params"]
-    ref_bs = {"bn": {n: variables["batch_stats"]["bn"][n] for n in ("mean", "var")}}
+    ref_bs = {
+        "bn": {n: variables["batch_stats"]["bn"][n] for n in ("mean", "var")}
+    }
     adam = optax.adam(1e-2)
     ref_opt = adam.init(ref_params)
     for w in range(windows):
@@ -353,19 +454,35 @@ def test_trainstate_cnn_accumulate_matches_ghost_batch_reference():
         assert bool(oa.has_updated(state.opt_state))
 
         def micro_loss(p, xb, yb):
-            logits, _ = ref.apply({"params": p, "batch_stats": ref_bs}, xb, True,
-                                  mutable=["batch_stats"])
+            logits, _ = ref.apply(
+                {"params": p, "batch_stats": ref_bs},
+                xb,
+                True,
+                mutable=["batch_stats"],
+            )
             return _ce(logits, yb)
 
-        grads = [jax.grad(micro_loss)(ref_params, x[i * micro:(i + 1) * micro],
-                                      y[i * micro:(i + 1) * micro]) for i in range(k)]
+        grads = [
+            jax.grad(micro_loss)(
+                ref_params,
+                x[i * micro : (i + 1) * micro],
+                y[i * micro : (i + 1) * micro],
+            )
+            for i in range(k)
+        ]
         g = jax.tree.map(lambda *gs: sum(gs) / k, *grads)
-        _, upd = ref.apply({"params": ref_params, "batch_stats": ref_bs}, x, True,
-                           mutable=["batch_stats"])
+        _, upd = ref.apply(
+            {"params": ref_params, "batch_stats": ref_bs},
+            x,
+            True,
+            mutable=["batch_stats"],
+        )
         ref_bs = upd["batch_stats"]
         u, ref_opt = adam.update(g, ref_opt, ref_params)
         ref_params = optax.apply_updates(ref_params, u)
-        chex.assert_trees_all_close(state.params, ref_params, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(
+            state.params, ref_params, rtol=1e-5, atol=1e-6
+        )
         got = state.batch_stats["bn"]
         np.testing.assert_allclose(got["mean"], ref_bs["bn"]["mean"], **TOL)
         np.testing.assert_allclose(got["var"], ref_bs["bn"]["var"], **TOL)
@@ -382,18 +499,29 @@ def test_trainstate_cnn_tracks_big_batch_training():
     x0, _ = _images(micro, 0)
     variables = ours.init(jax.random.key(0), x0, False)
     p0 = variables["params"]
-    big = flax_train_state.TrainState.create(apply_fn=ref.apply, params=p0, tx=optax.adam(1e-3))
-    big_bs = {"bn": {n: variables["batch_stats"]["bn"][n] for n in ("mean", "var")}}
-    state = TrainState.create(apply_fn=ours.apply, params=p0,
-                              tx=oa.chain(oa.accumulate(k), optax.adam(1e-3)),
-                              batch_stats=variables["batch_stats"])
+    big = flax_train_state.TrainState.create(
+        apply_fn=ref.apply, params=p0, tx=optax.adam(1e-3)
+    )
+    big_bs = {
+        "bn": {n: variables["batch_stats"]["bn"][n] for n in ("mean", "var")}
+    }
+    state = TrainState.create(
+        apply_fn=ours.apply,
+        params=p0,
+        tx=oa.chain(oa.accumulate(k), optax.adam(1e-3)),
+        batch_stats=variables["batch_stats"],
+    )
     step = _make_step(ours)
 
     @jax.jit
     def big_step(s, bs, x, y):
         def loss_fn(params):
-            logits, upd = ref.apply({"params": params, "batch_stats": bs}, x, True,
-                                    mutable=["batch_stats"])
+            logits, upd = ref.apply(
+                {"params": params, "batch_stats": bs},
+                x,
+                True,
+                mutable=["batch_stats"],
+            )
             return _ce(logits, y), upd["batch_stats"]
 
         grads, bs = jax.grad(loss_fn, has_aux=True)(s.params)
@@ -403,7 +531,11 @@ def test_trainstate_cnn_tracks_big_batch_training():
         x, y = _images(k * micro, 200 + w)
         big, big_bs = big_step(big, big_bs, x, y)
         for i in range(k):
-            state = step(state, x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
+            state = step(
+                state,
+                x[i * micro : (i + 1) * micro],
+                y[i * micro : (i + 1) * micro],
+            )
         if w == 0:
             got = state.batch_stats["bn"]
             np.testing.assert_allclose(got["mean"], big_bs["bn"]["mean"], **TOL)
@@ -427,12 +559,18 @@ def test_trainstate_fused_path_and_kwargs():
     chex.assert_trees_all_close(s2.params, expected)
     assert int(s2.step) == 2
     # Stock flax TrainState works unchanged with an oa.chain.
-    stock = flax_train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    stock = flax_train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=tx
+    )
     stock = stock.apply_gradients(grads=g1).apply_gradients(grads=g1)
-    chex.assert_trees_all_close(stock.params, jax.tree.map(lambda p: p - 1.0, params))
+    chex.assert_trees_all_close(
+        stock.params, jax.tree.map(lambda p: p - 1.0, params)
+    )
     # flush: the partial window's true mean.
     s3 = s2.apply_gradients(grads=g2).flush()
-    chex.assert_trees_all_close(s3.params, jax.tree.map(lambda p: p - 5.0, s2.params))
+    chex.assert_trees_all_close(
+        s3.params, jax.tree.map(lambda p: p - 5.0, s2.params)
+    )
 
 
 def test_trainstate_drops_batch_stats_of_a_dropped_micro_batch():
@@ -441,9 +579,15 @@ def test_trainstate_drops_batch_stats_of_a_dropped_micro_batch():
     model = CNN(bn=AccumBatchNorm, bn_kwargs=(("accum_steps", 2),))
     x, y = _images(8, 0)
     variables = model.init(jax.random.key(0), x, False)
-    tx = oa.chain(oa.dynamic_loss_scale(2.0**10), oa.accumulate(2), optax.sgd(0.1))
-    state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                              batch_stats=variables["batch_stats"])
+    tx = oa.chain(
+        oa.dynamic_loss_scale(2.0**10), oa.accumulate(2), optax.sgd(0.1)
+    )
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=tx,
+        batch_stats=variables["batch_stats"],
+    )
     new_bs = jax.tree.map(lambda v: v + 1, state.batch_stats)
     bad = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), state.params)
     dropped = state.apply_gradients(grads=bad, batch_stats=new_bs)
@@ -470,7 +614,9 @@ def test_nnx_optimizer_accumulate_matches_ghost_batch_reference():
     k, micro = 4, 16
     model = NNXCNN(oa_nnx.AccumBatchNorm, nnx.Rngs(0), accum_steps=k)
     ref = NNXCNN(nnx.BatchNorm, nnx.Rngs(0))
-    opt = nnx.Optimizer(model, oa.chain(oa.accumulate(k), optax.adam(1e-2)), wrt=nnx.Param)
+    opt = nnx.Optimizer(
+        model, oa.chain(oa.accumulate(k), optax.adam(1e-2)), wrt=nnx.Param
+    )
     ref_opt = nnx.Optimizer(ref, optax.adam(1e-2), wrt=nnx.Param)
 
     @nnx.jit
@@ -481,19 +627,34 @@ def test_nnx_optimizer_accumulate_matches_ghost_batch_reference():
     for w in range(2):
         x, y = _images(k * micro, 300 + w)
         for i in range(k):
-            step(model, opt, x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
+            step(
+                model,
+                opt,
+                x[i * micro : (i + 1) * micro],
+                y[i * micro : (i + 1) * micro],
+            )
         # Reference: mean of micro-batch gradients (each normalized by its own
         # micro-batch), running stats from the whole window.
         grads = []
         for i in range(k):
             r = nnx.clone(ref)  # a copy: its BN updates do not reach ref
-            grads.append(nnx.grad(lambda m: _ce(m(x[i * micro:(i + 1) * micro]),
-                                                y[i * micro:(i + 1) * micro]))(r))
+            grads.append(
+                nnx.grad(
+                    lambda m: _ce(
+                        m(x[i * micro : (i + 1) * micro]),
+                        y[i * micro : (i + 1) * micro],
+                    )
+                )(r)
+            )
         g = jax.tree.map(lambda *gs: sum(gs) / k, *grads)
         ref(x)  # running statistics of the whole window
         ref_opt.update(ref, g)
-        chex.assert_trees_all_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param),
-                                    rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(
+            nnx.state(model, nnx.Param),
+            nnx.state(ref, nnx.Param),
+            rtol=1e-5,
+            atol=1e-6,
+        )
         np.testing.assert_allclose(model.bn.mean[...], ref.bn.mean[...], **TOL)
         np.testing.assert_allclose(model.bn.var[...], ref.bn.var[...], **TOL)
 
@@ -506,23 +667,35 @@ def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):
     model = CNN(bn=AccumBatchNorm, bn_kwargs=(("accum_steps", k),))
     x0, _ = _images(micro, 0)
     variables = model.init(jax.random.key(0), x0, False)
-    tx = oa.chain(oa.dynamic_loss_scale(2.0**8, period=3), oa.agc(0.05),
-                  oa.accumulate(k), optax.adam(1e-2))
+    tx = oa.chain(
+        oa.dynamic_loss_scale(2.0**8, period=3),
+        oa.agc(0.05),
+        oa.accumulate(k),
+        optax.adam(1e-2),
+    )
 
     def fresh():
-        return TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                                 batch_stats=variables["batch_stats"])
+        return TrainState.create(
+            apply_fn=model.apply,
+            params=variables["params"],
+            tx=tx,
+            batch_stats=variables["batch_stats"],
+        )
 
     @jax.jit
     def step(state, x, y):
         def loss_fn(params):
             logits, upd = model.apply(
-                {"params": params, "batch_stats": state.batch_stats}, x, True,
-                mutable=["batch_stats"])
+                {"params": params, "batch_stats": state.batch_stats},
+                x,
+                True,
+                mutable=["batch_stats"],
+            )
             return _ce(logits, y), upd["batch_stats"]
 
-        (_, bs), grads = oa.scaled_value_and_grad(loss_fn, state.opt_state, has_aux=True)(
-            state.params)
+        (_, bs), grads = oa.scaled_value_and_grad(
+            loss_fn, state.opt_state, has_aux=True
+        )(state.params)
         return state.apply_gradients(grads=grads, batch_stats=bs)
 
     batches = [_images(micro, 400 + i) for i in range(2 * k + 2)]
@@ -538,14 +711,22 @@ def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):
     assert int(first.opt_state[2].mini_step) == 2  # mid-window
     assert int(first.batch_stats["bn"]["window_step"]) == 2
     assert float(oa.loss_scale(first.opt_state)) > 2.0**8  # the scale moved
-    to_save = {"step": first.step, "params": first.params,
-               "opt_state": first.opt_state, "batch_stats": first.batch_stats}
+    to_save = {
+        "step": first.step,
+        "params": first.params,
+        "opt_state": first.opt_state,
+        "batch_stats": first.batch_stats,
+    }
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(tmp_path / "ckpt", to_save)
     ckptr.wait_until_finished()
     template = fresh()
-    target = {"step": template.step, "params": template.params,
-              "opt_state": template.opt_state, "batch_stats": template.batch_stats}
+    target = {
+        "step": template.step,
+        "params": template.params,
+        "opt_state": template.opt_state,
+        "batch_stats": template.batch_stats,
+    }
     restored = ckptr.restore(tmp_path / "ckpt", target)
     chex.assert_trees_all_equal_structs(restored, target)
     chex.assert_trees_all_equal(restored, to_save)
@@ -570,24 +751,40 @@ def test_microbatched_value_and_grad_threads_accum_batchnorm_state():
     params, bs = variables["params"], variables["batch_stats"]
 
     def loss_fn(params, batch, batch_stats):
-        logits, upd = model.apply({"params": params, "batch_stats": batch_stats},
-                                  batch["x"], True, mutable=["batch_stats"])
+        logits, upd = model.apply(
+            {"params": params, "batch_stats": batch_stats},
+            batch["x"],
+            True,
+            mutable=["batch_stats"],
+        )
         return _ce(logits, batch["y"]), upd["batch_stats"]
 
     step = jax.jit(oa.microbatched_value_and_grad(loss_fn, n, state_argnums=2))
     (_, new_bs), grads = step(params, {"x": x, "y": y}, bs)
     ref_bs = {"bn": {k: bs["bn"][k] for k in ("mean", "var")}}
-    _, upd = ref.apply({"params": params, "batch_stats": ref_bs}, x, True,
-                       mutable=["batch_stats"])
-    np.testing.assert_allclose(new_bs["bn"]["mean"], upd["batch_stats"]["bn"]["mean"], **TOL)
-    np.testing.assert_allclose(new_bs["bn"]["var"], upd["batch_stats"]["bn"]["var"], **TOL)
+    _, upd = ref.apply(
+        {"params": params, "batch_stats": ref_bs},
+        x,
+        True,
+        mutable=["batch_stats"],
+    )
+    np.testing.assert_allclose(
+        new_bs["bn"]["mean"], upd["batch_stats"]["bn"]["mean"], **TOL
+    )
+    np.testing.assert_allclose(
+        new_bs["bn"]["var"], upd["batch_stats"]["bn"]["var"], **TOL
+    )
     assert int(new_bs["bn"]["window_step"]) == 0
 
     def micro_grad(i):
         sl = slice(i * micro, (i + 1) * micro)
-        return jax.grad(lambda p: loss_fn(p, {"x": x[sl], "y": y[sl]}, bs)[0])(params)
+        return jax.grad(lambda p: loss_fn(p, {"x": x[sl], "y": y[sl]}, bs)[0])(
+            params
+        )
 
-    expected = jax.tree.map(lambda *gs: sum(gs) / n, *[micro_grad(i) for i in range(n)])
+    expected = jax.tree.map(
+        lambda *gs: sum(gs) / n, *[micro_grad(i) for i in range(n)]
+    )
     chex.assert_trees_all_close(grads, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -618,37 +815,63 @@ def test_empty_masks_add_nothing_to_the_window(use_fast_variance):
     """A fully masked micro-batch, or a feature masked out in one micro-batch
     (e.g. a padding-only last micro-batch), must not poison the window."""
     batches = _data((3, 3, 4), (2,))
-    masks = [jnp.ones((3, 2), bool), jnp.zeros((3, 2), bool),
-             jnp.array([[True, False]] * 4)]
-    ours = AccumBatchNorm(use_running_average=False, momentum=0.0, accum_steps=3,
-                          use_fast_variance=use_fast_variance)
-    ref = nn.BatchNorm(use_running_average=False, momentum=0.0,
-                       use_fast_variance=use_fast_variance)
+    masks = [
+        jnp.ones((3, 2), bool),
+        jnp.zeros((3, 2), bool),
+        jnp.array([[True, False]] * 4),
+    ]
+    ours = AccumBatchNorm(
+        use_running_average=False,
+        momentum=0.0,
+        accum_steps=3,
+        use_fast_variance=use_fast_variance,
+    )
+    ref = nn.BatchNorm(
+        use_running_average=False,
+        momentum=0.0,
+        use_fast_variance=use_fast_variance,
+    )
     variables = ours.init(jax.random.key(0), batches[0])
     stats = variables["batch_stats"]
     for xb, m in zip(batches, masks):
-        _, upd = ours.apply({**variables, "batch_stats": stats}, xb, mask=m,
-                            mutable=["batch_stats"])
+        _, upd = ours.apply(
+            {**variables, "batch_stats": stats},
+            xb,
+            mask=m,
+            mutable=["batch_stats"],
+        )
         stats = upd["batch_stats"]
-    _, ref_upd = ref.apply(ref.init(jax.random.key(0), batches[0]),
-                           jnp.concatenate(batches), mask=jnp.concatenate(masks),
-                           mutable=["batch_stats"])
-    np.testing.assert_allclose(stats["mean"], ref_upd["batch_stats"]["mean"], **TOL)
-    np.testing.assert_allclose(stats["var"], ref_upd["batch_stats"]["var"], **TOL)
+    _, ref_upd = ref.apply(
+        ref.init(jax.random.key(0), batches[0]),
+        jnp.concatenate(batches),
+        mask=jnp.concatenate(masks),
+        mutable=["batch_stats"],
+    )
+    np.testing.assert_allclose(
+        stats["mean"], ref_upd["batch_stats"]["mean"], **TOL
+    )
+    np.testing.assert_allclose(
+        stats["var"], ref_upd["batch_stats"]["var"], **TOL
+    )
 
 
 @pytest.mark.parametrize("axis", [1, (1, 2), (-1, 1)])
 @pytest.mark.parametrize("use_fast_variance", [True, False])
 def test_feature_axes_and_two_pass_variance(axis, use_fast_variance):
     batches = _data((5, 9), (4, 3, 2))
-    kw = dict(use_running_average=False, momentum=0.5, axis=axis,
-              use_fast_variance=use_fast_variance)
+    kw = dict(
+        use_running_average=False,
+        momentum=0.5,
+        axis=axis,
+        use_fast_variance=use_fast_variance,
+    )
     ours = AccumBatchNorm(accum_steps=2, **kw)
     ref = nn.BatchNorm(**kw)
     variables = ours.init(jax.random.key(0), batches[0])
     _, stats = _run_linen(ours, variables, batches)
-    _, ref_stats = _run_linen(ref, ref.init(jax.random.key(0), batches[0]),
-                              [jnp.concatenate(batches)])
+    _, ref_stats = _run_linen(
+        ref, ref.init(jax.random.key(0), batches[0]), [jnp.concatenate(batches)]
+    )
     np.testing.assert_allclose(stats["mean"], ref_stats["mean"], **TOL)
     np.testing.assert_allclose(stats["var"], ref_stats["var"], **TOL)
 
@@ -656,8 +879,9 @@ def test_feature_axes_and_two_pass_variance(axis, use_fast_variance):
 def test_nnx_statistics_follow_the_compute_dtype():
     """nnx.BatchNorm computes statistics on x promoted to ``dtype``."""
     batches = _data((8, 8), (3,))
-    ours = oa_nnx.AccumBatchNorm(3, accum_steps=2, momentum=0.0,
-                                 dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    ours = oa_nnx.AccumBatchNorm(
+        3, accum_steps=2, momentum=0.0, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+    )
     ref = nnx.BatchNorm(3, momentum=0.0, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     for xb in batches:
         ours(xb)
@@ -690,13 +914,19 @@ def test_trainstate_with_pretrained_plain_batchnorm_variables():
     plain = ref.init(jax.random.key(0), x, False)
     model = CNN(bn=AccumBatchNorm, bn_kwargs=(("accum_steps", 2),))
     state = TrainState.create(
-        apply_fn=model.apply, params=plain["params"],
+        apply_fn=model.apply,
+        params=plain["params"],
         tx=oa.chain(oa.accumulate(2), optax.sgd(0.1)),
-        batch_stats=plain["batch_stats"])
+        batch_stats=plain["batch_stats"],
+    )
     step = _make_step(model)
     state = step(state, x, y)
-    assert set(state.batch_stats["bn"]) == {"mean", "var", "momentum",
-                                            *_WINDOW_KEYS}
+    assert set(state.batch_stats["bn"]) == {
+        "mean",
+        "var",
+        "momentum",
+        *_WINDOW_KEYS,
+    }
     state = step(state, x, y)
     assert int(state.batch_stats["bn"]["window_step"]) == 0
     assert bool(oa.has_updated(state.opt_state))
@@ -705,8 +935,11 @@ def test_trainstate_with_pretrained_plain_batchnorm_variables():
 def test_trainstate_rejects_misspelled_keywords():
     model = nn.Dense(1)
     params = model.init(jax.random.key(0), jnp.ones((1, 2)))["params"]
-    state = TrainState.create(apply_fn=model.apply, params=params,
-                              tx=oa.chain(oa.accumulate(2), optax.sgd(0.1)))
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=oa.chain(oa.accumulate(2), optax.sgd(0.1)),
+    )
     g = jax.tree.map(jnp.ones_like, params)
     with pytest.raises(TypeError, match="did you mean 'batch_stats'"):
         state.apply_gradients(grads=g, batch_stat={})
@@ -718,9 +951,15 @@ def test_trainstate_flush_with_overwrite_with_gradient_and_bn_windows():
     from flax.training.train_state import OVERWRITE_WITH_GRADIENT as OWG
 
     params = {"params": {"w": jnp.zeros(2)}, OWG: {"fp8": jnp.ones(1)}}
-    state = TrainState.create(apply_fn=None, params=params,
-                              tx=oa.chain(oa.accumulate(4), optax.sgd(1.0)))
-    grads = {"params": {"w": jnp.array([2.0, 4.0])}, OWG: {"fp8": jnp.full(1, 7.0)}}
+    state = TrainState.create(
+        apply_fn=None,
+        params=params,
+        tx=oa.chain(oa.accumulate(4), optax.sgd(1.0)),
+    )
+    grads = {
+        "params": {"w": jnp.array([2.0, 4.0])},
+        OWG: {"fp8": jnp.full(1, 7.0)},
+    }
     state = state.apply_gradients(grads=grads)
     chex.assert_trees_all_equal(state.params[OWG], grads[OWG])
     flushed = state.flush()
@@ -765,8 +1004,9 @@ class TwoBN(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool):
         def bn(momentum, name):
-            kw = dict(use_running_average=not train, momentum=momentum,
-                      name=name)
+            kw = dict(
+                use_running_average=not train, momentum=momentum, name=name
+            )
             if self.plain:
                 return nn.BatchNorm(**kw)
             return AccumBatchNorm(accum_steps=self.k, **kw)
@@ -779,17 +1019,22 @@ def _two_bn_state(k, variables=None):
     if variables is None:
         variables = model.init(jax.random.key(0), jnp.ones((4, 3)), False)
     state = TrainState.create(
-        apply_fn=model.apply, params=variables["params"],
+        apply_fn=model.apply,
+        params=variables["params"],
         tx=oa.chain(oa.accumulate(k), optax.sgd(0.1)),
-        batch_stats=variables["batch_stats"])
+        batch_stats=variables["batch_stats"],
+    )
 
     @jax.jit
     def step(state, x):
         def loss_fn(params):
             y, upd = model.apply(
-                {"params": params, "batch_stats": state.batch_stats}, x, True,
-                mutable=["batch_stats"])
-            return jnp.mean(y ** 2), upd["batch_stats"]
+                {"params": params, "batch_stats": state.batch_stats},
+                x,
+                True,
+                mutable=["batch_stats"],
+            )
+            return jnp.mean(y**2), upd["batch_stats"]
 
         grads, bs = jax.grad(loss_fn, has_aux=True)(state.params)
         return state.apply_gradients(grads=grads, batch_stats=bs)
@@ -813,17 +1058,21 @@ def test_trainstate_flush_uses_each_layers_own_momentum():
         ref = nn.BatchNorm(use_running_average=False, momentum=momentum)
         ref_vars = ref.init(jax.random.key(0), batches[0])
         _, ref_stats = _run_linen(
-            ref, ref_vars, [jnp.concatenate(batches[:k]),
-                            jnp.concatenate(batches[k:])])
+            ref,
+            ref_vars,
+            [jnp.concatenate(batches[:k]), jnp.concatenate(batches[k:])],
+        )
         got = flushed.batch_stats[name]
         np.testing.assert_allclose(got["mean"], ref_stats["mean"], **TOL)
         np.testing.assert_allclose(got["var"], ref_stats["var"], **TOL)
         assert int(got["window_step"]) == 0
     # The same under jit, and the standalone helper agrees.
-    chex.assert_trees_all_close(jax.jit(TrainState.flush)(state).batch_stats,
-                                flushed.batch_stats)
-    chex.assert_trees_all_close(flush_batch_stats(state.batch_stats),
-                                flushed.batch_stats)
+    chex.assert_trees_all_close(
+        jax.jit(TrainState.flush)(state).batch_stats, flushed.batch_stats
+    )
+    chex.assert_trees_all_close(
+        flush_batch_stats(state.batch_stats), flushed.batch_stats
+    )
 
 
 def test_trainstate_flush_passes_extra_args_to_the_chain():
@@ -831,8 +1080,11 @@ def test_trainstate_flush_passes_extra_args_to_the_chain():
     as oa.flush(tx, ..., value=...) driven by hand."""
     model = nn.Dense(2)
     params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
-    tx = oa.chain(oa.accumulate(3), optax.sgd(1.0),
-                  optax.contrib.reduce_on_plateau(patience=1, factor=0.5))
+    tx = oa.chain(
+        oa.accumulate(3),
+        optax.sgd(1.0),
+        optax.contrib.reduce_on_plateau(patience=1, factor=0.5),
+    )
     state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     for i in range(5):  # a full window (value 1.0), then 2 of 3
         g = jax.tree.map(lambda p: (i + 1.0) * jnp.ones_like(p), params)
@@ -840,11 +1092,13 @@ def test_trainstate_flush_passes_extra_args_to_the_chain():
     scale = []
     for value in (0.5, 2.0):  # better, then worse than the best (1.0)
         got = state.flush(value=jnp.float32(value))
-        updates, opt_state = oa.flush(tx, state.opt_state, state.params,
-                                      value=jnp.float32(value))
+        updates, opt_state = oa.flush(
+            tx, state.opt_state, state.params, value=jnp.float32(value)
+        )
         chex.assert_trees_all_equal(got.opt_state, opt_state)
         chex.assert_trees_all_equal(
-            got.params, optax.apply_updates(state.params, updates))
+            got.params, optax.apply_updates(state.params, updates)
+        )
         scale.append(float(got.opt_state[2].scale))
     # The value made a difference: a worse value halves the plateau scale.
     assert scale == [1.0, 0.5]
@@ -860,12 +1114,17 @@ def test_flush_batch_stats_momentum_is_deprecated_and_checked():
     with pytest.warns(DeprecationWarning, match="batch_stats_momentum"):
         same = state.replace(batch_stats=one).flush(batch_stats_momentum=0.5)
     chex.assert_trees_all_equal(
-        same.batch_stats, state.replace(batch_stats=one).flush().batch_stats)
-    with pytest.warns(DeprecationWarning), pytest.raises(
-            ValueError, match=r"bn_b.*0\.9"):
+        same.batch_stats, state.replace(batch_stats=one).flush().batch_stats
+    )
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ValueError, match=r"bn_b.*0\.9"),
+    ):
         state.flush(batch_stats_momentum=0.5)
-    with pytest.warns(DeprecationWarning, match="momentum"), pytest.raises(
-            ValueError, match=r"bn_a.*0\.5"):
+    with (
+        pytest.warns(DeprecationWarning, match="momentum"),
+        pytest.raises(ValueError, match=r"bn_a.*0\.5"),
+    ):
         flush_batch_stats(state.batch_stats, 0.9)
     # batch_stats without a recorded momentum (an older optaxaccum): the
     # deprecated keyword is used; without it, a clear error.
@@ -875,8 +1134,9 @@ def test_flush_batch_stats_momentum_is_deprecated_and_checked():
     with pytest.warns(DeprecationWarning):
         legacy = state.replace(batch_stats=old).flush(batch_stats_momentum=0.5)
     for key in ("mean", "var"):
-        chex.assert_trees_all_equal(legacy.batch_stats["bn_a"][key],
-                                    same.batch_stats["bn_a"][key])
+        chex.assert_trees_all_equal(
+            legacy.batch_stats["bn_a"][key], same.batch_stats["bn_a"][key]
+        )
 
 
 def test_convert_batch_stats_gives_the_full_structure_for_scan():
@@ -898,31 +1158,41 @@ def test_convert_batch_stats_gives_the_full_structure_for_scan():
     chex.assert_trees_all_equal_structs(converted, template)
     for name in ("bn_a", "bn_b"):
         for key in ("mean", "var"):
-            chex.assert_trees_all_equal(converted[name][key],
-                                        plain["batch_stats"][name][key])
+            chex.assert_trees_all_equal(
+                converted[name][key], plain["batch_stats"][name][key]
+            )
     scanned, _ = jax.lax.scan(body, state.replace(batch_stats=converted), xs)
     for x in xs:
         state = step(state, x)
-    chex.assert_trees_all_close(scanned.params, state.params, rtol=1e-5,
-                                atol=1e-6)
-    chex.assert_trees_all_close(scanned.batch_stats, state.batch_stats,
-                                rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(
+        scanned.params, state.params, rtol=1e-5, atol=1e-6
+    )
+    chex.assert_trees_all_close(
+        scanned.batch_stats, state.batch_stats, rtol=1e-5, atol=1e-6
+    )
     assert int(scanned.batch_stats["bn_a"]["window_step"]) == 1
     # Idempotent; an older optaxaccum's batch_stats get the momentum entry.
     chex.assert_trees_all_equal(
-        oa_flax.convert_batch_stats(converted, template), converted)
-    older = {name: {key: v for key, v in layer.items() if key != "momentum"}
-             for name, layer in converted.items()}
+        oa_flax.convert_batch_stats(converted, template), converted
+    )
+    older = {
+        name: {key: v for key, v in layer.items() if key != "momentum"}
+        for name, layer in converted.items()
+    }
     chex.assert_trees_all_equal(
-        oa_flax.convert_batch_stats(older, template), converted)
+        oa_flax.convert_batch_stats(older, template), converted
+    )
 
 
 def test_convert_batch_stats_rejects_what_does_not_match():
     model = TwoBN(2)
     template = model.init(jax.random.key(0), jnp.ones((4, 3)), False)[
-        "batch_stats"]
-    plain = {name: {"mean": jnp.zeros(3), "var": jnp.ones(3)}
-             for name in ("bn_a", "bn_b")}
+        "batch_stats"
+    ]
+    plain = {
+        name: {"mean": jnp.zeros(3), "var": jnp.ones(3)}
+        for name in ("bn_a", "bn_b")
+    }
     with pytest.raises(ValueError, match="bn_b"):
         oa_flax.convert_batch_stats({"bn_a": plain["bn_a"]}, template)
     with pytest.raises(ValueError, match="extra"):
@@ -930,7 +1200,8 @@ def test_convert_batch_stats_rejects_what_does_not_match():
     with pytest.raises(ValueError, match=r"bn_a.*mean.*\(4,\)"):
         oa_flax.convert_batch_stats(
             {**plain, "bn_a": {"mean": jnp.zeros(4), "var": jnp.ones(3)}},
-            template)
+            template,
+        )
     with pytest.raises(TypeError, match="jax.eval_shape"):
         oa_flax.convert_batch_stats(plain, jax.eval_shape(lambda: template))
     # A mid-window template gives an empty window, not its own.
@@ -944,41 +1215,54 @@ def test_convert_batch_stats_rejects_what_does_not_match():
 
 @pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("dtype", [None, "x"])
-def test_linen_and_nnx_statistics_agree_for_half_precision_inputs(x_dtype, dtype):
+def test_linen_and_nnx_statistics_agree_for_half_precision_inputs(
+    x_dtype, dtype
+):
     """Issue 13: for half-precision inputs the linen and nnx layers pool the
     same statistics, equal to their stock layers on the concatenation."""
     dtype = x_dtype if dtype == "x" else dtype
     batches = _data((6, 10), (3,), x_dtype)
-    lin = AccumBatchNorm(use_running_average=False, momentum=0.0,
-                         accum_steps=2, dtype=dtype)
-    _, lin_stats = _run_linen(lin, lin.init(jax.random.key(0), batches[0]),
-                              batches)
-    nbn = oa_nnx.AccumBatchNorm(3, accum_steps=2, momentum=0.0, dtype=dtype,
-                                rngs=nnx.Rngs(0))
+    lin = AccumBatchNorm(
+        use_running_average=False, momentum=0.0, accum_steps=2, dtype=dtype
+    )
+    _, lin_stats = _run_linen(
+        lin, lin.init(jax.random.key(0), batches[0]), batches
+    )
+    nbn = oa_nnx.AccumBatchNorm(
+        3, accum_steps=2, momentum=0.0, dtype=dtype, rngs=nnx.Rngs(0)
+    )
     for xb in batches:
         nbn(xb)
-    chex.assert_trees_all_equal((lin_stats["mean"], lin_stats["var"]),
-                                (nbn.mean[...], nbn.var[...]))
+    chex.assert_trees_all_equal(
+        (lin_stats["mean"], lin_stats["var"]), (nbn.mean[...], nbn.var[...])
+    )
     ref = nn.BatchNorm(use_running_average=False, momentum=0.0, dtype=dtype)
-    _, ref_stats = _run_linen(ref, ref.init(jax.random.key(0), batches[0]),
-                              [jnp.concatenate(batches)])
+    _, ref_stats = _run_linen(
+        ref, ref.init(jax.random.key(0), batches[0]), [jnp.concatenate(batches)]
+    )
     np.testing.assert_allclose(lin_stats["mean"], ref_stats["mean"], **TOL)
     np.testing.assert_allclose(lin_stats["var"], ref_stats["var"], **TOL)
 
 
 @pytest.mark.parametrize(
     "x_dtype, kw",
-    [(jnp.float32, {}),
-     (jnp.bfloat16, dict(param_dtype=jnp.bfloat16,
-                         force_float32_reductions=False))],
-    ids=["f32", "bf16-no-f32-reductions"])
+    [
+        (jnp.float32, {}),
+        (
+            jnp.bfloat16,
+            dict(param_dtype=jnp.bfloat16, force_float32_reductions=False),
+        ),
+    ],
+    ids=["f32", "bf16-no-f32-reductions"],
+)
 def test_linen_accum_batchnorm_under_strict_dtype_promotion(x_dtype, kw):
     """Issue 13: where stock nn.BatchNorm runs under
     jax_numpy_dtype_promotion='strict', AccumBatchNorm (and its flush) does
     too, with the results of the standard mode."""
     batches = _data((6, 10, 4), (3,), x_dtype)
-    bn = AccumBatchNorm(use_running_average=False, momentum=0.5,
-                        accum_steps=2, **kw)
+    bn = AccumBatchNorm(
+        use_running_average=False, momentum=0.5, accum_steps=2, **kw
+    )
 
     @jax.jit
     def run(batches):
@@ -989,12 +1273,17 @@ def test_linen_accum_batchnorm_under_strict_dtype_promotion(x_dtype, kw):
     standard = run(batches)
     with jax.numpy_dtype_promotion("strict"):
         ref = nn.BatchNorm(use_running_average=False, **kw)
-        ref.apply(ref.init(jax.random.key(0), batches[0]), batches[0],
-                  mutable=["batch_stats"])  # stock flax runs here
+        ref.apply(
+            ref.init(jax.random.key(0), batches[0]),
+            batches[0],
+            mutable=["batch_stats"],
+        )  # stock flax runs here
         strict = run(batches)
     chex.assert_trees_all_equal(strict, standard)
-    assert strict[1]["mean"].dtype == ref.init(
-        jax.random.key(0), batches[0])["batch_stats"]["mean"].dtype
+    assert (
+        strict[1]["mean"].dtype
+        == ref.init(jax.random.key(0), batches[0])["batch_stats"]["mean"].dtype
+    )
 
 
 def test_recorded_momentum_follows_the_layer():

@@ -72,8 +72,11 @@ def test_complex_gradients_keep_their_imaginary_part():
     """Complex params and gradients accumulate in complex64 (float32
     accumulator) and the window equals the big-batch mean; flush too."""
     params = jnp.zeros(2, jnp.complex64)
-    gs = [jnp.array([1 + 2j, -1j]), jnp.array([3 - 1j, 2 + 2j]),
-          jnp.array([1j, 1.0])]
+    gs = [
+        jnp.array([1 + 2j, -1j]),
+        jnp.array([3 - 1j, 2 + 2j]),
+        jnp.array([1j, 1.0]),
+    ]
     tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
     state = tx.init(params)
     assert state[0].acc.dtype == jnp.complex64
@@ -109,7 +112,8 @@ def test_nested_accumulates_give_the_weighted_mean(fused):
     for g, w in zip(gs, ws):
         if fused:
             params, state = oa.apply_gradients(
-                tx, jnp.array([g]), state, params, accum_weight=w)
+                tx, jnp.array([g]), state, params, accum_weight=w
+            )
         else:
             u, state = tx.update(jnp.array([g]), state, params, accum_weight=w)
             params = optax.apply_updates(params, u)
@@ -122,7 +126,9 @@ def test_nested_chains_of_accumulates_equal_the_flat_window():
     with unequal weights, over two windows."""
     rng = np.random.default_rng(0)
     params = jnp.zeros(3)
-    nested = oa.chain(oa.accumulate(2), oa.chain(oa.accumulate(3), optax.adam(0.1)))
+    nested = oa.chain(
+        oa.accumulate(2), oa.chain(oa.accumulate(3), optax.adam(0.1))
+    )
     flat = oa.chain(oa.accumulate(6), optax.adam(0.1))
     s1, s2 = nested.init(params), flat.init(params)
     p1 = p2 = params
@@ -139,9 +145,27 @@ def test_nested_chains_of_accumulates_equal_the_flat_window():
 
 
 @pytest.mark.parametrize(
-    "w", [-1.0, float("nan"), float("inf"), True, 1 + 2j, np.float32(-2.0),
-          jnp.array(float("nan")), np.array(-1)],
-    ids=["neg", "nan", "inf", "bool", "complex", "np-neg", "jnp-nan", "np-int-neg"],
+    "w",
+    [
+        -1.0,
+        float("nan"),
+        float("inf"),
+        True,
+        1 + 2j,
+        np.float32(-2.0),
+        jnp.array(float("nan")),
+        np.array(-1),
+    ],
+    ids=[
+        "neg",
+        "nan",
+        "inf",
+        "bool",
+        "complex",
+        "np-neg",
+        "jnp-nan",
+        "np-int-neg",
+    ],
 )
 def test_concrete_bad_weights_raise(w):
     tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
@@ -165,7 +189,8 @@ def test_traced_bad_weight_is_dropped_under_skip_nonfinite(bad):
     for skip in (True, False):
         tx = oa.chain(oa.accumulate(2, skip_nonfinite=skip), optax.sgd(1.0))
         update = jax.jit(
-            lambda g, s, p, w, tx=tx: tx.update(g, s, p, accum_weight=w))
+            lambda g, s, p, w, tx=tx: tx.update(g, s, p, accum_weight=w)
+        )
         state = tx.init(params)
         _, state = update(jnp.array([1.0]), state, params, 1.0)
         u, state = update(jnp.array([5.0]), state, params, bad)
@@ -186,9 +211,12 @@ def test_near_miss_keyword_raises_naming_both(entry):
     params = jnp.ones(1)
     state = tx.init(params)
     call = {
-        "update": lambda: tx.update(jnp.ones(1), state, params, acum_weight=2.0),
+        "update": lambda: tx.update(
+            jnp.ones(1), state, params, acum_weight=2.0
+        ),
         "apply_gradients": lambda: oa.apply_gradients(
-            tx, jnp.ones(1), state, params, acum_weight=2.0),
+            tx, jnp.ones(1), state, params, acum_weight=2.0
+        ),
         "flush": lambda: oa.flush(tx, state, params, acum_weight=2.0),
     }[entry]
     with pytest.raises(TypeError, match="acum_weight.*accum_weight"):
@@ -197,8 +225,9 @@ def test_near_miss_keyword_raises_naming_both(entry):
 
 def test_near_miss_of_a_follower_keyword_raises():
     """``valeu=`` for reduce_on_plateau's ``value=`` inside a gated chain."""
-    tx = oa.chain(oa.accumulate(1), optax.sgd(1.0),
-                  optax.contrib.reduce_on_plateau())
+    tx = oa.chain(
+        oa.accumulate(1), optax.sgd(1.0), optax.contrib.reduce_on_plateau()
+    )
     params = jnp.ones(1)
     state = tx.init(params)
     tx.update(jnp.ones(1), state, params, value=1.0)  # the right name works
@@ -221,8 +250,10 @@ def _schedule(count):
 
 def test_inject_hyperparams_inside_the_chain_advances_once_per_window():
     """The right placement: the schedule counts windows (0.1, 0.2, 0.3)."""
-    tx = oa.chain(oa.accumulate(2),
-                  optax.inject_hyperparams(optax.sgd)(learning_rate=_schedule))
+    tx = oa.chain(
+        oa.accumulate(2),
+        optax.inject_hyperparams(optax.sgd)(learning_rate=_schedule),
+    )
     params = jnp.zeros(1)
     state = tx.init(params)
     steps = []
@@ -236,7 +267,9 @@ def test_inject_hyperparams_inside_the_chain_advances_once_per_window():
 def test_inject_hyperparams_around_a_gated_chain_warns():
     """The wrong placement counts micro-steps; it is detected."""
     tx = optax.inject_hyperparams(
-        lambda learning_rate: oa.chain(oa.accumulate(2), optax.sgd(learning_rate))
+        lambda learning_rate: oa.chain(
+            oa.accumulate(2), optax.sgd(learning_rate)
+        )
     )(learning_rate=_schedule)
     params = jnp.zeros(1)
     state = tx.init(params)
@@ -311,9 +344,13 @@ def _opens_only_on_positive_gate():
     def gate_update(updates, state, params=None, **extra_args):
         del params, extra_args
         ok = jnp.sum(updates) > 0
-        return oa.GateResult(state, jnp.array(True), lambda: (updates, state, ok))
+        return oa.GateResult(
+            state, jnp.array(True), lambda: (updates, state, ok)
+        )
 
-    return oa.GatedTransformation(lambda params: optax.EmptyState(), gate_update)
+    return oa.GatedTransformation(
+        lambda params: optax.EmptyState(), gate_update
+    )
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -321,12 +358,16 @@ def test_outer_gate_not_opened_leaves_inner_gate_state_untouched(fused):
     """Mutant (a): the followers' state taken from the inner branch when the
     outer gate's ``opened`` is false. The inner accumulate must not count a
     micro-batch that the outer gate refused."""
-    tx = oa.chain(_opens_only_on_positive_gate(), oa.accumulate(2), optax.sgd(1.0))
+    tx = oa.chain(
+        _opens_only_on_positive_gate(), oa.accumulate(2), optax.sgd(1.0)
+    )
     params = jnp.zeros(1)
     state = tx.init(params)
     for g, pos in ((-1.0, 0), (2.0, 1), (-5.0, 1), (4.0, 0)):  # -: refused
         if fused:
-            params, state = oa.apply_gradients(tx, jnp.array([g]), state, params)
+            params, state = oa.apply_gradients(
+                tx, jnp.array([g]), state, params
+            )
         else:
             u, state = tx.update(jnp.array([g]), state, params)
             params = optax.apply_updates(params, u)
@@ -343,11 +384,13 @@ def test_fused_closed_step_returns_params_bit_for_bit():
     state = tx.init(params)
     # Eager: under jit XLA folds ``x + 0`` to ``x`` and hides the mutant.
     new, _ = oa.apply_gradients(
-        tx, jax.tree.map(jnp.ones_like, params), state, params)
+        tx, jax.tree.map(jnp.ones_like, params), state, params
+    )
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint32),
-                                      np.asarray(b).view(np.uint32))
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32)
+        )
 
 
 @pytest.mark.parametrize("wrap", ["lookahead", "multisteps"])
@@ -361,7 +404,9 @@ def test_other_counting_wrappers_around_a_gated_chain_warn(wrap):
         params = optax.LookaheadParams.init_synced(params)
         grads = jnp.ones(1)
     else:
-        tx = optax.MultiSteps(inner, every_k_schedule=2).gradient_transformation()
+        tx = optax.MultiSteps(
+            inner, every_k_schedule=2
+        ).gradient_transformation()
         grads = jnp.ones(1)
     state = tx.init(params)
     with pytest.warns(UserWarning, match="counts every call"):

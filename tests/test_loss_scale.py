@@ -575,14 +575,17 @@ def test_dynamic_loss_scale_pmap_devices_agree():
         np.testing.assert_array_equal(params_r[d], params_r[0])
 
 
-@pytest.mark.parametrize("bad, exc", [
-    (jnp.array([128.0]), ValueError),
-    (np.ones((2,)), ValueError),
-    ("128", TypeError),
-    (jmp.DynamicLossScale(jnp.float32(128.0)), TypeError),
-    (jnp.array(-4.0), ValueError),
-    (jnp.array(jnp.inf), ValueError),
-])
+@pytest.mark.parametrize(
+    "bad, exc",
+    [
+        (jnp.array([128.0]), ValueError),
+        (np.ones((2,)), ValueError),
+        ("128", TypeError),
+        (jmp.DynamicLossScale(jnp.float32(128.0)), TypeError),
+        (jnp.array(-4.0), ValueError),
+        (jnp.array(jnp.inf), ValueError),
+    ],
+)
 def test_scaled_value_and_grad_rejects_what_is_not_a_scale(bad, exc):
     """Regression: these fell back to a scale of 1.0 (or went unchecked)."""
     with pytest.raises(exc):
@@ -590,6 +593,8 @@ def test_scaled_value_and_grad_rejects_what_is_not_a_scale(bad, exc):
 
 
 def test_scaled_value_and_grad_traced_scale_is_accepted():
-    f = jax.jit(lambda s, p: oa.scaled_value_and_grad(lambda q: jnp.sum(q**2), s)(p))
+    f = jax.jit(
+        lambda s, p: oa.scaled_value_and_grad(lambda q: jnp.sum(q**2), s)(p)
+    )
     loss, g = f(jnp.float32(4.0), jnp.ones(2))
     np.testing.assert_allclose(g, 4.0 * 2.0 * np.ones(2))

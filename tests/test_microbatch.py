@@ -690,16 +690,18 @@ def test_weight_fn_under_shard_map_needs_varying_params():
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
 
     with pytest.raises(ValueError, match="pcast"):
-        jax.jit(jax.shard_map(lambda p, b: jax.lax.pmean(f(p, b), "data"),
-                              **specs))(params, batch)
+        jax.jit(
+            jax.shard_map(lambda p, b: jax.lax.pmean(f(p, b), "data"), **specs)
+        )(params, batch)
 
     def step(p, b):
         p = jax.lax.pcast(p, "data", to="varying")
         loss, grads = f(p, b)
         w = _mask_weight(b)
         total = jax.lax.psum(w, "data")
-        return jax.tree.map(lambda x: jax.lax.psum(w * x, "data") / total,
-                            (loss, grads))
+        return jax.tree.map(
+            lambda x: jax.lax.psum(w * x, "data") / total, (loss, grads)
+        )
 
     loss, grads = jax.jit(jax.shard_map(step, **specs))(params, batch)
     chex.assert_trees_all_close(loss, ref_loss, **TOL[jnp.float32])

@@ -68,8 +68,9 @@ def _params(dtype=jnp.float32):
 
 def _window_loss(params, x, y, mask, *, weighted, reduction):
     """The loss whose gradient a window of ``(k, N, BATCH)`` emits."""
-    local = jax.vmap(jax.vmap(worker.local_loss, (None, 0, 0, 0)),
-                     (None, 0, 0, 0))(params, x, y, mask)  # (k, N)
+    local = jax.vmap(
+        jax.vmap(worker.local_loss, (None, 0, 0, 0)), (None, 0, 0, 0)
+    )(params, x, y, mask)  # (k, N)
     counts = mask.sum(-1)
     if reduction == "sum":  # mean over devices of each device's window sum
         w = counts if weighted else jnp.ones_like(counts)
@@ -79,16 +80,23 @@ def _window_loss(params, x, y, mask, *, weighted, reduction):
     return local.mean()  # the mean of the micro-batches' mean losses
 
 
-_window_grad = jax.jit(jax.grad(_window_loss),
-                       static_argnames=("weighted", "reduction"))
+_window_grad = jax.jit(
+    jax.grad(_window_loss), static_argnames=("weighted", "reduction")
+)
 
 
 def _reference(opt, params, x, y, mask, *, weighted, reduction="mean", k=K):
     """Single device: one ``opt`` step per window of ``k`` micro-steps."""
     state = opt.init(params)
     for t in range(0, len(x), k):
-        g = _window_grad(params, x[t:t + k], y[t:t + k], mask[t:t + k],
-                         weighted=weighted, reduction=reduction)
+        g = _window_grad(
+            params,
+            x[t : t + k],
+            y[t : t + k],
+            mask[t : t + k],
+            weighted=weighted,
+            reduction=reduction,
+        )
         updates, state = opt.update(g, state, params)
         params = optax.apply_updates(params, updates)
     return params
@@ -107,11 +115,15 @@ def _local_step(tx, *, weighted, fused=True, varying=None, scaled=False):
     """
 
     def step(params, state, x, y, mask):
-        p = params if varying is None else lax.pcast(params, varying,
-                                                     to="varying")
+        p = (
+            params
+            if varying is None
+            else lax.pcast(params, varying, to="varying")
+        )
         if scaled:
             _, grads = oa.scaled_value_and_grad(worker.local_loss, state)(
-                p, x, y, mask)
+                p, x, y, mask
+            )
         else:
             grads = jax.grad(worker.local_loss)(p, x, y, mask)
         kwargs = {"accum_weight": mask.sum()} if weighted else {}
@@ -134,8 +146,7 @@ def _per_device_specs(state):
 
 
 def _replicate(tree):
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *jnp.shape(a))),
-                        tree)
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *jnp.shape(a))), tree)
 
 
 def _pmap_inputs(tree):
@@ -161,6 +172,7 @@ def _mesh():
 
 def _per_device_copies(tree):
     """Each device's copy of a replicated global array, stacked."""
+
     def copies(a):
         shards = sorted(a.addressable_shards, key=lambda s: s.device.id)
         return np.stack([np.asarray(s.data) for s in shards])
@@ -170,7 +182,8 @@ def _per_device_copies(tree):
 
 def _put(mesh, tree, specs):
     return jax.tree.map(
-        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs
+    )
 
 
 def _run_shard_map(tx, params, data, **step_kwargs):
@@ -185,13 +198,19 @@ def _run_shard_map(tx, params, data, **step_kwargs):
         params, state = local(params, state, x[0], y[0], mask[0])
         return params, map_per_device(state, lambda a: a[None])
 
-    state = map_per_device(tx.init(params),
-                           lambda a: jnp.broadcast_to(a, (N, *a.shape)))
+    state = map_per_device(
+        tx.init(params), lambda a: jnp.broadcast_to(a, (N, *a.shape))
+    )
     specs = _per_device_specs(state)
     batch = P(AXIS)
-    fn = jax.jit(jax.shard_map(step, mesh=mesh,
-                               in_specs=(P(), specs, batch, batch, batch),
-                               out_specs=(P(), specs)))
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), specs, batch, batch, batch),
+            out_specs=(P(), specs),
+        )
+    )
     params = _put(mesh, params, jax.tree.map(lambda _: P(), params))
     state = _put(mesh, state, specs)
     for t in range(len(data[0])):
@@ -229,8 +248,9 @@ RUNNERS = {
 def _assert_same_on_every_device(per_device):
     for leaf in jax.tree.leaves(per_device):
         leaf = np.asarray(leaf)
-        np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1],
-                                                            leaf.shape))
+        np.testing.assert_array_equal(
+            leaf, np.broadcast_to(leaf[:1], leaf.shape)
+        )
 
 
 def _first(per_device):
@@ -247,14 +267,26 @@ _CASES = [  # (optimizer, weighted, ragged token counts)
 ]
 
 
-@pytest.mark.parametrize("runner,opt_name,weighted,ragged", [
-    *[pytest.param(r, *c, id=f"{r}-{c[0]}-w{int(c[1])}-r{int(c[2])}")
-      for r in ("pmap", "shard_map") for c in _CASES],
-    pytest.param("shard_map_per_device", "adam", True, True,
-                 id="shard_map_per_device-adam-w1-r1"),
-])
-def test_accumulate_axis_name_equals_big_batch(runner, opt_name, weighted,
-                                               ragged):
+@pytest.mark.parametrize(
+    "runner,opt_name,weighted,ragged",
+    [
+        *[
+            pytest.param(r, *c, id=f"{r}-{c[0]}-w{int(c[1])}-r{int(c[2])}")
+            for r in ("pmap", "shard_map")
+            for c in _CASES
+        ],
+        pytest.param(
+            "shard_map_per_device",
+            "adam",
+            True,
+            True,
+            id="shard_map_per_device-adam-w1-r1",
+        ),
+    ],
+)
+def test_accumulate_axis_name_equals_big_batch(
+    runner, opt_name, weighted, ragged
+):
     """N devices x K micro-batches, local grads, one all-reduce per window
     == one step on the window's whole batch (per-token mean if weighted)."""
     opt = _optimizers()[opt_name]
@@ -269,9 +301,14 @@ def test_accumulate_axis_name_equals_big_batch(runner, opt_name, weighted,
     assert (np.asarray(state[0].mini_step) == 0).all()
 
 
-@pytest.mark.parametrize("runner,weighted", [
-    ("pmap", True), ("shard_map", True), ("shard_map", False),
-])
+@pytest.mark.parametrize(
+    "runner,weighted",
+    [
+        ("pmap", True),
+        ("shard_map", True),
+        ("shard_map", False),
+    ],
+)
 def test_accumulate_axis_name_sum_reduction(runner, weighted):
     """reduction="sum": the per-device window sums, averaged over devices.
     Through the plain ``tx.update`` protocol."""
@@ -280,8 +317,9 @@ def test_accumulate_axis_name_sum_reduction(runner, weighted):
     params = _params()
     tx = oa.chain(oa.accumulate(K, reduction="sum", axis_name=AXIS), opt)
     with jax.numpy_dtype_promotion("strict"):
-        got, _ = RUNNERS[runner](tx, params, data, weighted=weighted,
-                                 fused=False)
+        got, _ = RUNNERS[runner](
+            tx, params, data, weighted=weighted, fused=False
+        )
     want = _reference(opt, params, *data, weighted=weighted, reduction="sum")
     _assert_same_on_every_device(got)
     chex.assert_trees_all_close(_first(got), want, **TOL[jnp.float32])
@@ -298,21 +336,32 @@ def test_accumulate_axis_name_low_precision_grads(runner, dtype):
     tx = oa.chain(oa.accumulate(K, axis_name=AXIS), optax.sgd(lr))
     with jax.numpy_dtype_promotion("strict"):
         got, _ = RUNNERS[runner](tx, params, data, weighted=True)
-    local_grads = jax.jit(jax.vmap(jax.vmap(
-        jax.grad(worker.local_loss), (None, 0, 0, 0)), (None, 0, 0, 0)))
+    local_grads = jax.jit(
+        jax.vmap(
+            jax.vmap(jax.grad(worker.local_loss), (None, 0, 0, 0)),
+            (None, 0, 0, 0),
+        )
+    )
     g = local_grads(params, *data)  # (K, N, ...) in dtype
     counts = data[2].sum(-1).astype(np.float64)
     want = jax.tree.map(
-        lambda p, gl: (np.asarray(p, np.float64) - lr * np.einsum(
-            "kn,kn...->...", counts, np.asarray(gl, np.float64))
-            / counts.sum()),
-        params, g)
+        lambda p, gl: (
+            np.asarray(p, np.float64)
+            - lr
+            * np.einsum("kn,kn...->...", counts, np.asarray(gl, np.float64))
+            / counts.sum()
+        ),
+        params,
+        g,
+    )
     _assert_same_on_every_device(got)
     got = _first(got)
     chex.assert_trees_all_equal_dtypes(got, params)
     chex.assert_trees_all_close(
-        jax.tree.map(lambda a: np.asarray(a, np.float64), got), want,
-        **TOL[dtype])
+        jax.tree.map(lambda a: np.asarray(a, np.float64), got),
+        want,
+        **TOL[dtype],
+    )
 
 
 # ------------------------------------------------------------- HLO counts
@@ -330,13 +379,16 @@ def _compiled_text(runner, tx, step):
         args = (_replicate(params), _replicate(tx.init(params)), x, y, mask)
         return fn.lower(*args).compile().as_text()
     state = tx.init(params)
-    per_device = any(isinstance(s, oa.AccumulateState)
-                     for s in jax.tree.leaves(
-                         state, is_leaf=lambda s: isinstance(
-                             s, oa.AccumulateState)))
+    per_device = any(
+        isinstance(s, oa.AccumulateState)
+        for s in jax.tree.leaves(
+            state, is_leaf=lambda s: isinstance(s, oa.AccumulateState)
+        )
+    )
     if per_device:
-        state = map_per_device(state,
-                               lambda a: jnp.broadcast_to(a, (N, *a.shape)))
+        state = map_per_device(
+            state, lambda a: jnp.broadcast_to(a, (N, *a.shape))
+        )
         specs = _per_device_specs(state)
     else:
         specs = jax.tree.map(lambda _: P(), state)
@@ -348,12 +400,20 @@ def _compiled_text(runner, tx, step):
 
     mesh = _mesh()
     b = P(AXIS)
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, b, b, b),
-                               out_specs=(P(), specs)))
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), specs, b, b, b),
+            out_specs=(P(), specs),
+        )
+    )
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
-    args = (jax.tree.map(lambda a: put(a, P()), params),
-            jax.tree.map(put, state, specs),
-            *(put(a[:, None], b) for a in (x, y, mask)))
+    args = (
+        jax.tree.map(lambda a: put(a, P()), params),
+        jax.tree.map(put, state, specs),
+        *(put(a[:, None], b) for a in (x, y, mask)),
+    )
     return fn.lower(*args).compile().as_text()
 
 
@@ -362,8 +422,11 @@ def _pmean_step(tx, varying):
     micro-batch, then ``tx`` (e.g. ``optax.MultiSteps``)."""
 
     def step(params, state, x, y, mask):
-        p = params if varying is None else lax.pcast(params, varying,
-                                                     to="varying")
+        p = (
+            params
+            if varying is None
+            else lax.pcast(params, varying, to="varying")
+        )
         grads = lax.pmean(jax.grad(worker.local_loss)(p, x, y, mask), AXIS)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
@@ -380,26 +443,35 @@ def test_hlo_gradient_all_reduce_only_in_closing_branch(runner):
 
     multi = optax.MultiSteps(optax.adam(0.1), K)
     optax_way = hlo.summarize(
-        _compiled_text(runner, multi, _pmean_step(multi, varying)))
+        _compiled_text(runner, multi, _pmean_step(multi, varying))
+    )
     assert optax_way["top_ops"] >= 1, optax_way
     assert optax_way["top_bytes"] == tree_bytes, optax_way
     assert optax_way["branch_ops"] == 0, optax_way
 
     tx = oa.chain(oa.accumulate(K, axis_name=AXIS), optax.adam(0.1))
     for fused in (True, False):
-        ours = hlo.summarize(_compiled_text(
-            runner, tx,
-            _local_step(tx, weighted=True, fused=fused, varying=varying)))
+        ours = hlo.summarize(
+            _compiled_text(
+                runner,
+                tx,
+                _local_step(tx, weighted=True, fused=fused, varying=varying),
+            )
+        )
         assert ours["top_ops"] == 0, ours
         assert ours["branch_ops"] >= 1, ours
         assert ours["true_branch_only"], ours
         # The accumulator and its weight (a float32 scalar), once.
         assert ours["branch_bytes"] == tree_bytes + 4, ours
 
-    skip = oa.chain(oa.accumulate(K, axis_name=AXIS, skip_nonfinite=True),
-                    optax.adam(0.1))
-    ours = hlo.summarize(_compiled_text(
-        runner, skip, _local_step(skip, weighted=True, varying=varying)))
+    skip = oa.chain(
+        oa.accumulate(K, axis_name=AXIS, skip_nonfinite=True), optax.adam(0.1)
+    )
+    ours = hlo.summarize(
+        _compiled_text(
+            runner, skip, _local_step(skip, weighted=True, varying=varying)
+        )
+    )
     # Every micro-step: only the int32 scalar agreeing on finiteness.
     assert (ours["top_ops"], ours["top_bytes"]) == (1, 4), ours
     assert ours["true_branch_only"], ours
@@ -436,11 +508,16 @@ ENTRY %main (x: f32[4], i: s32[]) -> f32[4] {
 def test_hlo_parser_on_a_known_module():
     """The parser: entry vs conditional branches, tuple shapes, bytes."""
     ops = hlo.all_reduces(_KNOWN_HLO)
-    assert sorted((o["computation"], o["branches"], o["bytes"]) for o in ops) \
-        == [("main", (), 4), ("opened", (1,), 16), ("opened", (1,), 16)]
+    assert sorted(
+        (o["computation"], o["branches"], o["bytes"]) for o in ops
+    ) == [("main", (), 4), ("opened", (1,), 16), ("opened", (1,), 16)]
     assert hlo.summarize(_KNOWN_HLO) == dict(
-        top_ops=1, top_bytes=4, branch_ops=2, branch_bytes=32,
-        true_branch_only=True)
+        top_ops=1,
+        top_bytes=4,
+        branch_ops=2,
+        branch_bytes=32,
+        true_branch_only=True,
+    )
 
 
 # --------------------------------------------------------- non-finite grads
@@ -478,15 +555,19 @@ def test_dynamic_loss_scale_one_device_overflow_skips_everywhere(runner):
     data, clean = _poisoned_data(bad_step=2, bad_device=0)
     params = _params()
     init_scale = 2.0**6
-    tx = oa.chain(oa.dynamic_loss_scale(init_scale, axis_name=AXIS),
-                  oa.accumulate(K, axis_name=AXIS), opt)
+    tx = oa.chain(
+        oa.dynamic_loss_scale(init_scale, axis_name=AXIS),
+        oa.accumulate(K, axis_name=AXIS),
+        opt,
+    )
     got, state = RUNNERS[runner](tx, params, data, weighted=True, scaled=True)
     want = _reference(opt, params, *clean, weighted=True)
     _assert_same_on_every_device(got)
     chex.assert_trees_all_close(_first(got), want, **TOL[jnp.float32])
     # Every device halved its scale once; none stepped on the bad batch.
-    np.testing.assert_array_equal(np.asarray(oa.loss_scale(state)),
-                                  init_scale / 2)
+    np.testing.assert_array_equal(
+        np.asarray(oa.loss_scale(state)), init_scale / 2
+    )
     assert (np.asarray(state[1].gradient_step) == WINDOWS).all()
 
 
@@ -501,19 +582,29 @@ def _sharded_problem(mesh):
     }
     specs = {"w": P(None, "model"), "b": P("model")}
     params = _put(mesh, params, specs)
-    x = jax.device_put(rng.normal(size=(16, 6)).astype(np.float32),
-                       NamedSharding(mesh, P("data", None)))
-    y = jax.device_put(rng.normal(size=(16, 8)).astype(np.float32),
-                       NamedSharding(mesh, P("data", None)))
+    x = jax.device_put(
+        rng.normal(size=(16, 6)).astype(np.float32),
+        NamedSharding(mesh, P("data", None)),
+    )
+    y = jax.device_put(
+        rng.normal(size=(16, 8)).astype(np.float32),
+        NamedSharding(mesh, P("data", None)),
+    )
     return params, x, y
 
 
 def _same_sharding(tree, params):
     """Each leaf of ``tree`` (a params-like tree) is sharded as in params."""
-    for (path, a), p in zip(jax.tree_util.tree_leaves_with_path(tree),
-                            jax.tree.leaves(params), strict=True):
+    for (path, a), p in zip(
+        jax.tree_util.tree_leaves_with_path(tree),
+        jax.tree.leaves(params),
+        strict=True,
+    ):
         assert a.sharding.is_equivalent_to(p.sharding, a.ndim), (
-            jax.tree_util.keystr(path), a.sharding, p.sharding)
+            jax.tree_util.keystr(path),
+            a.sharding,
+            p.sharding,
+        )
 
 
 def _state_shardings_follow_params(state, params):
@@ -561,8 +652,9 @@ def test_state_sharding_follows_params_explicit_mesh(fused):
     of ``jax.make_mesh``), params sharded over 'model': ``jax.jit(tx.init)``
     gives the accumulator and Adam's moments the params' sharding, and the
     jitted steps keep it without gathering anything."""
-    mesh = jax.make_mesh((4, 2), ("data", "model"),
-                         axis_types=(AxisType.Explicit,) * 2)
+    mesh = jax.make_mesh(
+        (4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2
+    )
     with jax.set_mesh(mesh):
         params, x, y = _sharded_problem(mesh)
         tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
@@ -576,18 +668,23 @@ def test_state_sharding_follows_params_auto_mesh(fused):
     """Auto (GSPMD) sharding: ``optax.tree_map_params`` finds the params-like
     trees of the state, so ``jax.jit(tx.init, out_shardings=...)`` places
     them like the params; the jitted steps keep that placement."""
-    mesh = jax.make_mesh((4, 2), ("data", "model"),
-                         axis_types=(AxisType.Auto,) * 2)
+    mesh = jax.make_mesh(
+        (4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+    )
     params, x, y = _sharded_problem(mesh)
-    tx = optax.chain(optax.identity(),
-                     oa.chain(oa.accumulate(2), optax.adam(0.1)))
+    tx = optax.chain(
+        optax.identity(), oa.chain(oa.accumulate(2), optax.adam(0.1))
+    )
     shardings = optax.tree_map_params(
-        tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, params), params,
-        transform_non_params=lambda _: NamedSharding(mesh, P()))
+        tx,
+        lambda _, p: p.sharding,
+        jax.eval_shape(tx.init, params),
+        params,
+        transform_non_params=lambda _: NamedSharding(mesh, P()),
+    )
     state = jax.jit(tx.init, out_shardings=shardings)(params)
     _state_shardings_follow_params(state[1], params)
-    _check_sharded_steps(tx, fused, params, state, x, y,
-                         inner=lambda s: s[1])
+    _check_sharded_steps(tx, fused, params, state, x, y, inner=lambda s: s[1])
 
 
 # ------------------------------------------- device-varying chain updates
@@ -600,8 +697,12 @@ def test_chain_inside_shard_map_with_device_varying_updates():
     Equals the same chain vmapped over devices."""
     tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
     params = _replicate(_params())
-    params = jax.tree.map(lambda a: a + jnp.arange(N, dtype=a.dtype).reshape(
-        (N,) + (1,) * (a.ndim - 1)), params)
+    params = jax.tree.map(
+        lambda a: (
+            a + jnp.arange(N, dtype=a.dtype).reshape((N,) + (1,) * (a.ndim - 1))
+        ),
+        params,
+    )
     state = jax.vmap(tx.init)(params)
     data = _data(3, ragged=False, seed=5)
     mesh = _mesh()
@@ -613,8 +714,9 @@ def test_chain_inside_shard_map_with_device_varying_updates():
         return oa.apply_gradients(tx, grads, state, params)  # fused
 
     def body(*args):
-        return jax.tree.map(lambda a: a[None],
-                            local(*jax.tree.map(lambda a: a[0], args)))
+        return jax.tree.map(
+            lambda a: a[None], local(*jax.tree.map(lambda a: a[0], args))
+        )
 
     d = P(AXIS)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=d, out_specs=d))
@@ -637,8 +739,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-_GLOO_MISSING = ("not available", "unavailable", "not supported",
-                 "unsupported", "not built", "unimplemented")
+_GLOO_MISSING = (
+    "not available",
+    "unavailable",
+    "not supported",
+    "unsupported",
+    "not built",
+    "unimplemented",
+)
 _MULTIHOST_TIMEOUT = 120  # seconds, both processes together
 
 
@@ -649,16 +757,30 @@ def _run_two_workers(tmp_path, out, attempt, script):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    )
     logs = [tmp_path / f"worker{i}-{attempt}.log" for i in range(2)]
     procs = []
     deadline = time.monotonic() + _MULTIHOST_TIMEOUT
     try:
         for i, log in enumerate(logs):
             with open(log, "w") as f:
-                procs.append(subprocess.Popen(
-                    [sys.executable, script, str(i), "2", str(port), str(out)],
-                    stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tmp_path))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            script,
+                            str(i),
+                            "2",
+                            str(port),
+                            str(out),
+                        ],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=tmp_path,
+                    )
+                )
         for p in procs:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -670,7 +792,8 @@ def _run_two_workers(tmp_path, out, attempt, script):
             p.wait()
     report = "\n".join(
         f"--- worker {i} (exit {p.returncode}):\n{log.read_text()[-3000:]}"
-        for i, (p, log) in enumerate(zip(procs, logs, strict=True)))
+        for i, (p, log) in enumerate(zip(procs, logs, strict=True))
+    )
     return all(p.returncode == 0 for p in procs), report
 
 
@@ -687,8 +810,9 @@ def run_two_processes(tmp_path, script):
         lowered = report.lower()
         if "gloo" in lowered and any(r in lowered for r in _GLOO_MISSING):
             pytest.skip(f"gloo CPU collectives unavailable here:\n{report}")
-        pytest.fail("a worker failed or ran past "
-                    f"{_MULTIHOST_TIMEOUT} s:\n{report}")
+        pytest.fail(
+            f"a worker failed or ran past {_MULTIHOST_TIMEOUT} s:\n{report}"
+        )
     return out
 
 
@@ -697,12 +821,17 @@ def test_two_processes_match_single_process(tmp_path):
     pmap + ``accumulate(axis_name)``, weighted by token counts: the params
     equal a single-process big-batch run on the same global batches."""
     out = run_two_processes(tmp_path, "_multihost_worker.py")
-    data = worker.make_data(2 * worker.LOCAL_DEVICES,
-                            worker.WINDOWS * worker.K)
-    want = _reference(optax.adam(worker.LEARNING_RATE), _params(), *data,
-                      weighted=True, k=worker.K)
-    np.testing.assert_allclose(np.load(out), worker.flatten(want),
-                               **TOL[jnp.float32])
+    data = worker.make_data(2 * worker.LOCAL_DEVICES, worker.WINDOWS * worker.K)
+    want = _reference(
+        optax.adam(worker.LEARNING_RATE),
+        _params(),
+        *data,
+        weighted=True,
+        k=worker.K,
+    )
+    np.testing.assert_allclose(
+        np.load(out), worker.flatten(want), **TOL[jnp.float32]
+    )
 
 
 # ------------------------------------------------ example and benchmark
@@ -711,16 +840,29 @@ def test_two_processes_match_single_process(tmp_path):
 def _run_script(*args, timeout=240):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
 def test_example_data_parallel_runs_on_8_cpu_devices():
-    out = _run_script("examples/data_parallel.py", "--steps", "6",
-                      "--accum", "2", "--log-every", "3")
+    out = _run_script(
+        "examples/data_parallel.py",
+        "--steps",
+        "6",
+        "--accum",
+        "2",
+        "--log-every",
+        "3",
+    )
     assert out.startswith("8 cpu device(s)"), out
     assert "optimizer steps   3" in out, out
     last = out.strip().splitlines()[-1]
@@ -731,8 +873,11 @@ def test_example_data_parallel_runs_on_8_cpu_devices():
 def test_bench_multidevice_tiny():
     import json
 
-    res = json.loads(_run_script("benchmarks/bench_multidevice.py", "--tiny",
-                                 "--json").strip().splitlines()[-1])
+    res = json.loads(
+        _run_script("benchmarks/bench_multidevice.py", "--tiny", "--json")
+        .strip()
+        .splitlines()[-1]
+    )
     per_window = res["all_reduces_per_window"]
     assert per_window["oa.accumulate(axis_name)"] == 1, res
     assert per_window["pmean + MultiSteps"] == res["k"], res

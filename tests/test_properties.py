@@ -20,7 +20,9 @@ leaves = st.tuples(shapes, st.sampled_from(DTYPES))
 trees = st.recursive(
     leaves,
     lambda children: st.one_of(
-        st.dictionaries(st.sampled_from("abcd"), children, min_size=1, max_size=3),
+        st.dictionaries(
+            st.sampled_from("abcd"), children, min_size=1, max_size=3
+        ),
         st.lists(children, min_size=1, max_size=3),
         st.lists(children, min_size=1, max_size=2).map(tuple),
     ),
@@ -39,7 +41,9 @@ def _is_spec(x):
 
 def _make(spec, rng):
     return jax.tree.map(
-        lambda s: jnp.asarray(rng.normal(size=s[0]), s[1]), spec, is_leaf=_is_spec
+        lambda s: jnp.asarray(rng.normal(size=s[0]), s[1]),
+        spec,
+        is_leaf=_is_spec,
     )
 
 
@@ -68,7 +72,8 @@ def test_accumulate_matches_numpy_reference(spec, k, weights, reduction, seed):
         total = sum(wi for wi, _ in window)
         if closes and total != 0:
             want = jax.tree.map(
-                lambda *gs: sum(wi * gi for (wi, _), gi in zip(window, gs)), *[gi for _, gi in window]
+                lambda *gs: sum(wi * gi for (wi, _), gi in zip(window, gs)),
+                *[gi for _, gi in window],
             )
             if reduction == "mean":
                 want = jax.tree.map(lambda x: x / total, want)
@@ -84,7 +89,11 @@ def test_accumulate_matches_numpy_reference(spec, k, weights, reduction, seed):
             u,
             want,
         )
-        jax.tree.map(lambda got, p: np.testing.assert_equal(got.dtype, p.dtype), u, params)
+        jax.tree.map(
+            lambda got, p: np.testing.assert_equal(got.dtype, p.dtype),
+            u,
+            params,
+        )
         assert bool(oa.has_updated(state)) == (closes and total != 0)
         if closes:
             window = []

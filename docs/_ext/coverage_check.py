@@ -25,7 +25,8 @@ def public_names(module_names: list[str]) -> list[str]:
         exported = getattr(module, "__all__", None)
         if exported is None:
             logger.warning(
-                "coverage_check: module %s has no __all__", module_name,
+                "coverage_check: module %s has no __all__",
+                module_name,
                 type="coverage_check",
             )
             continue

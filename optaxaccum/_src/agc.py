@@ -39,9 +39,7 @@ def _is_int(x: Any) -> bool:
 
 def _is_axes(x: Any) -> bool:
     """Whether ``x`` is an int or a tuple of ints (one leaf's axes)."""
-    return _is_int(x) or (
-        type(x) is tuple and all(_is_int(a) for a in x)
-    )
+    return _is_int(x) or (type(x) is tuple and all(_is_int(a) for a in x))
 
 
 def _is_spec(x: Any) -> bool:
@@ -313,9 +311,7 @@ def agc(
         out = []
         # Leaf shapes were checked by check_same_structure.
         for g, w, (_, axes) in zip(g_leaves, w_leaves, leaf_axes):
-            out.append(
-                _clip_leaf(g, w, axes=axes, clipping=clipping, eps=eps)
-            )
+            out.append(_clip_leaf(g, w, axes=axes, clipping=clipping, eps=eps))
         return jax.tree.unflatten(treedef, out), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -15,8 +15,20 @@ from collections.abc import Iterator
 import numpy as np
 
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
     "c128": 16,
 }
 _ARRAY_RE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
@@ -129,8 +141,13 @@ def all_reduces(text: str) -> list[dict]:
                 continue
             shape, opcode = parsed
             if opcode in _ALL_REDUCE_OPS:
-                found.append(dict(bytes=shape_bytes(shape), computation=name,
-                                  branches=branches))
+                found.append(
+                    dict(
+                        bytes=shape_bytes(shape),
+                        computation=name,
+                        branches=branches,
+                    )
+                )
             for callee, index in _callees(line):
                 visit(callee, branches if index is None else (*branches, index))
 
@@ -164,7 +181,8 @@ def _reachable(
         seen.add(name)
         for line in comps[name]:
             todo.extend(
-                callee for callee, index in _callees(line)
+                callee
+                for callee, index in _callees(line)
                 if into_branches or index is None
             )
     return seen

@@ -23,7 +23,6 @@ __all__ = [
 ]
 
 
-
 class DynamicLossScaleState(NamedTuple):
     """State of :func:`dynamic_loss_scale`.
 
@@ -87,9 +86,7 @@ def _unscale(updates: optax.Updates, scale: jax.Array) -> optax.Updates:
     return jax.tree.map(one, updates)
 
 
-def _unscaled_all_finite(
-    updates: optax.Updates, scale: jax.Array
-) -> jax.Array:
+def _unscaled_all_finite(updates: optax.Updates, scale: jax.Array) -> jax.Array:
     """Whether ``_unscale(updates, scale)`` is finite everywhere, decided
     from each leaf's largest magnitude: unscaling is monotonic in ``|g|`` and
     NaN propagates through the maximum. Reading only the incoming gradients,

@@ -197,9 +197,7 @@ def window_zeros(zeros: Any, axis_name: Any) -> Any:
     def unreduced(z):
         if not is_explicit(z, axis_name):
             return z
-        spec = deferred_spec(
-            _spec(z), axis_names(axis_name), "unreduced"
-        )
+        spec = deferred_spec(_spec(z), axis_names(axis_name), "unreduced")
         return jax.reshard(z, spec)
 
     return jax.tree.map(unreduced, zeros)
