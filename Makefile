@@ -38,7 +38,7 @@ LINTED := optaxaccum tests examples benchmarks docs/conf.py docs/_ext
 lint: $(VENV)/.installed-dev
 	$(PY) -m ruff check $(LINTED)
 	$(PY) -m ruff format --check $(LINTED)
-	$(VENV)/bin/basedpyright
+	$(VENV)/bin/basedpyright -p pyproject.toml
 
 clean:
 	rm -rf $(VENV) docs/_build .pytest_cache
