@@ -411,3 +411,32 @@ def test_other_counting_wrappers_around_a_gated_chain_warn(wrap):
     state = tx.init(params)
     with pytest.warns(UserWarning, match="counts every call"):
         oa.apply_gradients(tx, grads, state, params)
+
+
+def test_protocol_keyword_passed_cannot_be_given_by_users():
+    """'passed' belongs to the gate protocol: a user's passed=False would
+    silently drop the micro-batch, so it is refused."""
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match="passed"):
+        tx.update(jnp.ones(1), state, params, passed=jnp.array(False))
+    with pytest.raises(TypeError, match="passed"):
+        oa.apply_gradients(tx, jnp.ones(1), state, params, passed=False)
+
+
+def test_follower_keyword_close_to_accum_weight_is_not_a_near_miss():
+    """A keyword some element declares is never taken for a typo of another
+    element's (accumulate used to check against accum_weight alone)."""
+
+    def update(updates, state, params=None, *, accum_weights=None, **extra):
+        del params, extra
+        return jax.tree.map(lambda u: u * accum_weights, updates), state
+
+    scaler = optax.GradientTransformationExtraArgs(
+        lambda p: optax.EmptyState(), update
+    )
+    tx = oa.chain(oa.accumulate(1), scaler)
+    params = jnp.zeros(1)
+    u, _ = tx.update(jnp.ones(1), tx.init(params), params, accum_weights=3.0)
+    np.testing.assert_allclose(u, [3.0])

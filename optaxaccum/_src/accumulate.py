@@ -167,8 +167,7 @@ def _gate_update(
     **extra_args: Any,
 ) -> base.GateResult:
     """Adds one micro-batch; decides whether the window closes."""
-    del params
-    utils.check_extra_args(extra_args, ("accum_weight",))
+    del params, extra_args  # the caller checks extra args (near-misses)
     if not isinstance(state, AccumulateState):
         raise TypeError(
             "oa.accumulate expects an AccumulateState, got "
@@ -288,7 +287,7 @@ def _gate_flush(
     cfg: _Config, state: AccumulateState, params: optax.Params, **extra_args
 ) -> base.GateResult:
     """Closes the current window now, if it holds any micro-batch."""
-    utils.check_extra_args(extra_args, ("accum_weight",))
+    del extra_args  # the caller checks extra args (near-misses)
     params = _gradient_params(params)
     utils.check_same_structure(
         "the params", params, state.acc, "the accumulator"

@@ -137,12 +137,14 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         gate_update: GateUpdateFn,
         gate_flush: GateFlushFn | None = None,
     ):
-        def update_fn(updates, state, params=None, **extra_args):
-            return resolve(gate_update(updates, state, params, **extra_args))
-
         # The plain update declares what gate_update takes by name, so that
         # chains can tell a near-miss keyword (``acum_weight``) from others.
         names = utils.declared_extra_args(gate_update, skip=3)
+
+        def update_fn(updates, state, params=None, **extra_args):
+            utils.check_extra_args(extra_args, names)
+            return resolve(gate_update(updates, state, params, **extra_args))
+
         self = super().__new__(
             cls, init, utils.with_signature(update_fn, names)
         )
@@ -215,7 +217,7 @@ def call_gate(
     """
     if passed is True:
         return gate.gate_update(updates, state, params, **extra_args)
-    if "passed" in utils.declared_extra_args(gate.gate_update):
+    if "passed" in utils.keywords(gate.gate_update):
         return gate.gate_update(
             updates, state, params, passed=passed, **extra_args
         )

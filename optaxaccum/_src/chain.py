@@ -85,7 +85,6 @@ def chain(
         updates, state, params=None, *, passed=True, **extra_args
     ):
         _check_state(state, len(transforms))
-        utils.check_extra_args(extra_args, declared)
         head_state = ()
         if head is not None:
             updates, head_state = head.update(
@@ -119,7 +118,6 @@ def chain(
 
     def gate_flush_fn(state, params, **extra_args):
         _check_state(state, len(transforms))
-        utils.check_extra_args(extra_args, declared)
         res = flush_fn(state[flush_at], params, **extra_args)
         return _follow(
             res,
@@ -159,9 +157,13 @@ def _check_state(state, n):
 
 
 def _followers(transforms, i):
-    """The chain of the elements after position ``i`` (built once)."""
+    """The chain of the elements after position ``i`` (built once). Extra
+    arguments are checked where the call enters (``update``,
+    :func:`apply_gradients`, :func:`flush`), not again here."""
     rest = transforms[i + 1 :]
-    return chain(*rest) if rest else None
+    if not rest:
+        return None
+    return chain(*rest) if any(map(base.is_gate, rest)) else optax.chain(*rest)
 
 
 def _follow(
@@ -322,6 +324,7 @@ def apply_gradients(
         warn_if_wrapped(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         return optax.apply_updates(params, updates), opt_state
+    utils.check_extra_args(extra_args, utils.declared_extra_args(tx))
     result = tx.gate_update(grads, opt_state, params, **extra_args)
     return _apply(result, params)
 
@@ -386,4 +389,5 @@ def flush(
             "oa.flush needs an oa.accumulate, or an oa.chain that contains "
             f"one; got {tx!r}"
         )
+    utils.check_extra_args(extra_args, utils.declared_extra_args(tx))
     return base.resolve(gate_flush(opt_state, params, **extra_args))

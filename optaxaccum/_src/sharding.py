@@ -252,12 +252,17 @@ def all_finite(
     """
     leaves = jax.tree.leaves(tree)
     if any(unreduced_axes(x) for x in leaves):
-        probes = [
-            jax.reshard(jnp.sum(times(jnp.zeros([], x.dtype), x)), P())
-            for x in leaves
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-        ]
-        return jnp.stack([jnp.isfinite(p).all() for p in probes]).all()
+        # Probes of one dtype and sharding are summed locally first, so the
+        # devices exchange one scalar per group, not one per leaf.
+        groups: dict[Any, jax.Array] = {}
+        for x in leaves:
+            if jnp.issubdtype(x.dtype, jnp.inexact):
+                probe = jnp.sum(times(jnp.zeros([], x.dtype), x))
+                key = (probe.dtype, unreduced_axes(probe))
+                groups[key] = groups[key] + probe if key in groups else probe
+        return utils.all_true(
+            [jnp.isfinite(jax.reshard(p, P())).all() for p in groups.values()]
+        )
     return (local or utils.all_finite)(tree)
 
 

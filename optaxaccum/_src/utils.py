@@ -102,20 +102,15 @@ def check_weight(name: str, value: Any) -> None:
         )
 
 
-def declared_extra_args(fn: Any, skip: int = 3) -> frozenset[str]:
-    """The extra keyword arguments a function declares by name.
+# Keywords of the gate protocol itself (see base.py), not extra arguments a
+# user may pass.
+PROTOCOL_KEYWORDS = frozenset({"passed"})
 
-    Args:
-      fn: an ``update``-like function, or an optax transformation (its
-        ``update`` is read).
-      skip: how many leading parameters are not extra arguments
-        (``updates, state, params``).
 
-    Returns:
-      The names of its keyword parameters after the first ``skip``
-      (``accum_weight``, ``value``, ...), ``**extra_args`` catch-alls and
-      private (``_``-prefixed) names excluded.
-    """
+def keywords(fn: Any, skip: int = 3) -> frozenset[str]:
+    """The keyword parameters of ``fn`` (or of a transformation's
+    ``update``) after the first ``skip``, ``**`` catch-alls and
+    ``_``-prefixed names excluded."""
     fn = getattr(fn, "update", fn)
     try:
         parameters = inspect.signature(fn).parameters.values()
@@ -127,6 +122,24 @@ def declared_extra_args(fn: Any, skip: int = 3) -> frozenset[str]:
         if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
         and not p.name.startswith("_")
     )
+
+
+def declared_extra_args(fn: Any, skip: int = 3) -> frozenset[str]:
+    """The extra keyword arguments a function declares by name.
+
+    Args:
+      fn: an ``update``-like function, or an optax transformation (its
+        ``update`` is read).
+      skip: how many leading parameters are not extra arguments
+        (``updates, state, params``).
+
+    Returns:
+      The names of its keyword parameters after the first ``skip``
+      (``accum_weight``, ``value``, ...); ``**extra_args`` catch-alls,
+      private (``_``-prefixed) names and the protocol's own ``passed``
+      excluded.
+    """
+    return keywords(fn, skip) - PROTOCOL_KEYWORDS
 
 
 def check_extra_args(
@@ -144,6 +157,11 @@ def check_extra_args(
     """
     declared = sorted(declared)
     for key in extra_args:
+        if key in PROTOCOL_KEYWORDS:
+            raise TypeError(
+                f"{key!r} is an argument of the gate protocol, set by "
+                "oa.chain; it cannot be passed to update"
+            )
         if key in declared or key.startswith("_"):
             continue
         close = difflib.get_close_matches(key, declared, n=1, cutoff=0.75)
@@ -158,7 +176,7 @@ def with_signature(fn: Callable, names: Iterable[str]) -> Callable:
     """Gives an ``update(updates, state, params=None, **extra_args)`` function
     a signature that declares ``names`` as keyword-only arguments, so that
     :func:`declared_extra_args` (and ``inspect``) see them."""
-    names = set(names) | declared_extra_args(fn)  # and its own keywords
+    names = set(names) | keywords(fn)  # and its own keywords
     p = inspect.Parameter
     params = [
         p("updates", p.POSITIONAL_OR_KEYWORD),
@@ -167,7 +185,7 @@ def with_signature(fn: Callable, names: Iterable[str]) -> Callable:
         *(p(n, p.KEYWORD_ONLY, default=None) for n in sorted(names)),
         p("extra_args", p.VAR_KEYWORD),
     ]
-    fn.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    fn.__dict__["__signature__"] = inspect.Signature(params)
     return fn
 
 
