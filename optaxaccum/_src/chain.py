@@ -289,7 +289,9 @@ def apply_gradients(
     and no tree of zero updates is built. Jitted with ``params`` and
     ``opt_state`` donated, a micro-step that does not close the window then
     costs a single pass over the accumulator (read gradient, read accumulator,
-    write accumulator) and allocates no tree-sized temporary.
+    write accumulator) and allocates no tree-sized temporary. Results equal
+    the plain protocol's up to float rounding (XLA may fuse the update into
+    the parameter add).
 
     JAX pairs donated input buffers with outputs of the same shape in order,
     so give the jitted step its donated arguments in the order it returns
@@ -351,7 +353,8 @@ def flush(
     seen, in the params' dtypes, and the elements after the accumulation run
     once. With an empty window it emits zeros and changes nothing. Elements
     before the accumulation (e.g. :func:`agc`) do not run: there is no new
-    gradient.
+    gradient. Only the first accumulation is closed: with nested ones the
+    flushed window enters the next as one more micro-batch.
 
     Args:
       tx: an :func:`accumulate`, or an :func:`chain` containing one.
