@@ -9,7 +9,6 @@ from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from optaxaccum._src import utils
@@ -84,22 +83,10 @@ def _normalize_axes(spec: Any, shape: tuple[int, ...], where: str) -> tuple:
     return tuple(sorted(out))
 
 
-def _compute_dtype(dtype: Any) -> np.dtype:
-    """The dtype a leaf is reduced in: its own if float32 or wider (or
-    complex), else float32. Chosen explicitly: ``jnp.promote_types`` raises
-    under ``jax.numpy_dtype_promotion("strict")``."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating) or (
-        jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4
-    ):
-        return dtype
-    return jnp.dtype(jnp.float32)
-
-
 def _unit_norm(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     """L2 norms over ``axes`` (kept as size 1), in float32 or wider."""
     x = jnp.asarray(x)
-    x = x.astype(_compute_dtype(x.dtype))
+    x = x.astype(utils.widen(x.dtype))
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         sq = jnp.real(x) * jnp.real(x) + jnp.imag(x) * jnp.imag(x)
     else:
@@ -237,7 +224,7 @@ def _clip_leaf(
     # of 4, 30% less compile time), rather than copying the select and its
     # inputs into the consumer.
     scale = jnp.where(over, max_norm, 1.0) / jnp.where(over, g_norm, 1.0)
-    compute = _compute_dtype(g.dtype)
+    compute = utils.widen(g.dtype)
     return (g.astype(compute) * scale.astype(compute)).astype(g.dtype)
 
 

@@ -52,8 +52,6 @@ __all__ = [
     "resolve",
 ]
 
-Flag: TypeAlias = "jax.Array | bool"
-
 
 class Emitted(NamedTuple):
     """What a gate's ``emit`` returns (a plain 3-tuple is accepted too).

@@ -138,17 +138,6 @@ def _check_divisible(batch_size: int, num_microbatches: int) -> None:
         )
 
 
-def _acc_dtype(dtype: Any) -> jnp.dtype:
-    """float32, or the wider of float32 and ``dtype`` (complex stays
-    complex). Not ``jnp.promote_types``: it raises under strict promotion."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return dtype if dtype.itemsize >= 8 else jnp.dtype(jnp.complex64)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4:
-        return dtype
-    return jnp.dtype(jnp.float32)
-
-
 def _strong(x: Any) -> jax.Array:
     """``x`` as an array without weak type (scan carries must match)."""
     x = jnp.asarray(x)
@@ -273,7 +262,7 @@ def _reduce(
     losses: jax.Array, ws: jax.Array | None, acc: Any, n: int
 ) -> tuple[jax.Array, Any]:
     """The (weighted) mean loss and gradients from the scan's outputs."""
-    loss_acc = _acc_dtype(losses.dtype)
+    loss_acc = utils.widen(losses.dtype)
     if ws is None:
         loss = jnp.mean(losses.astype(loss_acc))
         grads = jax.tree.map(
@@ -389,7 +378,7 @@ def microbatched_value_and_grad(
         )
         diff_args = tuple(args[i] for i in d_idx)
         acc0 = jax.tree.map(
-            lambda p: sharding.grad_zeros(p, _acc_dtype(jnp.result_type(p))),
+            lambda p: sharding.grad_zeros(p, utils.widen(jnp.result_type(p))),
             diff_args,
         )
         state0 = jax.tree.map(_strong, tuple(args[i] for i in s_idx))
