@@ -364,15 +364,17 @@ def _targets(runs, sizes, large, seconds):
             all(v < 1 for v in below.values()),
         )
     )
-    lo, hi = (1000, 3000) if {1000, 3000} <= set(sizes) else sizes[-2:]
-    growth = total("README fused", hi) / total("README fused", lo)
-    targets.append(
-        _common_target(
-            f"README fused time({hi}) / time({lo}) <= {3.3 * hi / lo / 3:.1f}",
-            growth,
-            growth <= 3.3 * hi / lo / 3,
+    if len(sizes) >= 2:  # growth needs two sizes
+        lo, hi = (1000, 3000) if {1000, 3000} <= set(sizes) else sizes[-2:]
+        growth = total("README fused", hi) / total("README fused", lo)
+        bound = 3.3 * hi / lo / 3
+        targets.append(
+            _common_target(
+                f"README fused time({hi}) / time({lo}) <= {bound:.1f}",
+                growth,
+                growth <= bound,
+            )
         )
-    )
     if large:
         res = [
             r for r in runs.get(("README fused", LARGE), []) if "error" not in r

@@ -10,14 +10,16 @@ Each benchmark module has ``main(tiny: bool = False) -> dict`` returning
 * optionally ``notes``: a list of sentences printed under its tables;
 * anything else (raw seconds, bytes), kept out of the report.
 
-B1 (``bench_step``), B1-nnx (``bench_nnx``), B2 (``bench_microbatch``) and
-B5 (``bench_compile``) always run; the multi-device benchmarks (B3
-``bench_multidevice``, B4 ``bench_mesh``) run when their modules are there.
+B1 (``bench_step``), B1-nnx (``bench_nnx``), B2 (``bench_microbatch``), B5
+(``bench_compile``) and B5-limits (``compile_limits``) always run; the
+multi-device benchmarks (B3 ``bench_multidevice``, B4 ``bench_mesh``) run
+when their modules are there.
 
 Run: ``python benchmarks/run_all.py [--tiny] [--out DIR]`` (``make bench``).
 ``--tiny`` runs on toy sizes (a smoke test; the figures mean nothing) and
 ``--out`` chooses where RESULTS.md and results.png go (default: next to this
-script).
+script). Sections of an existing RESULTS.md below ``HAND_MARKER`` (figures
+recorded by hand) are kept.
 """
 
 from __future__ import annotations
@@ -33,8 +35,18 @@ sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
 
-BENCHMARKS = ("bench_step", "bench_nnx", "bench_microbatch", "bench_compile")
+BENCHMARKS = (
+    "bench_step",
+    "bench_nnx",
+    "bench_microbatch",
+    "bench_compile",
+    "compile_limits",
+)
 OPTIONAL = ("bench_multidevice", "bench_mesh")
+
+# Everything from this line on in an existing RESULTS.md was recorded by hand
+# (before/after comparisons, measurements of single issues) and is kept.
+HAND_MARKER = "<!-- Recorded by hand below this line; run_all.py keeps it. -->"
 
 NOISE_NOTE = (
     "Timings are medians of interleaved rounds, reported as ratios. On a "
@@ -117,10 +129,22 @@ def write_report(
         "",
         render(results),
     ]
+    lines += ["", _hand_recorded(md_path)]
     with open(md_path, "w") as f:
         f.write("\n".join(lines))
     plot(results, png_path)
     return [md_path, png_path]
+
+
+def _hand_recorded(md_path: str) -> str:
+    """The hand-recorded tail of an existing report (marker included), or
+    just the marker."""
+    old = ""
+    if os.path.exists(md_path):
+        with open(md_path) as f:
+            old = f.read()
+    at = old.find(HAND_MARKER)
+    return old[at:] if at >= 0 else HAND_MARKER + "\n"
 
 
 def plot(results: list[dict], path: str) -> None:

@@ -10,7 +10,9 @@ in ``test_multidevice.py``.
 import importlib.util
 import pathlib
 
+import chex
 import jax
+import numpy as np
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -177,3 +179,68 @@ def test_bench_compile_main_quick():
         "README fused non-closing",
         "README fused identity step",
     }
+
+
+def test_run_all_keeps_hand_recorded_sections(tmp_path):
+    """Figures recorded by hand below the marker survive a new report;
+    without the marker the report ends with it."""
+    run_all = _load("run_all")
+    results = [
+        {
+            "name": "Bx",
+            "title": "Bx: a made-up benchmark",
+            "headers": ["variant", "ms"],
+            "rows": [["one", "1.00"]],
+            "targets": [],
+            "ratios": {"Bx one": 1.0},
+            "ratio_label": "time / one",
+            "wall_s": 1.0,
+        }
+    ]
+    md_path, _ = run_all.write_report(results, str(tmp_path), tiny=True)
+    first = pathlib.Path(md_path).read_text()
+    assert first.rstrip().endswith(run_all.HAND_MARKER)
+    hand = "\n## Before and after (by hand)\n\n| a | 1.23x |\n"
+    pathlib.Path(md_path).write_text(first + hand)
+    run_all.write_report(results, str(tmp_path), tiny=True)
+    second = pathlib.Path(md_path).read_text()
+    assert second.count(run_all.HAND_MARKER) == 1
+    assert second.endswith(run_all.HAND_MARKER + "\n" + hand)
+    assert "Bx: a made-up benchmark" in second
+
+
+def test_compile_limits_quick():
+    """B5-limits on toy sizes: every case compiles in its own process, and
+    the hand-written flat-accumulator step it compiles computes what the
+    per-leaf one does (so its compile time is a fair comparison)."""
+    limits = _load("compile_limits")
+    res = limits.main(tiny=True)
+    _check_result_format(res)
+    assert not any("rror" in cell for row in res["rows"] for cell in row)
+    make_tree = _load("bench_compile").make_tree
+    outcomes = []
+    for flat in (False, True):
+        step, _, init = limits._hand_step(limits.QUICK_FLAT_N, flat)
+        params = make_tree(limits.QUICK_FLAT_N)
+        state = init(params)
+        for i in range(limits.K):
+            grads = make_tree(limits.QUICK_FLAT_N, seed=i + 1)
+            params, state = jax.jit(step)(params, state, grads)
+        outcomes.append(params)
+    before = make_tree(limits.QUICK_FLAT_N)
+    assert not np.allclose(outcomes[0]["p00"], before["p00"])  # it stepped
+    chex.assert_trees_all_close(*outcomes, rtol=1e-6)
+
+
+def test_bench_compile_one_size():
+    """One size gives no growth target (it used to fail unpacking sizes)."""
+    bench = _load("bench_compile")
+    res = bench.main(
+        tiny=True,
+        sizes=(8,),
+        configs=("optax agc+adam", "MultiSteps", "README fused"),
+    )
+    _check_result_format(res)
+    targets = [t["target"] for t in res["targets"]]
+    assert not any("time(" in t for t in targets), targets
+    assert any("< MultiSteps" in t for t in targets), targets
