@@ -28,6 +28,8 @@ __all__ = [
     "machine_info",
     "markdown_table",
     "memory_stats",
+    "reset_peak_rss",
+    "rss_kib",
     "target",
     "targets_table",
     "time_interleaved",
@@ -124,6 +126,41 @@ def memory_stats(compiled: Any) -> dict[str, int]:
         "alias": int(ma.alias_size_in_bytes),
         "temp": int(ma.temp_size_in_bytes),
     }
+
+
+def rss_kib() -> dict[str, int]:
+    """This process's resident memory now (``rss``) and at its peak
+    (``peak``), in KiB, from ``/proc/self/status``.
+
+    Not ``resource.getrusage(...).ru_maxrss``: on Linux a child process
+    started from a big parent reports at least the parent's peak there (it
+    survives fork and exec), so a benchmark worker started by ``run_all.py``
+    after B1 would report B1's memory. ``VmHWM`` is the process's own.
+    Falls back to ``ru_maxrss`` for both where ``/proc`` is missing.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return {
+            "rss": int(fields["VmRSS"].split()[0]),
+            "peak": int(fields["VmHWM"].split()[0]),
+        }
+    except (OSError, KeyError, ValueError):
+        import resource
+
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        return {"rss": peak, "peak": peak}
+
+
+def reset_peak_rss() -> bool:
+    """Resets this process's peak RSS (``VmHWM``) to its current RSS, where
+    Linux allows it; returns whether it did."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def format_bytes(n: float) -> str:

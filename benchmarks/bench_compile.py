@@ -19,12 +19,13 @@ Each compile runs in a fresh subprocess (so that one compile's memory and
 caches do not leak into the next): it traces (``jax.jit(...).trace``), lowers
 (``.lower()``) and compiles (``.compile()``) the step on abstract arguments
 (``jax.ShapeDtypeStruct``, nothing allocated), timing each stage, and reports
-the process's peak resident memory (``ru_maxrss``) and the optimized HLO's
-op, fusion and conditional counts. The configurations of one ``N`` run one
-after the other, in a fresh random order each round, and are reported as
-ratios to ``optax agc+adam`` of the same round (a burst of outside load hits
-a round's configurations alike); with several rounds, each figure is the
-median. Peak RSS includes the ~0.3 GiB that importing JAX costs.
+the process's own peak resident memory (``VmHWM``; see ``_common.rss_kib``)
+and the optimized HLO's op, fusion and conditional counts. The
+configurations of one ``N`` run one after the other, in a fresh random order
+each round, and are reported as ratios to ``optax agc+adam`` of the same
+round (a burst of outside load hits a round's configurations alike); with
+several rounds, each figure is the median. Peak RSS includes the ~0.3 GiB
+that importing JAX costs.
 
 It also times the compiled step per call at the largest ``N`` of the run
 (3 000 tiny leaves: per-leaf overhead dominates): the non-closing fused step
@@ -40,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import time
@@ -151,7 +151,9 @@ def compile_once(config: str, n: int) -> dict:
     shapes = jax.eval_shape(lambda: make_tree(n))
     tx, kind = make_tx(config)
     opt_state = jax.eval_shape(tx.init, shapes)
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import _common
+
+    rss_before = _common.rss_kib()["peak"]
     jitted = jax.jit(make_step(tx, kind), donate_argnums=(0, 1))
     c0, t0 = time.process_time(), time.perf_counter()
     traced = jitted.trace(shapes, opt_state, shapes)
@@ -160,7 +162,7 @@ def compile_once(config: str, n: int) -> dict:
     c2, t2 = time.process_time(), time.perf_counter()
     compiled = lowered.compile()
     c3, t3 = time.process_time(), time.perf_counter()
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = _common.rss_kib()["peak"]
     return {
         "config": config,
         "n": n,

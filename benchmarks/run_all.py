@@ -63,7 +63,7 @@ def _load() -> str:
 
 
 def run_benchmarks(tiny: bool = False) -> list[dict]:
-    """Runs B1, B1-nnx, B2 and, if present, the multi-device benchmark."""
+    """Runs :data:`BENCHMARKS` and those of :data:`OPTIONAL` present."""
     names = list(BENCHMARKS)
     names += [
         n for n in OPTIONAL if os.path.exists(os.path.join(HERE, f"{n}.py"))
@@ -130,8 +130,9 @@ def write_report(
         render(results),
     ]
     lines += ["", _hand_recorded(md_path)]
-    with open(md_path, "w") as f:
+    with open(md_path + ".tmp", "w") as f:  # replaced whole, or not at all
         f.write("\n".join(lines))
+    os.replace(md_path + ".tmp", md_path)
     plot(results, png_path)
     return [md_path, png_path]
 
