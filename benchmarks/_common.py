@@ -29,6 +29,7 @@ __all__ = [
     "markdown_table",
     "memory_stats",
     "reset_peak_rss",
+    "run_worker",
     "rss_kib",
     "target",
     "targets_table",
@@ -150,6 +151,32 @@ def rss_kib() -> dict[str, int]:
 
         peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
         return {"rss": peak, "peak": peak}
+
+
+def run_worker(script: str, args: Sequence[str], timeout: float | None) -> dict:
+    """``python script --worker *args`` in a fresh process on the CPU: the
+    JSON object its last stdout line holds, or ``{"error": ...}`` (a
+    timeout, or a failure with the tail of its output)."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(script), "--worker", *args]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    try:
+        out = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout {timeout} s"}
+    if out.returncode != 0:
+        tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {out.returncode}: " + " / ".join(tail)}
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def reset_peak_rss() -> bool:

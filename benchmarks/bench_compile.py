@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -182,29 +181,10 @@ def compile_once(config: str, n: int) -> dict:
 
 def compile_in_subprocess(config: str, n: int, timeout: float | None) -> dict:
     """:func:`compile_once` in a fresh Python process."""
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--worker",
-        config,
-        str(n),
-    ]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    try:
-        out = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        return {"config": config, "n": n, "error": f"timeout {timeout} s"}
-    if out.returncode != 0:
-        tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
-        return {"config": config, "n": n, "error": " / ".join(tail)}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    import _common
+
+    res = _common.run_worker(__file__, [config, str(n)], timeout)
+    return {"config": config, "n": n, **res} if "error" in res else res
 
 
 def _median(xs):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -209,23 +208,9 @@ def compile_step(name: str, n: int) -> dict:
 def _subprocess(*worker_args: str) -> dict:
     """This script's ``--worker`` in a fresh process: its JSON result, or
     ``{"error": ...}``."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", *worker_args]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    try:
-        out = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            env=env,
-            check=False,
-            timeout=TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout {TIMEOUT_S} s"}
-    if out.returncode != 0:
-        tail = (out.stderr or out.stdout).strip()[-300:]
-        return {"error": f"exit {out.returncode}: {tail}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    import _common
+
+    return _common.run_worker(__file__, worker_args, TIMEOUT_S)
 
 
 def _worker(args: list[str]) -> dict:
