@@ -114,16 +114,10 @@ def test_linen_training_outputs_equal_batchnorm_per_micro_batch(
         chex.assert_trees_all_equal(y, y_ref)
 
 
-def test_linen_mask_pools_only_unmasked_elements():
-    batches = _data((6, 10), (3,))
-    masks = [
-        jax.random.bernoulli(jax.random.key(i), 0.7, xb.shape)
-        for i, xb in enumerate(batches)
-    ]
-    ours = AccumBatchNorm(
-        use_running_average=False, momentum=0.0, accum_steps=2
-    )
-    ref = nn.BatchNorm(use_running_average=False, momentum=0.0)
+def _assert_masked_window_is_the_concatenated_batch(ours, ref, batches, masks):
+    """Running statistics of ``ours`` (an AccumBatchNorm closing its window
+    on the last of ``batches``) equal those of ``ref`` (``nn.BatchNorm``) on
+    the concatenated, masked window."""
     variables = ours.init(jax.random.key(0), batches[0])
     stats = variables["batch_stats"]
     for xb, m in zip(batches, masks):
@@ -146,6 +140,19 @@ def test_linen_mask_pools_only_unmasked_elements():
     np.testing.assert_allclose(
         stats["var"], ref_upd["batch_stats"]["var"], **TOL
     )
+
+
+def test_linen_mask_pools_only_unmasked_elements():
+    batches = _data((6, 10), (3,))
+    masks = [
+        jax.random.bernoulli(jax.random.key(i), 0.7, xb.shape)
+        for i, xb in enumerate(batches)
+    ]
+    ours = AccumBatchNorm(
+        use_running_average=False, momentum=0.0, accum_steps=2
+    )
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.0)
+    _assert_masked_window_is_the_concatenated_batch(ours, ref, batches, masks)
 
 
 def test_linen_eval_mode_uses_running_stats():
@@ -831,28 +838,7 @@ def test_empty_masks_add_nothing_to_the_window(use_fast_variance):
         momentum=0.0,
         use_fast_variance=use_fast_variance,
     )
-    variables = ours.init(jax.random.key(0), batches[0])
-    stats = variables["batch_stats"]
-    for xb, m in zip(batches, masks):
-        _, upd = ours.apply(
-            {**variables, "batch_stats": stats},
-            xb,
-            mask=m,
-            mutable=["batch_stats"],
-        )
-        stats = upd["batch_stats"]
-    _, ref_upd = ref.apply(
-        ref.init(jax.random.key(0), batches[0]),
-        jnp.concatenate(batches),
-        mask=jnp.concatenate(masks),
-        mutable=["batch_stats"],
-    )
-    np.testing.assert_allclose(
-        stats["mean"], ref_upd["batch_stats"]["mean"], **TOL
-    )
-    np.testing.assert_allclose(
-        stats["var"], ref_upd["batch_stats"]["var"], **TOL
-    )
+    _assert_masked_window_is_the_concatenated_batch(ours, ref, batches, masks)
 
 
 @pytest.mark.parametrize("axis", [1, (1, 2), (-1, 1)])

@@ -595,12 +595,9 @@ def test_unreduced_value_and_grad_bad_input():
 # ------------------------------------------------------- the benchmark B4
 
 
-@pytest.mark.slow
-def test_bench_mesh_tiny():
-    """B4 on toy sizes, in its own process: per window, one call reduces
-    the gradient over 'data' (one op) against K for the naive jit step, on
-    both meshes; the accumulator is tree / fsdp per device."""
-    import json
+def _run_from_root(script, *args):
+    """``python script *args`` from the repository root in a fresh process
+    on the CPU, with no XLA_FLAGS (the script picks its own device count)."""
     import os
     import pathlib
     import subprocess
@@ -609,8 +606,8 @@ def test_bench_mesh_tiny():
     root = pathlib.Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_mesh.py", "--tiny", "--json"],
+    return subprocess.run(
+        [sys.executable, script, *args],
         cwd=root,
         env=env,
         capture_output=True,
@@ -618,6 +615,16 @@ def test_bench_mesh_tiny():
         timeout=300,
         check=False,
     )
+
+
+@pytest.mark.slow
+def test_bench_mesh_tiny():
+    """B4 on toy sizes, in its own process: per window, one call reduces
+    the gradient over 'data' (one op) against K for the naive jit step, on
+    both meshes; the accumulator is tree / fsdp per device."""
+    import json
+
+    proc = _run_from_root("benchmarks/bench_mesh.py", "--tiny", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for mesh_name, r in res["results"].items():
@@ -640,23 +647,7 @@ def test_bench_mesh_tiny():
 
 @pytest.mark.slow
 def test_example_fsdp_runs_on_8_cpu_devices():
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "examples/fsdp.py", "--steps", "8", "--accum", "4"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = _run_from_root("examples/fsdp.py", "--steps", "8", "--accum", "4")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     import re
