@@ -24,6 +24,7 @@ import jax
 
 __all__ = [
     "Timed",
+    "floor_add",
     "format_bytes",
     "machine_info",
     "markdown_table",
@@ -69,6 +70,26 @@ class Timed:
         elapsed = time.perf_counter() - start
         self.after(out)
         return elapsed
+
+
+def floor_add(acc: Any, grads: Any) -> tuple[Timed, Any]:
+    """The floor of a micro-step: a jitted tree add ``acc + grads`` with
+    ``acc`` donated, each call's output kept as the next call's ``acc``.
+
+    Returns:
+      ``(timed, compiled)``: the :class:`Timed` variant and the compiled
+      add (for its ``memory_analysis()`` or HLO).
+    """
+    add = jax.jit(
+        lambda a, g: jax.tree.map(jax.numpy.add, a, g), donate_argnums=0
+    )
+    compiled = add.lower(acc, grads).compile()
+    box = [acc]
+
+    def keep(out: Any) -> None:
+        box[0] = out
+
+    return Timed(compiled, lambda: (box[0], grads), keep), compiled
 
 
 def time_interleaved(

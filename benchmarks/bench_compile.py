@@ -232,23 +232,11 @@ def time_per_call(n: int, rounds: int) -> dict[str, float]:
     """Seconds per call of the non-closing fused steps and the tree add."""
     import _common
     import jax
-    import jax.numpy as jnp
     from bench_step import _Loop
 
     grads = make_tree(n, 1)
-    floor = jax.jit(
-        lambda acc, g: jax.tree.map(jnp.add, acc, g), donate_argnums=(0,)
-    )
-    state = {"acc": make_tree(n, 0)}
-
-    def floor_keep(out):
-        state["acc"] = out
-
-    variants = {
-        "tree add (floor)": _common.Timed(
-            floor, lambda: (state["acc"], grads), floor_keep
-        )
-    }
+    floor, _ = _common.floor_add(make_tree(n, 0), grads)
+    variants = {"tree add (floor)": floor}
     for config in ("accumulate fused", "README fused"):
         tx, kind = make_tx(config)
         params = make_tree(n, 0)

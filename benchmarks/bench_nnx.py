@@ -83,10 +83,6 @@ def _accumulate_state(opt):
     return state if hasattr(state, "mini_step") else state[0]
 
 
-def _floor_step(acc, grads):
-    return jax.tree.map(jnp.add, acc, grads)
-
-
 def _loop(step, model, opt, grads, mini_step):
     """A timed call of ``step`` from the given ``mini_step``."""
 
@@ -117,17 +113,8 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
         ),
     }
     grads = nnx.as_pure(nnx.state(Weights(shapes, 1), nnx.Param))
-    acc = jax.tree.map(jnp.copy, grads)
-    floor = jax.jit(_floor_step, donate_argnums=0)
-    floor_c = floor.lower(acc, grads).compile()
-    box = {"acc": acc}
-
-    def floor_keep(out):
-        box["acc"] = out
-
-    variants = {
-        "floor": _common.Timed(floor_c, lambda: (box["acc"], grads), floor_keep)
-    }
+    floor, floor_c = _common.floor_add(jax.tree.map(jnp.copy, grads), grads)
+    variants = {"floor": floor}
     mem = {"floor": _common.memory_stats(floor_c)}
     noop_model = None
     for name, make in makers.items():

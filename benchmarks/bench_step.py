@@ -123,10 +123,6 @@ def _tree_copies(compiled, shapes):
     return sum(d in dims for d in found)
 
 
-def _floor_step(acc, grads):
-    return jax.tree.map(jnp.add, acc, grads)
-
-
 class _Loop:
     """A donated ``(params, opt_state)`` loop around one compiled step."""
 
@@ -183,7 +179,6 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
         return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
 
     p0 = params()
-    floor = compile_step(_floor_step, p0, grads, donate=(0,))
     compiled = {
         "fused": compile_step(
             _fused_step(ours), p0, ours.init(p0), grads, donate=(0, 1)
@@ -214,15 +209,7 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     del p0
 
     variants: dict[str, _common.Timed] = {}
-    floor_acc = {"acc": params()}
-
-    def floor_prepare():
-        return floor_acc["acc"], grads
-
-    def floor_keep(out):
-        floor_acc["acc"] = out
-
-    variants["floor"] = _common.Timed(floor, floor_prepare, floor_keep)
+    variants["floor"], floor = _common.floor_add(params(), grads)
     # Reference for the closing step: one Adam step on the tree, no
     # accumulation. A closing step does this plus the accumulator pass.
     p = params()
