@@ -19,10 +19,15 @@ reference.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _distributed import flatten, join  # noqa: E402
 
 LOCAL_DEVICES = 4
 K = 3  # micro-batches per window
@@ -60,10 +65,6 @@ def per_example(params, x, y):
     return ((h @ params["w2"] - y) ** 2).mean(-1)
 
 
-def flatten(params) -> np.ndarray:
-    return np.concatenate([np.ravel(params[k]) for k in sorted(params)])
-
-
 def _sharded_loss(params, x, y, mask):
     """The same loss on the mesh, keeping the params' reduced axes."""
     import jax
@@ -84,14 +85,7 @@ def _sharded_loss(params, x, y, mask):
 def main(process_id: int, num_processes: int, port: int, out: str) -> None:
     import jax
 
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=60,
-    )
+    join(process_id, num_processes, port, LOCAL_DEVICES)
     import optax
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P

@@ -17,10 +17,15 @@ reference.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _distributed import flatten, join  # noqa: E402
 
 LOCAL_DEVICES = 2
 K = 3  # micro-batches per window
@@ -71,22 +76,10 @@ def local_loss(params, x, y, mask):
     return total / jnp.maximum(mask.sum(), 1.0)
 
 
-def flatten(params) -> np.ndarray:
-    return np.concatenate([np.ravel(params[k]) for k in sorted(params)])
-
-
 def main(process_id: int, num_processes: int, port: int, out: str) -> None:
     import jax
 
-    # Before the backend starts: CPU devices per process and collectives.
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=60,
-    )
+    join(process_id, num_processes, port, LOCAL_DEVICES)
     import optax
 
     import optaxaccum as oa
