@@ -268,7 +268,8 @@ def test_accumulate_axis_name_equals_big_batch(
     """Unreduced micro-batch gradients, weighted by their global token
     counts, K per window, several windows: the params equal one optax step
     per window on the window's whole batch (single device); the accumulator
-    keeps the params' sharding, unreduced over 'data'."""
+    keeps the params' sharding, stacked over 'data' (one row per device's
+    partial sum)."""
     mesh = _mesh(mesh_name)
     opt = {"sgd": optax.sgd(0.3), "adam": optax.adam(0.05)}[opt_name]
     data = _make_data(K * WINDOWS)
@@ -278,14 +279,24 @@ def test_accumulate_axis_name_equals_big_batch(
     chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
     acc = state[0]
     assert int(acc.gradient_step) == WINDOWS and int(acc.mini_step) == 0
-    for a, spec in zip(
-        jax.tree.leaves(acc.acc),
+    _check_stacked(acc.acc, mesh)
+    _same_sharding(params, _put_params(mesh, _init_params()))
+
+
+def _check_stacked(acc, mesh, axis="data"):
+    """The state's accumulator is each device's partial sum, stacked: a
+    leading axis of the data size sharded over 'data', then the params'
+    shape and sharding; an ordinary array (nothing unreduced)."""
+    params = _init_params()
+    for a, p, spec in zip(
+        jax.tree.leaves(acc),
+        jax.tree.leaves(params),
         jax.tree.leaves(_param_specs(mesh)),
         strict=True,
     ):
-        assert _partitions(a) == _padded(spec, a.ndim)
-        assert a.sharding.spec.unreduced == {"data"}
-    _same_sharding(params, _put_params(mesh, _init_params()))
+        assert a.shape == (mesh.shape[axis], *p.shape), (a.shape, p.shape)
+        assert _partitions(a) == (axis, *_padded(spec, p.ndim)), a.sharding
+        assert not a.sharding.spec.unreduced
 
 
 def test_accumulate_sum_reduction_is_the_global_weighted_sum():
@@ -549,7 +560,7 @@ def test_dynamic_loss_scale_axis_name_agrees_across_devices():
 
 def test_state_shardings_explicit_and_auto():
     """oa.state_shardings: Adam's moments get the params' shardings, the
-    accumulator the params' sharding unreduced over the named axis (explicit
+    accumulator the params' sharding, stacked over the named axis (explicit
     mesh) or the params' (auto mesh), counters are replicated; usable as
     jax.jit(tx.init)'s out_shardings."""
     for axis_type in (AxisType.Explicit, AxisType.Auto):
@@ -564,13 +575,10 @@ def test_state_shardings_explicit_and_auto():
             state = jax.jit(tx.init, out_shardings=shardings)(params)
         _same_sharding(state[1][0].mu, params)
         assert shardings[0].mini_step.spec == P()
-        for a, p in zip(
-            jax.tree.leaves(state[0].acc), jax.tree.leaves(params), strict=True
-        ):
-            assert _partitions(a) == _partitions(p)
-            assert a.sharding.spec.unreduced == (
-                {"data"} if axis else frozenset()
-            )
+        if axis:
+            _check_stacked(state[0].acc, mesh)
+            continue
+        _same_sharding(state[0].acc, params)
 
 
 def test_map_accumulators_per_device_leaves():
@@ -885,3 +893,89 @@ def test_plan_microbatches_counts_per_device_for_sharded_args():
                 memory_budget=per_device,
                 interleave=True,
             )
+
+
+# ------------------------------------------------- checkpoints (issue 24)
+
+
+def _ckpt_tx(k):
+    return oa.chain(
+        oa.dynamic_loss_scale(2.0**8, axis_name="data"),
+        oa.accumulate(k, axis_name="data", skip_nonfinite=True),
+        optax.adam(0.05),
+    )
+
+
+def _scaled_step(tx, mesh):
+    """The documented mesh step with the loss scale in the chain."""
+    loss = _loss(_batch_axes(mesh))
+
+    def step(params, state, x, y, mask):
+        scale = oa.loss_scale(state)
+        _, grads = oa.unreduced_value_and_grad(
+            lambda p, *a: loss(p, *a) * scale, "data"
+        )(params, x, y, mask)
+        return oa.apply_gradients(
+            tx, grads, state, params, accum_weight=mask.sum()
+        )
+
+    return jax.jit(step)
+
+
+@pytest.mark.parametrize("k,before,after", [(4, 6, 2), (3, 6, 3)])
+def test_checkpoint_round_trip_mid_window_and_boundary(
+    tmp_path, k, before, after
+):
+    """Issue 24: after ``before`` micro-steps of the documented mesh loop
+    (mid-window for k=4, at a boundary for k=3), the state leaves the
+    device (jax.device_get), saves with orbax and restores into
+    jax.eval_shape(tx.init, params) with oa.state_shardings; the restored
+    run equals the uninterrupted one and single-device Adam on the
+    concatenated windows. Each device's partial sum survives the trip."""
+    import orbax.checkpoint as ocp
+
+    mesh = _mesh("data2xfsdp4")
+    tx = _ckpt_tx(k)
+    data = _make_data(before + after)
+    step = _scaled_step(tx, mesh)
+
+    def feed(params, state, ts):
+        for t in ts:
+            batch = _put_batch(mesh, *(a[t] for a in data))
+            params, state = step(params, state, *batch)
+        return params, state
+
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        shardings = oa.state_shardings(tx, params)
+        state = jax.device_put(tx.init(params), shardings)
+        params, state = feed(params, state, range(before))
+        state = jax.jit(lambda s: s, out_shardings=shardings)(state)
+        host = jax.device_get(state)
+        abstract = jax.eval_shape(tx.init, params)
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp_path / "state", state)
+            ckpt.wait_until_finished()
+            target = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(
+                    s.shape, s.dtype, sharding=sh
+                ),
+                abstract,
+                shardings,
+            )
+            restored = ckpt.restore(tmp_path / "state", target)
+        chex.assert_trees_all_equal(jax.device_get(restored), host)
+        _check_stacked(restored[1].acc, mesh)
+        if before % k:  # mid-window: the two data rows are two partial sums
+            rows = host[1].acc["w1"]
+            assert rows.shape[0] == 2 and not np.allclose(rows[0], rows[1])
+        resumed, _ = feed(params, restored, range(before, before + after))
+        uninterrupted, _ = feed(params, state, range(before, before + after))
+    chex.assert_trees_all_close(
+        jax.device_get(resumed), jax.device_get(uninterrupted), **TOL
+    )
+    windows = (before + after) // k
+    want = _reference(
+        optax.adam(0.05), _init_params(), *(a[: windows * k] for a in data), k=k
+    )
+    chex.assert_trees_all_close(jax.device_get(resumed), want, **TOL)

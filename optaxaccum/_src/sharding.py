@@ -17,7 +17,9 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
@@ -51,12 +53,17 @@ def _sharding(x: Any) -> NamedSharding | None:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def _spec(x: Any) -> P:
-    """The partition spec of ``x``'s named sharding (``x`` must have one)."""
+def _named(x: Any) -> NamedSharding:
+    """The named sharding of ``x``'s type (``x`` must have one)."""
     sharding = _sharding(x)
     if sharding is None:
         raise ValueError(f"expected an array on a named mesh, got {x!r}")
-    return sharding.spec
+    return sharding
+
+
+def _spec(x: Any) -> P:
+    """The partition spec of ``x``'s named sharding (``x`` must have one)."""
+    return _named(x).spec
 
 
 def is_explicit(x: Any, axis_name: Any) -> bool:
@@ -175,32 +182,111 @@ def unreduced_value_and_grad(
 # ----------------------------------------- helpers of oa.accumulate
 
 
-def _in_explicit_context(axis_name: Any) -> bool:
-    """Whether the current mesh context (``jax.set_mesh``) has the axes
-    ``axis_name``, all Explicit."""
-    if axis_name is None:
-        return False
-    explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
-    return all(n in explicit for n in axis_names(axis_name))
+def _ordered(mesh: Any, axes: Any) -> tuple[Hashable, ...]:
+    """The mesh axes ``axes`` in the mesh's order."""
+    return tuple(n for n in mesh.axis_names if n in axes)
+
+
+def _entry(axes: tuple[Hashable, ...]) -> Any:
+    """A partition-spec entry for one dimension sharded over ``axes``."""
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _stacked_spec(spec: P, axes: tuple[Hashable, ...]) -> P:
+    """The spec of the stacked form of an array of spec ``spec`` unreduced
+    over ``axes``: a leading dimension sharded over ``axes``."""
+    return P(_entry(axes), *spec.partitions, reduced=spec.reduced)
+
+
+def stacked_axes(a: Any, axis_name: Any) -> tuple[Hashable, ...]:
+    """The axes ``axis_name`` if ``a`` is an accumulator leaf in stacked
+    form (its leading dimension sharded over exactly those explicit axes),
+    else ``()``."""
+    sharding = _sharding(a)
+    if axis_name is None or sharding is None or not jnp.ndim(a):
+        return ()
+    if not is_explicit(a, axis_name) or not sharding.spec.partitions:
+        return ()
+    axes = _ordered(sharding.mesh, axis_names(axis_name))
+    first = sharding.spec.partitions[0]
+    first = first if isinstance(first, tuple) else (first,)
+    return axes if first == axes else ()
+
+
+def stack_partials(tree: Any) -> Any:
+    """Each leaf unreduced over some mesh axes in its *stacked* form: an
+    ordinary global array with a leading dimension of the axes' size,
+    sharded over them, row ``i`` holding device ``i``'s partial sum. A local
+    cast (``shard_map`` of ``a[None]``): no data moves between devices.
+    Other leaves are returned as they are."""
+
+    def stack(x):
+        unreduced = unreduced_axes(x)
+        if not unreduced:
+            return x
+        sharding = _named(x)
+        axes = _ordered(sharding.mesh, unreduced)
+        out = _stacked_spec(sharding.spec.update(unreduced=frozenset()), axes)
+        return jax.shard_map(
+            lambda b: b[None],
+            mesh=sharding.mesh,
+            in_specs=sharding.spec,
+            out_specs=out,
+            check_vma=False,
+        )(x)
+
+    return jax.tree.map(stack, tree)
+
+
+def unstack_partials(tree: Any, axis_name: Any) -> Any:
+    """The inverse of :func:`stack_partials` for leaves stacked over
+    ``axis_name``: each device's row becomes its partial sum of an array
+    unreduced over those axes (a local cast). Other leaves pass through."""
+
+    def unstack(a):
+        axes = stacked_axes(a, axis_name)
+        if not axes:
+            return a
+        spec = _spec(a)
+        out = P(
+            *spec.partitions[1:],
+            unreduced=frozenset(axes),
+            reduced=spec.reduced,
+        )
+        return jax.shard_map(
+            lambda b: b[0],
+            mesh=_named(a).mesh,
+            in_specs=spec,
+            out_specs=out,
+            check_vma=False,
+        )(a)
+
+    return jax.tree.map(unstack, tree)
 
 
 def window_zeros(zeros: Any, axis_name: Any) -> Any:
-    """The accumulator's ``zeros`` (like the params), unreduced over
-    ``axis_name`` under ``jax.set_mesh`` of a mesh whose axes ``axis_name``
-    are Explicit, as the gradients of :func:`unreduced_value_and_grad` are.
-    Outside such a context (e.g. for ``shard_map``) they stay plain:
-    :func:`match_grads` makes them unreduced on the first call that needs
-    it."""
-    if not _in_explicit_context(axis_name):
-        return zeros
+    """The accumulator's ``zeros`` (like the params) in the form the state
+    stores them: for a leaf on a mesh whose axes ``axis_name`` are
+    Explicit (``jit``'s global view), stacked over ``axis_name`` (see
+    :func:`stack_partials`), one row per device's partial sum; otherwise
+    (``pmap``, ``shard_map``, no mesh) as they are."""
 
-    def unreduced(z):
-        if not is_explicit(z, axis_name):
+    def stacked(z):
+        if axis_name is None or not is_explicit(z, axis_name):
             return z
-        spec = deferred_spec(_spec(z), axis_names(axis_name), "unreduced")
-        return jax.reshard(z, spec)
+        sharding = _named(z)
+        axes = _ordered(sharding.mesh, axis_names(axis_name))
+        n = int(np.prod([sharding.mesh.shape[a] for a in axes]))
+        spec = deferred_spec(sharding.spec, axes, "unreduced")
+        spec = _stacked_spec(spec.update(unreduced=frozenset()), axes)
+        shape = (n, *z.shape)
+        if isinstance(z, jax.core.Tracer):  # under a trace: its type
+            out = sharding.update(spec=spec)
+            return jnp.zeros(shape, z.dtype, out_sharding=out)
+        # Eager, outside any mesh context: place on the concrete mesh.
+        return jnp.zeros(shape, z.dtype, device=z.sharding.update(spec=spec))
 
-    return jax.tree.map(unreduced, zeros)
+    return jax.tree.map(stacked, zeros)
 
 
 def grad_zeros(p: Any, dtype: Any) -> jax.Array:
@@ -217,8 +303,9 @@ def grad_zeros(p: Any, dtype: Any) -> jax.Array:
 
 
 def match_grads(acc: Any, grads: Any) -> Any:
-    """``acc`` with each plain leaf cast to the unreduced sharding of the
-    corresponding gradient (a local cast: no data moves between devices)."""
+    """``acc`` (unstacked) with each plain leaf cast to the unreduced
+    sharding of the corresponding gradient (a local cast: no data moves
+    between devices)."""
 
     def match(a, g):
         if unreduced_axes(g) and not unreduced_axes(a):
@@ -286,6 +373,7 @@ def reduce_window(
     unreduced accumulator is resharded to its sharding without the unreduced
     axes: the one all-reduce of the window (a plain one needs nothing).
     """
+    acc = unstack_partials(acc, axis_name)
     leaves = jax.tree.leaves(acc)
     if leaves and is_explicit(leaves[0], axis_name):
 
@@ -358,12 +446,12 @@ def state_shardings(
     replicated = NamedSharding(mesh, P())
 
     def typed(s):
-        """The sharding in ``s``'s type (explicit axes), else None."""
+        """The sharding in ``s``'s type (explicit axes) on ``mesh``, else
+        None."""
         sharding = getattr(s, "sharding", None)
-        explicit = isinstance(sharding, NamedSharding) and bool(
-            sharding.mesh.explicit_axes
-        )
-        return sharding if explicit else None
+        if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
+            return NamedSharding(mesh, sharding.spec)
+        return None
 
     return optax.tree_map_params(
         tx,
