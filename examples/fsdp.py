@@ -189,9 +189,9 @@ def main(argv=None):
             losses.append(float(loss))
         x_replicated = jax.device_put(x_all, NamedSharding(mesh, P()))
         logits = jax.jit(logits_fn)(params, x_replicated)
-    acc = state[0].acc[0]["w"]
+    acc = state[0].acc[0]["w"]  # one row per device's partial sum
     print(
-        f"accumulator w0: {jax.typeof(acc)}, "
+        f"accumulator w0: {jax.typeof(acc)} (stacked over data), "
         f"{acc.addressable_shards[0].data.nbytes} of {acc.nbytes} bytes "
         "per device"
     )

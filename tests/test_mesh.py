@@ -665,7 +665,7 @@ def test_example_fsdp_runs_on_8_cpu_devices():
     assert naive and int(naive[1]) >= 4, out  # every micro-step
     assert ours and int(ours[1]) == 1, out
     assert "optimizer steps 2" in out, out
-    assert "{U:data}" in out, out
+    assert "stacked over data" in out and "@data" in out, out
 
 
 # ------------------------------------------------- two processes (gloo)
@@ -979,3 +979,61 @@ def test_checkpoint_round_trip_mid_window_and_boundary(
         optax.adam(0.05), _init_params(), *(a[: windows * k] for a in data), k=k
     )
     chex.assert_trees_all_close(jax.device_get(resumed), want, **TOL)
+
+
+# ------------------------------------------------ named mistakes (issue 24)
+
+
+def _one_step(tx, mesh, vg):
+    """One jitted step of ``tx`` with the gradients of ``vg`` (a
+    value_and_grad of the mesh loss)."""
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        state = jax.jit(tx.init)(params)
+        batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
+
+        def step(params, state, *batch):
+            _, grads = vg(_loss(_batch_axes(mesh)))(params, *batch)
+            return oa.apply_gradients(tx, grads, state, params)
+
+        return jax.jit(step)(params, state, *batch)
+
+
+@pytest.mark.parametrize("where", ["accumulate", "loss_scale", "grad"])
+def test_axis_name_not_a_mesh_axis_is_named(where):
+    """Issue 24: 'dp' on a ('data', 'fsdp') mesh raises ValueError naming
+    'dp' and the mesh's axes, not JAX's NameError about shard_map."""
+    mesh = _mesh("data2xfsdp4")
+    bad = "dp"
+    tx = oa.chain(
+        oa.dynamic_loss_scale(axis_name=bad if where == "loss_scale" else None),
+        oa.accumulate(K, axis_name=bad if where == "accumulate" else "data"),
+        optax.sgd(0.1),
+    )
+    axis = bad if where == "grad" else "data"
+    with pytest.raises(ValueError, match=r"'dp'.*\('data', 'fsdp'\)"):
+        _one_step(tx, mesh, lambda f: oa.unreduced_value_and_grad(f, axis))
+
+
+def test_unreduced_gradients_without_axis_name_are_named():
+    """Issue 24: unreduced gradients reaching an accumulate that does not
+    name their axis raise ValueError naming axis_name and 'data'."""
+    mesh = _mesh("data2xfsdp4")
+    tx = oa.chain(oa.accumulate(K), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"axis_name.*'data'"):
+        _one_step(tx, mesh, lambda f: oa.unreduced_value_and_grad(f, "data"))
+
+
+def test_reduced_gradients_with_axis_name_warn_once():
+    """Issue 24: jax.value_and_grad (gradients reduced on every micro-step)
+    with accumulate(axis_name='data') on an explicit mesh is correct but
+    warns, once, naming oa.unreduced_value_and_grad."""
+    from optaxaccum._src import sharding
+
+    sharding._WARNED.clear()  # once per process: start afresh
+    mesh = _mesh("data8")
+    tx = oa.chain(oa.accumulate(K, axis_name="data"), optax.sgd(0.1))
+    with pytest.warns(UserWarning, match="oa.unreduced_value_and_grad") as got:
+        _one_step(tx, mesh, jax.value_and_grad)
+        _one_step(tx, mesh, jax.value_and_grad)  # traced again: no repeat
+    assert len(got) == 1, [str(w.message) for w in got]

@@ -177,6 +177,7 @@ def _gate_update(
             "oa.accumulate expects an AccumulateState, got "
             f"{type(state).__name__}"
         )
+    sharding.check_gradients(updates, cfg.axis_name)  # mesh mistakes
     acc = sharding.unstack_partials(state.acc, cfg.axis_name)
     _check_gradients(updates, acc)
     state = state._replace(acc=sharding.match_grads(acc, updates))

@@ -13,6 +13,7 @@ locally and reduces them once, when the window closes
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -80,6 +81,74 @@ def unreduced_axes(x: Any) -> frozenset:
     """The mesh axes over which ``x`` is unreduced (empty if none)."""
     sharding = _sharding(x)
     return frozenset() if sharding is None else sharding.spec.unreduced
+
+
+def check_mesh_axes(axis_name: Any, caller: str, tree: Any = ()) -> None:
+    """Raises ``ValueError`` naming ``axis_name`` and the mesh's axes when
+    one of its names is neither an axis of the current mesh (or of the
+    mesh of a leaf of ``tree``) nor a bound mapped axis (``pmap``,
+    ``shard_map``, ``vmap``): before JAX's own ``NameError``, which points
+    to ``shard_map``. Without any mesh there is nothing to list: JAX's
+    errors stand."""
+    if axis_name is None:
+        return
+    meshes = [jax.sharding.get_abstract_mesh()]
+    meshes += [s.mesh for s in map(_sharding, jax.tree.leaves(tree)) if s]
+    known = {n for m in meshes for n in m.axis_names}
+    for name in axis_names(axis_name):
+        if not known or name in known:  # no mesh: pmap, or JAX's own error
+            continue
+        try:
+            lax.axis_size(name)
+        except NameError:
+            axes = next((m.axis_names for m in meshes if m.axis_names), ())
+            raise ValueError(
+                f"{caller}: axis_name={axis_name!r} names {name!r}, which is "
+                f"not an axis of the mesh (its axes: {axes!r}) nor a mapped "
+                "axis (pmap, shard_map, vmap)"
+            ) from None
+
+
+_WARNED: set[tuple[Hashable, ...]] = set()  # axis names warned about once
+
+
+def check_gradients(grads: Any, axis_name: Any) -> None:
+    """Checks the gradients reaching ``oa.accumulate(axis_name=...)``.
+
+    Raises ``ValueError`` when a gradient is unreduced over a mesh axis that
+    ``axis_name`` does not name (JAX would raise an opaque
+    ``ShardingTypeError``), and warns once (``UserWarning``) when, on an
+    explicit mesh, the gradients are not unreduced over ``axis_name``: each
+    micro-batch was then reduced already, and the accumulation's point lost.
+    """
+    check_mesh_axes(axis_name, "oa.accumulate", grads)
+    names = () if axis_name is None else axis_names(axis_name)
+    leaves = [g for g in jax.tree.leaves(grads) if _sharding(g) is not None]
+    stray = set().union(*map(unreduced_axes, leaves)) - set(names)
+    if stray:
+        raise ValueError(
+            f"the gradients are unreduced over the mesh axes {sorted(stray)} "
+            f"(oa.unreduced_value_and_grad), but oa.accumulate has "
+            f"axis_name={axis_name!r}: name them in axis_name "
+            f"(e.g. axis_name={sorted(stray)[0]!r}) so that the window "
+            "reduces them once"
+        )
+    if not names or names in _WARNED:
+        return
+    floating = [g for g in leaves if jnp.issubdtype(g.dtype, jnp.inexact)]
+    reduced = [g for g in floating if is_explicit(g, names)]
+    if reduced:
+        if not any(set(names) <= unreduced_axes(g) for g in reduced):
+            _WARNED.add(names)
+            warnings.warn(
+                f"oa.accumulate(axis_name={axis_name!r}) got gradients "
+                "that are already reduced over those mesh axes: each "
+                "micro-batch was reduced in the backward pass, so nothing "
+                "is saved. Take the gradients with oa.unreduced_value_and_"
+                f"grad(loss_fn, {axis_name!r}) (docs/scaling.md).",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def deferred_spec(spec: P, names: Sequence[Hashable], kind: str) -> P:
@@ -171,6 +240,11 @@ def unreduced_value_and_grad(
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     def wrapped(*args, **kwargs):
+        check_mesh_axes(
+            axis_name,
+            "oa.unreduced_value_and_grad",
+            [args[i] for i in nums if i < len(args)],
+        )
         args = list(args)
         for i in nums:
             args[i] = jax.tree.map(lambda p: _to_reduced(p, names), args[i])
@@ -264,15 +338,28 @@ def unstack_partials(tree: Any, axis_name: Any) -> Any:
     return jax.tree.map(unstack, tree)
 
 
+def _in_explicit_context(axis_name: Any) -> bool:
+    """Whether the current mesh context (``jax.set_mesh``) has the axes
+    ``axis_name``, all Explicit."""
+    if axis_name is None:
+        return False
+    explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
+    return all(n in explicit for n in axis_names(axis_name))
+
+
 def window_zeros(zeros: Any, axis_name: Any) -> Any:
     """The accumulator's ``zeros`` (like the params) in the form the state
-    stores them: for a leaf on a mesh whose axes ``axis_name`` are
-    Explicit (``jit``'s global view), stacked over ``axis_name`` (see
-    :func:`stack_partials`), one row per device's partial sum; otherwise
-    (``pmap``, ``shard_map``, no mesh) as they are."""
+    stores them: under ``jax.set_mesh`` of a mesh whose axes ``axis_name``
+    are Explicit (``jit``'s global view), stacked over ``axis_name`` (see
+    :func:`stack_partials`), one row per device's partial sum. Outside such
+    a context (``pmap``, ``shard_map``, whose users add the device axis
+    themselves with :func:`map_accumulators`) they stay plain; a plain
+    accumulator given unreduced gradients is stacked by the first step."""
+    if not _in_explicit_context(axis_name):
+        return zeros
 
     def stacked(z):
-        if axis_name is None or not is_explicit(z, axis_name):
+        if not is_explicit(z, axis_name):
             return z
         sharding = _named(z)
         axes = _ordered(sharding.mesh, axis_names(axis_name))
