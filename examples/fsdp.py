@@ -51,13 +51,12 @@ BATCH_AXES = ("data", "fsdp")
 
 def gather(w):
     """All-gathers an fsdp-sharded leaf for the forward pass. Reduced over
-    ``data`` (from ``oa.unreduced_value_and_grad``), it is gathered as
-    reduced over both batch axes, so its gradient is reduce-scattered over
-    ``fsdp`` but stays unreduced over ``data``."""
-    dims = (None,) * w.ndim
+    ``data`` (from ``oa.unreduced_value_and_grad``), ``oa.fsdp_gather``
+    keeps it reduced over both batch axes, so its gradient is
+    reduce-scattered over ``fsdp`` but stays unreduced over ``data``."""
     if jax.typeof(w).sharding.spec.reduced:
-        return jax.reshard(w, P(*dims, reduced=set(BATCH_AXES)))
-    return jax.reshard(w, P(*dims))
+        return oa.fsdp_gather(w, BATCH_AXES)
+    return jax.reshard(w, P(*(None,) * w.ndim))
 
 
 def logits_fn(params, x):

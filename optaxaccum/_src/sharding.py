@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from optaxaccum._src import utils
 
 __all__ = [
+    "fsdp_gather",
     "map_accumulators",
     "state_shardings",
     "unreduced_value_and_grad",
@@ -251,6 +252,98 @@ def unreduced_value_and_grad(
         return grad_fn(*args, **kwargs)
 
     return wrapped
+
+
+def _dim_axes(entry: Any) -> tuple[Hashable, ...]:
+    """The mesh axes of one partition-spec entry."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _scatter_back(
+    ct: jax.Array, dims: tuple[Any, ...], spec: P, mesh: Any
+) -> jax.Array:
+    """The cotangent ``ct`` of a gathered parameter back to the parameter's
+    sharding ``spec`` (dims ``dims``, each over axes that ``ct`` is
+    unreduced over), inside a ``shard_map``: a reduce-scatter
+    (``psum_scatter``) over each sharded dimension's axes, a ``psum`` over
+    any other unreduced axis the parameter is not reduced over."""
+    unreduced = unreduced_axes(ct)
+    sharded = {a for d in dims for a in _dim_axes(d)}
+    rest = _ordered(mesh, unreduced - sharded - spec.reduced)
+
+    def body(c):
+        for i, d in enumerate(dims):
+            if d is not None:
+                c = lax.psum_scatter(c, d, scatter_dimension=i, tiled=True)
+        return lax.psum(c, rest) if rest else c
+
+    out = P(*dims, unreduced=spec.reduced & unreduced, reduced=frozenset())
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=_spec(ct), out_specs=out, check_vma=False
+    )(ct)
+
+
+def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
+    """All-gathers a sharded parameter for the forward pass (FSDP).
+
+    Returns ``w`` replicated and *reduced* over ``batch_axes``, so that its
+    gradient stays unreduced over them through the backward pass; the
+    gradient then comes back to ``w``'s sharding by a reduce-scatter in the
+    HLO (each device receives its 1/fsdp shard), never an all-reduce of the
+    whole tree followed by a slice. With ``w`` from
+    :func:`unreduced_value_and_grad` (reduced over ``"data"``) the
+    gradient stays unreduced over ``"data"`` for :func:`accumulate`. A
+    plain ``jax.reshard(w, P())`` drops the reduced axes (JAX's types), so
+    its gradient is all-reduced over the batch in every micro-step.
+
+    Args:
+      w: a parameter on an explicit mesh, e.g. ``P("fsdp", None)``.
+      batch_axes: every mesh axis that shards the batch (a name or a tuple);
+        default: every axis of ``w``'s mesh.
+
+    Returns:
+      ``w`` gathered: ``P(None, ..., reduced=batch_axes)``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optaxaccum as oa
+      >>> from jax.sharding import AxisType, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("fsdp",), (AxisType.Explicit,),
+      ...                      devices=jax.devices()[:1])
+      >>> with jax.set_mesh(mesh):
+      ...   w = jax.device_put(jnp.ones((2, 3)), P("fsdp", None))
+      ...   print(jax.jit(oa.fsdp_gather)(w).shape)
+      (2, 3)
+    """
+    sharding = _named(w)
+    mesh, spec = sharding.mesh, sharding.spec
+    names = mesh.axis_names if batch_axes is None else axis_names(batch_axes)
+    check_mesh_axes(names, "oa.fsdp_gather", w)
+    dims = tuple(spec.partitions) + (None,) * (w.ndim - len(spec.partitions))
+    other = {a for d in dims for a in _dim_axes(d)} - set(names)
+    if other:
+        raise ValueError(
+            f"oa.fsdp_gather: w is sharded over {sorted(map(str, other))}, "
+            f"which batch_axes={batch_axes!r} does not name; it gathers over "
+            "axes "
+            "that shard the batch (FSDP), gather others with jax.reshard"
+        )
+    full = P(*(None,) * w.ndim, reduced=frozenset(names) | spec.reduced)
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.reshard(x, full)
+
+    def fwd(x):
+        return gather(x), None
+
+    def bwd(_, ct):
+        return (_scatter_back(ct, dims, spec, mesh),)
+
+    gather.defvjp(fwd, bwd)
+    return gather(w)
 
 
 # ----------------------------------------- helpers of oa.accumulate
