@@ -440,3 +440,33 @@ def test_follower_keyword_close_to_accum_weight_is_not_a_near_miss():
     params = jnp.zeros(1)
     u, _ = tx.update(jnp.ones(1), tx.init(params), params, accum_weights=3.0)
     np.testing.assert_allclose(u, [3.0])
+
+
+# =========================================== issue 23 (hardening 2)
+# ------------------------------------------- 2. float64 means under x64
+
+
+@pytest.mark.parametrize("accumulator_dtype", [None, jnp.float64])
+@pytest.mark.parametrize("case", ["k3", "flush3", "weights"])
+def test_float64_mean_is_exact_at_float64_rounding(case, accumulator_dtype):
+    """Issue 23, item 2: the window's weight and its division are in the
+    accumulator's dtype, so a float64 mean is off by float64 rounding only
+    (a float32 ``1 / weight`` left errors of ~3e-8 for k=3)."""
+    rng = np.random.default_rng(23)
+    gs = rng.normal(size=(3, 5))
+    ws = [0.3, 1.7, 2.9] if case == "weights" else [1.0, 1.0, 1.0]
+    with jax.enable_x64(True):
+        params = jnp.zeros(5, jnp.float64)
+        acc = oa.accumulate(
+            4 if case == "flush3" else 3, accumulator_dtype=accumulator_dtype
+        )
+        tx = oa.chain(acc, optax.sgd(1.0))
+        state = tx.init(params)
+        for g, w in zip(gs, ws):
+            u, state = tx.update(jnp.asarray(g), state, params, accum_weight=w)
+        if case == "flush3":
+            u, state = oa.flush(tx, state, params)
+        assert u.dtype == jnp.float64
+        want = -np.average(gs, axis=0, weights=ws)
+        # float64 rounding of a 3-term weighted sum and one division.
+        np.testing.assert_allclose(np.asarray(u), want, rtol=1e-14, atol=0)
