@@ -470,3 +470,62 @@ def test_float64_mean_is_exact_at_float64_rounding(case, accumulator_dtype):
         want = -np.average(gs, axis=0, weights=ws)
         # float64 rounding of a 3-term weighted sum and one division.
         np.testing.assert_allclose(np.asarray(u), want, rtol=1e-14, atol=0)
+
+
+# ----------------------------- 4. the loss scale and weight-0 (padding) calls
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_loss_scale_zero_weight_call_is_not_an_overflow(fused, jit):
+    """Issue 23, item 4: a weight-0 micro-batch's NaN gradient (0/0 of an
+    empty mask) behind ``dynamic_loss_scale`` leaves the scale and its
+    counter as they were and passes on: the window is the one of
+    ``oa.accumulate`` alone on the unscaled gradients."""
+    scale = 8.0
+    nan = jnp.array([jnp.nan, jnp.nan])
+    calls = [
+        (jnp.array([1.0, 2.0]), 1.0),
+        (nan, 0.0),
+        (jnp.array([3.0, 1.0]), 2.0),
+        (jnp.array([jnp.nan, jnp.inf]), 0.0),
+        (jnp.array([2.0, -2.0]), 1.0),
+        (jnp.array([5.0, 1.0]), 3.0),
+    ]
+    tx = oa.chain(
+        oa.dynamic_loss_scale(scale, period=2), oa.accumulate(2), optax.sgd(1.0)
+    )
+    ref = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    params = ref_params = jnp.zeros(2)
+    state, ref_state = tx.init(params), ref.init(params)
+
+    def step(params, state, g, w):
+        if fused:
+            return oa.apply_gradients(tx, g, state, params, accum_weight=w)
+        u, state = tx.update(g, state, params, accum_weight=w)
+        return optax.apply_updates(params, u), state
+
+    step = jax.jit(step) if jit else step
+    for g, w in calls:
+        before = state[0]
+        params, state = step(params, state, g * oa.loss_scale(state), w)
+        u, ref_state = ref.update(g, ref_state, ref_params, accum_weight=w)
+        ref_params = optax.apply_updates(ref_params, u)
+        if w == 0:
+            chex.assert_trees_all_equal(state[0], before)
+        np.testing.assert_array_equal(
+            state[1].mini_step, ref_state[0].mini_step
+        )
+        np.testing.assert_allclose(params, ref_params, rtol=1e-6)
+    # 4 calls with data, all finite: grown twice (period 2).
+    assert float(oa.loss_scale(state)) == scale * 4
+
+
+def test_loss_scale_without_accumulate_passes_zero_weight_call_on():
+    """Issue 23, item 4: the loss scale alone (no accumulate) also reads a
+    weight-0 call as no data: the scale stays, the followers run."""
+    tx = oa.chain(oa.dynamic_loss_scale(4.0), optax.scale(0.5))
+    state = tx.init(jnp.zeros(1))
+    u, new = tx.update(jnp.array([8.0]), state, accum_weight=0)
+    np.testing.assert_allclose(u, [1.0])
+    chex.assert_trees_all_equal(new, state)
