@@ -529,3 +529,111 @@ def test_loss_scale_without_accumulate_passes_zero_weight_call_on():
     u, new = tx.update(jnp.array([8.0]), state, accum_weight=0)
     np.testing.assert_allclose(u, [1.0])
     chex.assert_trees_all_equal(new, state)
+
+
+# ---------------------------------------------------- 5. complex edges
+
+
+_COMPLEX_GS = [
+    jnp.array([1 + 2j, -1j], jnp.complex64),
+    jnp.array([3 - 1j, 2 + 2j], jnp.complex64),
+]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: oa.chain(
+            oa.accumulate(2, accumulator_dtype=jnp.float32), optax.sgd(1.0)
+        ),
+        lambda: oa.chain(
+            oa.accumulate(2, accumulator_dtype=jnp.complex64), optax.sgd(1.0)
+        ),
+        lambda: oa.MultiSteps(optax.sgd(1.0), 2),  # explicit float32 default
+        lambda: oa.MultiSteps(optax.sgd(1.0), 2, True, None, jnp.complex64),
+    ],
+    ids=["float32", "complex64", "multisteps", "multisteps-complex64"],
+)
+def test_complex_gradients_with_explicit_accumulator_dtype(make):
+    """Issue 23, item 5: a real explicit ``accumulator_dtype`` means the
+    complex dtype of that precision for complex gradients (the imaginary part
+    is kept), and a complex one is accepted."""
+    tx = make()
+    params = jnp.zeros(2, jnp.complex64)
+    state = tx.init(params)
+    # The accumulator (the only leaf shaped like the params) is complex64.
+    accs = [x for x in jax.tree.leaves(state) if jnp.shape(x) == (2,)]
+    assert [x.dtype for x in accs] == [jnp.complex64], accs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning
+        _, state = tx.update(_COMPLEX_GS[0], state, params)
+        u, state = tx.update(_COMPLEX_GS[1], state, params)
+    assert u.dtype == jnp.complex64
+    want = -(np.asarray(_COMPLEX_GS[0]) + np.asarray(_COMPLEX_GS[1])) / 2
+    np.testing.assert_allclose(u, want, rtol=1e-6)
+
+
+def test_complex_accumulator_dtype_for_real_gradients_is_real():
+    """Issue 23, item 5: with a complex ``accumulator_dtype``, real leaves
+    accumulate in the real dtype of that precision."""
+    params = {"r": jnp.zeros(2), "c": jnp.zeros(2, jnp.complex64)}
+    tx = oa.chain(
+        oa.accumulate(2, accumulator_dtype=jnp.complex64), optax.sgd(1.0)
+    )
+    state = tx.init(params)
+    assert state[0].acc["r"].dtype == jnp.float32
+    assert state[0].acc["c"].dtype == jnp.complex64
+    grads = {"r": jnp.array([1.0, 3.0]), "c": _COMPLEX_GS[0]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning
+        _, state = tx.update(grads, state, params)
+        u, state = tx.update(grads, state, params)
+    np.testing.assert_allclose(u["r"], [-1.0, -3.0])
+    np.testing.assert_allclose(u["c"], -np.asarray(_COMPLEX_GS[0]))
+
+
+@pytest.mark.parametrize("part", ["imag", "real"])
+def test_loss_scale_overflow_in_a_complex_part(part):
+    """Issue 23, item 5: an ``inf`` in the imaginary part of a complex
+    gradient is an overflow: scale halved, micro-batch not counted."""
+    tx = oa.chain(oa.dynamic_loss_scale(4.0), oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.zeros(2, jnp.complex64)
+    state = tx.init(params)
+    bad = complex(1, np.inf) if part == "imag" else complex(np.inf, 1)
+    g = jnp.array([bad, 1j], jnp.complex64)
+    _, state = tx.update(g, state, params)
+    assert float(oa.loss_scale(state)) == 2.0
+    assert int(state[1].mini_step) == 0
+
+
+# ------------------------------------------------ 8. MultiSteps drop-in traps
+
+
+def test_multisteps_has_updated_on_an_optax_state_answers_as_optax():
+    """Issue 23, item 8: ``has_updated`` of a state made by
+    ``optax.MultiSteps`` (no ``updated`` flag) answers as optax's does,
+    on every call of a window, and ``oa.has_updated`` finds our state."""
+    params = jnp.zeros(2)
+    theirs = optax.MultiSteps(optax.adam(0.1), 3)
+    ours = oa.MultiSteps(optax.adam(0.1), 3)
+    state = theirs.init(params)
+    for i in range(4):
+        np.testing.assert_array_equal(
+            ours.has_updated(state), theirs.has_updated(state)
+        )
+        _, state = theirs.update(jnp.full(2, i + 1.0), state, params)
+        assert bool(ours.has_updated(state)) == (i == 2)
+    our_state = ours.init(params)
+    for _ in range(3):
+        _, our_state = ours.update(jnp.ones(2), our_state, params)
+    assert bool(oa.has_updated(our_state)) and bool(ours.has_updated(our_state))
+
+
+def test_multisteps_takes_accumulator_dtype_fifth_positional():
+    """Issue 23, item 8: optax's constructor order, ``accumulator_dtype``
+    fifth positional included."""
+    ms = oa.MultiSteps(optax.adam(0.1), 3, True, None, jnp.bfloat16)
+    theirs = optax.MultiSteps(optax.adam(0.1), 3, True, None, jnp.bfloat16)
+    params = jnp.zeros(2)
+    assert ms.init(params).acc_grads.dtype == jnp.bfloat16
+    assert theirs.init(params).acc_grads.dtype == jnp.bfloat16

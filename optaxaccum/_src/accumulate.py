@@ -72,9 +72,10 @@ def accumulate(
         ``gradient_step -> int`` (cast to int32; a length below 1 closes the
         window on every call).
       reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
-      accumulator_dtype: floating dtype of the running sum; by default
-        float32 or the leaf's own dtype if wider. Complex leaves accumulate
-        in the complex dtype of that precision; updates are emitted in the
+      accumulator_dtype: floating (or complex) dtype of the running sum; by
+        default float32 or the leaf's own dtype if wider. It gives the
+        precision: complex leaves accumulate in the complex dtype of that
+        precision, real ones in the real; updates are emitted in the
         gradients' dtypes.
       axis_name: the device axis (or axes) over which the window is
         reduced once, when it closes: the mapped axis of ``pmap`` /
@@ -114,7 +115,9 @@ def accumulate(
         reduction,
         None
         if accumulator_dtype is None
-        else utils.check_float_dtype("accumulator_dtype", accumulator_dtype),
+        else utils.check_float_dtype(
+            "accumulator_dtype", accumulator_dtype, complex_ok=True
+        ),
         utils.check_axis_name(axis_name),
         utils.check_bool("skip_nonfinite", skip_nonfinite),
     )
@@ -130,9 +133,11 @@ def _leaf_dtype(cfg: _Config, leaf: Any) -> np.dtype:
     dtype = jnp.result_type(leaf)
     if cfg.accumulator_dtype is None:  # at least float32 and the leaf's own
         return utils.widen(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):  # complex stays complex
+    # The accumulator_dtype gives the precision; complex stays complex, real
+    # stays real.
+    if jnp.issubdtype(dtype, jnp.complexfloating):
         return utils.widen(jnp.complex64, cfg.accumulator_dtype)
-    return cfg.accumulator_dtype
+    return jnp.finfo(cfg.accumulator_dtype).dtype
 
 
 def _weight_dtype(cfg: _Config, params: Any) -> np.dtype:

@@ -225,17 +225,24 @@ def check_real(name: str, value: Any) -> float:
     return float(value)
 
 
-def check_float_dtype(name: str, value: Any) -> jnp.dtype:
-    """Returns ``jnp.dtype(value)`` if it is a floating dtype."""
+def check_float_dtype(
+    name: str, value: Any, *, complex_ok: bool = False
+) -> jnp.dtype:
+    """Returns ``jnp.dtype(value)`` if it is a floating dtype (or a complex
+    one, with ``complex_ok``)."""
+    kind = "floating or complex" if complex_ok else "floating"
     try:
         dtype = jnp.dtype(value)
     except TypeError as e:
         raise TypeError(
-            f"{name} must be a floating dtype, got {name}={value!r}"
+            f"{name} must be a {kind} dtype, got {name}={value!r}"
         ) from e
-    if not jnp.issubdtype(dtype, jnp.floating):
+    ok = jnp.issubdtype(dtype, jnp.floating) or (
+        complex_ok and jnp.issubdtype(dtype, jnp.complexfloating)
+    )
+    if not ok:
         raise ValueError(
-            f"{name} must be a floating dtype (e.g. jnp.float32), "
+            f"{name} must be a {kind} dtype (e.g. jnp.float32), "
             f"got {name}={value!r}"
         )
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:
