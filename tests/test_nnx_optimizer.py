@@ -351,17 +351,41 @@ def test_flush_passes_extra_args_and_needs_an_accumulate():
         plain.flush(model)
 
 
-def test_update_returns_none_and_is_a_flax_optimizer():
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_update_returns_the_updates_as_stock_nnx_optimizer(gated, jit):
+    """Issue 23, item 9: ``update`` returns the updates tree, as flax's
+    ``nnx.Optimizer.update`` does since 0.12.3: the optimizer's update
+    without a gate; with one, zeros on the non-closing micro-step and the
+    window's update on the closing one."""
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    opt = oa_nnx.Optimizer(model, optax.sgd(0.1))  # no gate: plain path
-    assert isinstance(opt, nnx.Optimizer) and opt.wrt is nnx.Param
     ref_model = nnx.clone(model)
-    ref = nnx.Optimizer(ref_model, optax.sgd(0.1), wrt=nnx.Param)
-    g = nnx.grad(lambda m: m(jnp.ones((1, 2))).sum())(model)
-    assert opt.update(model, g) is None
-    ref.update(ref_model, g)
-    chex.assert_trees_all_equal(nnx.state(model), nnx.state(ref_model))
-    assert int(opt.step[...]) == int(ref.step[...]) == 1
+
+    def make():
+        adam = optax.adam(0.1)
+        return oa.chain(oa.accumulate(2), adam) if gated else adam
+
+    opt = oa_nnx.Optimizer(model, make())
+    assert isinstance(opt, nnx.Optimizer) and opt.wrt is nnx.Param
+    ref = nnx.Optimizer(ref_model, make(), wrt=nnx.Param)
+
+    def step(model, opt, x):
+        grads = nnx.grad(lambda m: (m(x) ** 2).sum())(model)
+        return opt.update(model, grads)
+
+    step = nnx.jit(step) if jit else step
+    for i in range(4):
+        x = jnp.full((1, 2), i + 1.0)
+        got, want = step(model, opt, x), step(ref_model, ref, x)
+        chex.assert_trees_all_close(got, want, rtol=1e-6, atol=0)
+        if gated and i % 2 == 0:  # non-closing: zeros
+            chex.assert_trees_all_equal(got, jax.tree.map(jnp.zeros_like, got))
+        else:
+            assert all(bool(jnp.any(u != 0)) for u in jax.tree.leaves(got))
+    chex.assert_trees_all_close(
+        nnx.state(model), nnx.state(ref_model), rtol=1e-6
+    )
+    assert int(opt.step[...]) == int(ref.step[...]) == 4
 
 
 def test_orbax_checkpoint_mid_window_resumes_bit_identically(tmp_path):

@@ -11,6 +11,7 @@ from flax import nnx
 from flax.nnx import filterlib
 
 import optaxaccum as oa
+from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
 from optaxaccum.flax import _stats
 
@@ -259,19 +260,27 @@ class Optimizer(nnx.Optimizer):
           **kwargs: extra args for ``tx`` (e.g. ``accum_weight``).
 
         Returns:
-          ``None``: unlike :meth:`flax.nnx.Optimizer.update`, no update tree
-          is returned (the fused path never builds one).
+          The updates applied, as :meth:`flax.nnx.Optimizer.update` returns
+          them (zeros on a micro-step where the gate stays closed). Under
+          ``nnx.jit`` a step that does not use them pays nothing for them
+          (XLA drops the unused output).
         """
         params, old_opt_state = self._pure(model)
         grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-        params, opt_state = oa.apply_gradients(
-            self.tx, grads, old_opt_state, params, **nnx.as_pure(kwargs)
+        params, opt_state, updates = chain_lib.fused_step(
+            self.tx,
+            grads,
+            old_opt_state,
+            params,
+            nnx.as_pure(kwargs),
+            with_updates=True,
         )
         self._store(model, params, opt_state)
         for _, module in nnx.iter_modules(model):
             if isinstance(module, AccumBatchNorm):
                 module.keep_counted(old_opt_state, opt_state)
         self.step[...] += 1
+        return updates
 
     def flush(self, model: Any, /, **kwargs: Any) -> None:
         """Closes the partial windows at the end of an epoch.
