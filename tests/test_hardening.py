@@ -637,3 +637,57 @@ def test_multisteps_takes_accumulator_dtype_fifth_positional():
     params = jnp.zeros(2)
     assert ms.init(params).acc_grads.dtype == jnp.bfloat16
     assert theirs.init(params).acc_grads.dtype == jnp.bfloat16
+
+
+# ------------------------------------ 7. bare `weight`, non-numeric weights
+
+
+@pytest.mark.parametrize(
+    "entry", ["update", "apply_gradients", "flush", "nnx", "trainstate"]
+)
+def test_bare_weight_keyword_is_a_near_miss_of_accum_weight(entry):
+    """Issue 23, item 7: ``weight=3.`` was silently ignored."""
+    tx = oa.chain(oa.agc(0.1), oa.accumulate(2), optax.sgd(1.0))
+    params = {"w": jnp.ones(1)}
+    state = tx.init(params)
+    grads = {"w": jnp.ones(1)}
+
+    def call():
+        if entry == "update":
+            return tx.update(grads, state, params, weight=3.0)
+        if entry == "apply_gradients":
+            return oa.apply_gradients(tx, grads, state, params, weight=3.0)
+        if entry == "flush":
+            return oa.flush(tx, state, params, weight=3.0)
+        if entry == "nnx":
+            from flax import nnx
+
+            from optaxaccum.flax import nnx as oa_nnx
+
+            model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+            opt = oa_nnx.Optimizer(model, tx)
+            g = nnx.grad(lambda m: m(jnp.ones((1, 1))).sum())(model)
+            return opt.update(model, g, weight=3.0)
+        from optaxaccum.flax import TrainState
+
+        ts = TrainState.create(apply_fn=None, params=params, tx=tx)
+        return ts.apply_gradients(grads=grads, weight=3.0)
+
+    with pytest.raises(TypeError, match="'weight'.*'accum_weight'"):
+        call()
+
+
+@pytest.mark.parametrize("loss_scale", [False, True])
+@pytest.mark.parametrize("entry", ["update", "apply_gradients"])
+def test_string_accum_weight_raises_naming_it(entry, loss_scale):
+    """Issue 23, item 7: a string ``accum_weight`` gave numpy's raw
+    ``ufunc 'isfinite' not supported``."""
+    head = (oa.dynamic_loss_scale(),) if loss_scale else ()
+    tx = oa.chain(*head, oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.ones(1)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match="accum_weight"):
+        if entry == "update":
+            tx.update(jnp.ones(1), state, params, accum_weight="2")
+        else:
+            oa.apply_gradients(tx, jnp.ones(1), state, params, accum_weight="2")
