@@ -691,3 +691,68 @@ def test_string_accum_weight_raises_naming_it(entry, loss_scale):
             tx.update(jnp.ones(1), state, params, accum_weight="2")
         else:
             oa.apply_gradients(tx, jnp.ones(1), state, params, accum_weight="2")
+
+
+# ------------------------------------------ tests the suite lacked (issue 23)
+
+
+def _to_float32():
+    """A follower that casts the updates to float32 (as Adam does for bf16
+    gradients of float32 params)."""
+    return optax.GradientTransformationExtraArgs(
+        lambda params: optax.EmptyState(),
+        lambda u, s, p=None, **kw: (
+            jax.tree.map(lambda x: x.astype(jnp.float32), u),
+            s,
+        ),
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_zeros_take_the_followers_output_dtype(jit):
+    """Issue 23, tests the suite lacks: bf16 gradients, a follower casting to
+    float32. Every call emits float32: a non-closing call (the closed gate's
+    zeros), a closing one, and a flush of an all-weight-0 window (the gate
+    opens with ``opened=False``): never zeros in the gradients' dtype."""
+    tx = oa.chain(oa.accumulate(2), _to_float32(), optax.sgd(1.0))
+    params = jnp.zeros(2, jnp.bfloat16)
+    state = tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    flush = (
+        jax.jit(lambda s, p: oa.flush(tx, s, p))
+        if jit
+        else (lambda s, p: oa.flush(tx, s, p))
+    )
+    g = jnp.ones(2, jnp.bfloat16)
+    dtypes = []
+    u, state = update(g, state, params)  # non-closing: the closed gate
+    dtypes.append(u.dtype)
+    u, state = update(g, state, params)  # closing
+    dtypes.append(u.dtype)
+    np.testing.assert_array_equal(u, [-1.0, -1.0])
+    _, state = update(g, state, params, accum_weight=0.0)
+    u, state = flush(state, params)  # opens with opened=False: weight 0
+    dtypes.append(u.dtype)
+    np.testing.assert_array_equal(u, [0.0, 0.0])
+    assert dtypes == [jnp.float32] * 3, dtypes
+
+
+def test_dynamic_loss_scale_replicas_agree_on_one_device_overflow():
+    """Issue 23, tests the suite lacks: with ``axis_name``, one device's
+    overflow skips the step on all and every replica's scale and params
+    stay equal (no collective after the gate, so a disagreement shows as
+    values, not as a crash)."""
+    n = 4
+    tx = oa.chain(oa.dynamic_loss_scale(16.0, axis_name="d"), optax.sgd(1.0))
+    params = jnp.ones(2)
+    rep = lambda t: jax.tree.map(lambda a: jnp.stack([a] * n), t)  # noqa: E731
+    params_r, state_r = rep(params), rep(tx.init(params))
+    step = jax.pmap(
+        lambda g, s, p: oa.apply_gradients(tx, g, s, p),
+        axis_name="d",
+        devices=jax.devices()[:n],
+    )
+    g = jnp.ones((n, 2)).at[2, 1].set(jnp.inf)
+    params_r, state_r = step(g, state_r, params_r)
+    np.testing.assert_array_equal(state_r[0].scale, np.full(n, 8.0))
+    np.testing.assert_array_equal(params_r, np.ones((n, 2)))
