@@ -756,3 +756,22 @@ def test_dynamic_loss_scale_replicas_agree_on_one_device_overflow():
     params_r, state_r = step(g, state_r, params_r)
     np.testing.assert_array_equal(state_r[0].scale, np.full(n, 8.0))
     np.testing.assert_array_equal(params_r, np.ones((n, 2)))
+
+
+def test_nested_closed_gate_zeros_take_the_followers_output_dtype():
+    """Issue 23, tests the suite lacks: where the outer window closes but an
+    inner gate after a float32-casting follower stays closed, the zeros are
+    float32 (the followers' output), not the bf16 gradients' dtype."""
+    # The outer window closes on every call (so no branch is traced before
+    # the dtype is checked); the inner one on every second.
+    tx = oa.chain(
+        oa.accumulate(1), _to_float32(), oa.accumulate(2), optax.sgd(1.0)
+    )
+    params = jnp.zeros(2, jnp.bfloat16)
+    state = tx.init(params)
+    dtypes = []
+    for i in range(2):
+        u, state = tx.update(jnp.full(2, i + 1.0, jnp.bfloat16), state, params)
+        dtypes.append(u.dtype)
+    assert dtypes == [jnp.float32] * 2, dtypes
+    np.testing.assert_array_equal(u, [-1.5, -1.5])
