@@ -226,7 +226,7 @@ class Optimizer(nnx.Optimizer):
       >>> opt = Optimizer(model, oa.chain(oa.accumulate(4), optax.sgd(0.1)))
       >>> loss = lambda m, x: (m(x) ** 2).mean()
       >>> for i in range(3):  # 3 of a window of 4: the last of an epoch
-      ...     opt.update(model, nnx.grad(loss)(model, jnp.ones((1, 2))))
+      ...     _ = opt.update(model, nnx.grad(loss)(model, jnp.ones((1, 2))))
       >>> before = model.kernel[...]
       >>> opt.flush(model)  # steps SGD with the mean of the 3
       >>> bool((model.kernel[...] != before).all()), int(opt.step[...])
