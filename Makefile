@@ -29,7 +29,7 @@ test: $(VENV)/.installed-dev
 DIST ?= dist
 dist: $(VENV)/.installed-dev
 	rm -rf $(DIST)
-	$(PY) -m build --outdir $(DIST) .
+	$(PY) -m build -q --outdir $(DIST) .
 	$(PY) -m twine check --strict $(DIST)/*
 
 # The suite against the wheel as users install it: not editable, in a fresh
