@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test docs bench lint clean
+.PHONY: demo test test-floors dist docs bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,39 @@ demo: $(VENV)/.installed-examples
 
 test: $(VENV)/.installed-dev
 	$(MAKE) lint
-	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+	$(MAKE) dist
+	OPTAXACCUM_DIST=$(abspath $(DIST)) $(PY) -m pytest -n 2 $(PYTEST_ARGS)
 	$(MAKE) docs
+
+# The sdist, and the wheel built from it, in $(DIST); twine checks both.
+DIST ?= dist
+dist: $(VENV)/.installed-dev
+	rm -rf $(DIST)
+	$(PY) -m build -q --outdir $(DIST) .
+	$(PY) -m twine check --strict $(DIST)/*
+
+# The suite against the wheel as users install it: not editable, in a fresh
+# virtual environment, with jax, jaxlib, optax and flax at the floors
+# pyproject declares (.ci/floors.txt; tests/test_packaging.py keeps the two
+# equal), run from a copy of tests/ (with the examples and benchmarks some
+# tests run) where no source tree can be imported.
+FLOORS_DIR ?= build/floors
+FLOORS_PY := $(FLOORS_DIR)/venv/bin/python
+test-floors: $(VENV)/.installed-dev
+	$(MAKE) dist
+	rm -rf $(FLOORS_DIR)
+	$(PYTHON) -m venv $(FLOORS_DIR)/venv
+	$(FLOORS_PY) -m pip install -q --upgrade pip
+	$(FLOORS_PY) -m pip install -q -c .ci/floors.txt \
+		"$$(ls $(DIST)/optaxaccum-*.whl)[test]"
+	mkdir -p $(FLOORS_DIR)/run/.ci
+	cp -R tests examples benchmarks pyproject.toml CHANGELOG.md LICENSE \
+		$(FLOORS_DIR)/run/
+	cp .ci/floors.txt $(FLOORS_DIR)/run/.ci/
+	cd $(FLOORS_DIR)/run && OPTAXACCUM_TEST_INSTALLED=1 \
+		OPTAXACCUM_DIST=$(abspath $(DIST)) $(abspath $(FLOORS_PY)) \
+		-m pytest -n 2 -p no:cacheprovider -c pyproject.toml --rootdir . \
+		$(PYTEST_ARGS) tests --pyargs optaxaccum
 
 docs: $(VENV)/.installed-docs
 	rm -rf docs/_build
@@ -41,4 +72,4 @@ lint: $(VENV)/.installed-dev
 	$(VENV)/bin/basedpyright -p pyproject.toml
 
 clean:
-	rm -rf $(VENV) docs/_build .pytest_cache
+	rm -rf $(VENV) docs/_build .pytest_cache $(DIST) $(FLOORS_DIR)
