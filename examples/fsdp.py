@@ -51,13 +51,12 @@ BATCH_AXES = ("data", "fsdp")
 
 def gather(w):
     """All-gathers an fsdp-sharded leaf for the forward pass. Reduced over
-    ``data`` (from ``oa.unreduced_value_and_grad``), it is gathered as
-    reduced over both batch axes, so its gradient is reduce-scattered over
-    ``fsdp`` but stays unreduced over ``data``."""
-    dims = (None,) * w.ndim
+    ``data`` (from ``oa.unreduced_value_and_grad``), ``oa.fsdp_gather``
+    keeps it reduced over both batch axes, so its gradient is
+    reduce-scattered over ``fsdp`` but stays unreduced over ``data``."""
     if jax.typeof(w).sharding.spec.reduced:
-        return jax.reshard(w, P(*dims, reduced=set(BATCH_AXES)))
-    return jax.reshard(w, P(*dims))
+        return oa.fsdp_gather(w, BATCH_AXES)
+    return jax.reshard(w, P(*(None,) * w.ndim))
 
 
 def logits_fn(params, x):
@@ -189,9 +188,9 @@ def main(argv=None):
             losses.append(float(loss))
         x_replicated = jax.device_put(x_all, NamedSharding(mesh, P()))
         logits = jax.jit(logits_fn)(params, x_replicated)
-    acc = state[0].acc[0]["w"]
+    acc = state[0].acc[0]["w"]  # one row per device's partial sum
     print(
-        f"accumulator w0: {jax.typeof(acc)}, "
+        f"accumulator w0: {jax.typeof(acc)} (stacked over data), "
         f"{acc.addressable_shards[0].data.nbytes} of {acc.nbytes} bytes "
         "per device"
     )

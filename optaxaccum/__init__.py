@@ -24,6 +24,7 @@ from optaxaccum._src.microbatch import (
 )
 from optaxaccum._src.multisteps import MultiSteps, MultiStepsState
 from optaxaccum._src.sharding import (
+    fsdp_gather,
     map_accumulators,
     state_shardings,
     unreduced_value_and_grad,
@@ -54,6 +55,7 @@ __all__ = [
     "microbatched_value_and_grad",
     "plan_microbatches",
     "scaled_value_and_grad",
+    "fsdp_gather",
     "state_shardings",
     "static_loss_scale",
     "unitwise_norm",

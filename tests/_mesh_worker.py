@@ -8,7 +8,8 @@ weights are sharded over ``fsdp`` trains with
 ``oa.unreduced_value_and_grad`` and
 ``oa.chain(oa.accumulate(K, axis_name="data"), optax.adam)`` under
 ``jax.jit``, each micro-batch (sharded over both axes) weighted by its
-global token count. Process 0 saves the final params (``np.save`` of
+global token count. Before micro-step ``SAVE_AT`` (mid-window) the state
+is saved with orbax and restored. Process 0 saves the final params (``np.save`` of
 :func:`flatten`) to ``OUT``.
 
 Importing this module changes no jax configuration and starts no backend:
@@ -32,6 +33,7 @@ from _distributed import flatten, join  # noqa: E402
 LOCAL_DEVICES = 4
 K = 3  # micro-batches per window
 WINDOWS = 2
+SAVE_AT = K + 1  # saved and restored before this micro-step (mid-window)
 BATCH = 16  # global examples per micro-batch
 D_IN, HIDDEN, D_OUT = 8, 16, 4
 LEARNING_RATE = 0.05
@@ -82,6 +84,30 @@ def _sharded_loss(params, x, y, mask):
     return (mask * per).sum() / mask.sum()
 
 
+def _save_and_restore(tx, params, state, out: str):
+    """Saves ``state`` (mid-window) with orbax from every process and
+    restores it into ``jax.eval_shape(tx.init, params)`` placed by
+    ``oa.state_shardings``: each device's partial sum comes back."""
+    import pathlib
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    import optaxaccum as oa
+
+    path = pathlib.Path(out).resolve().parent / "state"
+    shardings = oa.state_shardings(tx, params)
+    target = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        jax.eval_shape(tx.init, params),
+        shardings,
+    )
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path, state)
+        ckpt.wait_until_finished()
+        return ckpt.restore(path, target)
+
+
 def main(process_id: int, num_processes: int, port: int, out: str) -> None:
     import jax
 
@@ -123,6 +149,8 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
         }
         state = jax.jit(tx.init)(params)
         for t in range(WINDOWS * K):
+            if t == SAVE_AT:
+                state = _save_and_restore(tx, params, state, out)
             params, state = step(
                 params,
                 state,

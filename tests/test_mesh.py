@@ -72,13 +72,13 @@ def _make_data(steps, seed=0):
 
 def _gather(w, batch_axes):
     """All-gathers a weight for the forward. When it is reduced (over the
-    data axis, from oa.unreduced_value_and_grad) the gathered copy stays
-    reduced, over every axis that shards the batch, so that its gradient is
-    unreduced over them (not all-reduced inside the backward pass)."""
-    dims = (None,) * w.ndim
+    data axis, from oa.unreduced_value_and_grad), oa.fsdp_gather keeps the
+    gathered copy reduced over every axis that shards the batch, so that
+    its gradient is unreduced over them (not all-reduced inside the
+    backward pass) and reduce-scattered back over fsdp."""
     if jax.typeof(w).sharding.spec.reduced:
-        return jax.reshard(w, P(*dims, reduced=set(batch_axes)))
-    return jax.reshard(w, P(*dims))
+        return oa.fsdp_gather(w, batch_axes)
+    return jax.reshard(w, P(*(None,) * w.ndim))
 
 
 def _add_bias(h, b, batch_axes):
@@ -268,7 +268,8 @@ def test_accumulate_axis_name_equals_big_batch(
     """Unreduced micro-batch gradients, weighted by their global token
     counts, K per window, several windows: the params equal one optax step
     per window on the window's whole batch (single device); the accumulator
-    keeps the params' sharding, unreduced over 'data'."""
+    keeps the params' sharding, stacked over 'data' (one row per device's
+    partial sum)."""
     mesh = _mesh(mesh_name)
     opt = {"sgd": optax.sgd(0.3), "adam": optax.adam(0.05)}[opt_name]
     data = _make_data(K * WINDOWS)
@@ -278,14 +279,24 @@ def test_accumulate_axis_name_equals_big_batch(
     chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
     acc = state[0]
     assert int(acc.gradient_step) == WINDOWS and int(acc.mini_step) == 0
-    for a, spec in zip(
-        jax.tree.leaves(acc.acc),
+    _check_stacked(acc.acc, mesh)
+    _same_sharding(params, _put_params(mesh, _init_params()))
+
+
+def _check_stacked(acc, mesh, axis="data"):
+    """The state's accumulator is each device's partial sum, stacked: a
+    leading axis of the data size sharded over 'data', then the params'
+    shape and sharding; an ordinary array (nothing unreduced)."""
+    params = _init_params()
+    for a, p, spec in zip(
+        jax.tree.leaves(acc),
+        jax.tree.leaves(params),
         jax.tree.leaves(_param_specs(mesh)),
         strict=True,
     ):
-        assert _partitions(a) == _padded(spec, a.ndim)
-        assert a.sharding.spec.unreduced == {"data"}
-    _same_sharding(params, _put_params(mesh, _init_params()))
+        assert a.shape == (mesh.shape[axis], *p.shape), (a.shape, p.shape)
+        assert _partitions(a) == (axis, *_padded(spec, p.ndim)), a.sharding
+        assert not a.sharding.spec.unreduced
 
 
 def test_accumulate_sum_reduction_is_the_global_weighted_sum():
@@ -374,11 +385,13 @@ def test_hlo_one_data_reduction_per_window(mesh_name):
     assert len(branch) == 1 and branch[0]["op"] == "all-reduce", ours
     assert branch[0]["branches"] == (1,), branch
     assert branch[0]["bytes"] == _shard_bytes(params), (branch, params)
-    # The lowered module holds no collective at all (Shardy inserts them
-    # when compiling): only the unreduced types, which the compiled module
-    # above shows are honoured.
-    assert "all_reduce" not in lowered and "all-reduce" not in lowered
+    # Over 'data' the lowered module holds only the unreduced types (Shardy
+    # inserts the window's reduction when compiling; the census above shows
+    # it honoured); its explicit collectives are oa.fsdp_gather's, over
+    # 'fsdp' (the reduce-scatter of the sharded weights' gradients).
     assert 'unreduced={"data"}' in lowered
+    if "fsdp" in mesh.axis_names:
+        assert "reduce_scatter" in lowered
 
     naive, _, _ = _compiled_census(
         mesh, oa.chain(oa.accumulate(K), opt), ours=False
@@ -389,6 +402,28 @@ def test_hlo_one_data_reduction_per_window(mesh_name):
     top = collectives.over(naive, "data", top=True)
     assert sum(o["bytes"] for o in top) >= tree_bytes, naive
     assert not collectives.over(naive, "data", top=False), naive
+
+
+def test_hlo_fsdp_reduce_scatter_per_micro_step():
+    """Issue 24, part 3: on data=2 x fsdp=4, a micro-step's collectives
+    (outside the closing branch) output at most 1 + 1/fsdp parameter trees:
+    the forward's all-gathers plus a reduce-scatter of the gradient over
+    fsdp (in the HLO, not an all-reduce of the whole gradient then
+    sliced)."""
+    mesh = _mesh("data2xfsdp4")
+    tx = oa.chain(oa.accumulate(K, axis_name="data"), optax.adam(0.1))
+    ops, _, _ = _compiled_census(mesh, tx, ours=True)
+    top = [o for o in ops if not o["branches"]]
+    tree_bytes = sum(
+        np.asarray(a).nbytes for a in jax.tree.leaves(_init_params())
+    )
+    assert sum(o["bytes"] for o in top) <= (1 + 1 / 4) * tree_bytes, top
+    scattered = [o for o in top if o["op"] == "reduce-scatter"]
+    assert {frozenset(o["axes"]) for o in scattered} == {frozenset({"fsdp"})}
+    w_bytes = 4 * (D_IN * HIDDEN + HIDDEN * D_OUT)  # the fsdp-sharded leaves
+    assert sum(o["bytes"] for o in scattered) == w_bytes // 4, top
+    big = [o for o in top if o["op"] == "all-reduce" and o["bytes"] > 64]
+    assert not big, top  # the replicated bias (64 bytes) is all-reduced
 
 
 def test_naming_fsdp_too_defers_both_reductions():
@@ -549,7 +584,7 @@ def test_dynamic_loss_scale_axis_name_agrees_across_devices():
 
 def test_state_shardings_explicit_and_auto():
     """oa.state_shardings: Adam's moments get the params' shardings, the
-    accumulator the params' sharding unreduced over the named axis (explicit
+    accumulator the params' sharding, stacked over the named axis (explicit
     mesh) or the params' (auto mesh), counters are replicated; usable as
     jax.jit(tx.init)'s out_shardings."""
     for axis_type in (AxisType.Explicit, AxisType.Auto):
@@ -564,13 +599,10 @@ def test_state_shardings_explicit_and_auto():
             state = jax.jit(tx.init, out_shardings=shardings)(params)
         _same_sharding(state[1][0].mu, params)
         assert shardings[0].mini_step.spec == P()
-        for a, p in zip(
-            jax.tree.leaves(state[0].acc), jax.tree.leaves(params), strict=True
-        ):
-            assert _partitions(a) == _partitions(p)
-            assert a.sharding.spec.unreduced == (
-                {"data"} if axis else frozenset()
-            )
+        if axis:
+            _check_stacked(state[0].acc, mesh)
+            continue
+        _same_sharding(state[0].acc, params)
 
 
 def test_map_accumulators_per_device_leaves():
@@ -638,6 +670,9 @@ def test_bench_mesh_tiny():
             r["acc_bytes"]["oa.unreduced_value_and_grad"] * fsdp
             == (r["tree_bytes"])
         )
+        # FSDP's own bytes: all-gather + reduce-scatter (issue 24).
+        assert ours["micro_step_trees"] <= 1 + 1 / fsdp, ours
+        assert ours["all_bytes"] < naive["all_bytes"], (ours, naive)
     both = res["results"]["data=2 x fsdp=4"]["census"][
         'unreduced over ("data", "fsdp")'
     ]
@@ -657,7 +692,7 @@ def test_example_fsdp_runs_on_8_cpu_devices():
     assert naive and int(naive[1]) >= 4, out  # every micro-step
     assert ours and int(ours[1]) == 1, out
     assert "optimizer steps 2" in out, out
-    assert "{U:data}" in out, out
+    assert "stacked over data" in out and "@data" in out, out
 
 
 # ------------------------------------------------- two processes (gloo)
@@ -885,3 +920,173 @@ def test_plan_microbatches_counts_per_device_for_sharded_args():
                 memory_budget=per_device,
                 interleave=True,
             )
+
+
+# ------------------------------------------------- checkpoints (issue 24)
+
+
+def _ckpt_tx(k):
+    return oa.chain(
+        oa.dynamic_loss_scale(2.0**8, axis_name="data"),
+        oa.accumulate(k, axis_name="data", skip_nonfinite=True),
+        optax.adam(0.05),
+    )
+
+
+def _scaled_step(tx, mesh):
+    """The documented mesh step with the loss scale in the chain."""
+    loss = _loss(_batch_axes(mesh))
+
+    def step(params, state, x, y, mask):
+        scale = oa.loss_scale(state)
+        _, grads = oa.unreduced_value_and_grad(
+            lambda p, *a: loss(p, *a) * scale, "data"
+        )(params, x, y, mask)
+        return oa.apply_gradients(
+            tx, grads, state, params, accum_weight=mask.sum()
+        )
+
+    return jax.jit(step)
+
+
+@pytest.mark.parametrize("k,before,after", [(4, 6, 2), (3, 6, 3)])
+def test_checkpoint_round_trip_mid_window_and_boundary(
+    tmp_path, k, before, after
+):
+    """Issue 24: after ``before`` micro-steps of the documented mesh loop
+    (mid-window for k=4, at a boundary for k=3), the state leaves the
+    device (jax.device_get), saves with orbax and restores into
+    jax.eval_shape(tx.init, params) with oa.state_shardings; the restored
+    run equals the uninterrupted one and single-device Adam on the
+    concatenated windows. Each device's partial sum survives the trip."""
+    import orbax.checkpoint as ocp
+
+    mesh = _mesh("data2xfsdp4")
+    tx = _ckpt_tx(k)
+    data = _make_data(before + after)
+    step = _scaled_step(tx, mesh)
+
+    def feed(params, state, ts):
+        for t in ts:
+            batch = _put_batch(mesh, *(a[t] for a in data))
+            params, state = step(params, state, *batch)
+        return params, state
+
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        shardings = oa.state_shardings(tx, params)
+        state = jax.device_put(tx.init(params), shardings)
+        params, state = feed(params, state, range(before))
+        state = jax.jit(lambda s: s, out_shardings=shardings)(state)
+        host = jax.device_get(state)
+        abstract = jax.eval_shape(tx.init, params)
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp_path / "state", state)
+            ckpt.wait_until_finished()
+            target = jax.tree.map(
+                lambda s, sh: jax.ShapeDtypeStruct(
+                    s.shape, s.dtype, sharding=sh
+                ),
+                abstract,
+                shardings,
+            )
+            restored = ckpt.restore(tmp_path / "state", target)
+        chex.assert_trees_all_equal(jax.device_get(restored), host)
+        _check_stacked(restored[1].acc, mesh)
+        if before % k:  # mid-window: the two data rows are two partial sums
+            rows = host[1].acc["w1"]
+            assert rows.shape[0] == 2 and not np.allclose(rows[0], rows[1])
+        resumed, _ = feed(params, restored, range(before, before + after))
+        uninterrupted, _ = feed(params, state, range(before, before + after))
+    chex.assert_trees_all_close(
+        jax.device_get(resumed), jax.device_get(uninterrupted), **TOL
+    )
+    windows = (before + after) // k
+    want = _reference(
+        optax.adam(0.05), _init_params(), *(a[: windows * k] for a in data), k=k
+    )
+    chex.assert_trees_all_close(jax.device_get(resumed), want, **TOL)
+
+
+# ------------------------------------------------ named mistakes (issue 24)
+
+
+def _one_step(tx, mesh, vg):
+    """One jitted step of ``tx`` with the gradients of ``vg`` (a
+    value_and_grad of the mesh loss)."""
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, _init_params())
+        state = jax.jit(tx.init)(params)
+        batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
+
+        def step(params, state, *batch):
+            _, grads = vg(_loss(_batch_axes(mesh)))(params, *batch)
+            return oa.apply_gradients(tx, grads, state, params)
+
+        return jax.jit(step)(params, state, *batch)
+
+
+@pytest.mark.parametrize("where", ["accumulate", "loss_scale", "grad"])
+def test_axis_name_not_a_mesh_axis_is_named(where):
+    """Issue 24: 'dp' on a ('data', 'fsdp') mesh raises ValueError naming
+    'dp' and the mesh's axes, not JAX's NameError about shard_map."""
+    mesh = _mesh("data2xfsdp4")
+    bad = "dp"
+    tx = oa.chain(
+        oa.dynamic_loss_scale(axis_name=bad if where == "loss_scale" else None),
+        oa.accumulate(K, axis_name=bad if where == "accumulate" else "data"),
+        optax.sgd(0.1),
+    )
+    axis = bad if where == "grad" else "data"
+    with pytest.raises(ValueError, match=r"'dp'.*\('data', 'fsdp'\)"):
+        _one_step(tx, mesh, lambda f: oa.unreduced_value_and_grad(f, axis))
+
+
+def test_unreduced_gradients_without_axis_name_are_named():
+    """Issue 24: unreduced gradients reaching an accumulate that does not
+    name their axis raise ValueError naming axis_name and 'data'."""
+    mesh = _mesh("data2xfsdp4")
+    tx = oa.chain(oa.accumulate(K), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"axis_name.*'data'"):
+        _one_step(tx, mesh, lambda f: oa.unreduced_value_and_grad(f, "data"))
+
+
+def test_reduced_gradients_with_axis_name_warn_once():
+    """Issue 24: jax.value_and_grad (gradients reduced on every micro-step)
+    with accumulate(axis_name='data') on an explicit mesh is correct but
+    warns, once, naming oa.unreduced_value_and_grad."""
+    from optaxaccum._src import sharding
+
+    sharding._WARNED.clear()  # once per process: start afresh
+    mesh = _mesh("data8")
+    tx = oa.chain(oa.accumulate(K, axis_name="data"), optax.sgd(0.1))
+    with pytest.warns(UserWarning, match="oa.unreduced_value_and_grad") as got:
+        _one_step(tx, mesh, jax.value_and_grad)
+        _one_step(tx, mesh, jax.value_and_grad)  # traced again: no repeat
+    assert len(got) == 1, [str(w.message) for w in got]
+
+
+def test_fsdp_gather_bad_axes():
+    mesh = _mesh("data2xfsdp4")
+    with jax.set_mesh(mesh):
+        w = jax.device_put(jnp.ones((8, 4)), P("fsdp", None))
+        with pytest.raises(ValueError, match=r"'dp'.*\('data', 'fsdp'\)"):
+            oa.fsdp_gather(w, "dp")
+        with pytest.raises(ValueError, match=r"\['fsdp'\].*batch_axes='data'"):
+            oa.fsdp_gather(w, "data")
+
+
+def test_docs_scaling_first_step_runs_as_written(capsys):
+    """Issue 24: the first step of docs/scaling.md's jit section, exactly
+    as written (its first Python block there), runs on the 8 CPU devices
+    and closes two windows."""
+    import pathlib
+
+    text = (
+        pathlib.Path(__file__).resolve().parent.parent / "docs" / "scaling.md"
+    ).read_text()
+    section = text[text.index("## `jax.jit` on an explicit mesh") :]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "def loss_fn" in block and "Every mesh axis that shards" in block
+    exec(compile(block, "docs/scaling.md", "exec"), {})  # noqa: S102
+    assert capsys.readouterr().out.split()[-1] == "2"

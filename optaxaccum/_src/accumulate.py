@@ -26,7 +26,11 @@ class AccumulateState(NamedTuple):
       gradient_step: windows closed so far; ``shape=(), int32``.
       acc: the window's running weighted sum of gradients, a pytree like the
         params in ``accumulator_dtype``. Reset lazily: when ``mini_step`` is
-        0 its content is stale and the next micro-batch overwrites it.
+        0 its content is stale and the next micro-batch overwrites it. Under
+        ``jax.jit`` on a mesh whose ``axis_name`` axes are Explicit, each
+        leaf has a leading axis of their size, sharded over them: row ``i``
+        is device ``i``'s partial sum (an ordinary, checkpointable array;
+        docs/scaling.md).
       weight: the window's running sum of weights; ``shape=()``,
         ``accumulator_dtype`` or float32, whichever is wider (token counts
         overflow float16). Stale when ``mini_step`` is 0.
@@ -173,8 +177,10 @@ def _gate_update(
             "oa.accumulate expects an AccumulateState, got "
             f"{type(state).__name__}"
         )
-    _check_gradients(updates, state.acc)
-    state = state._replace(acc=sharding.match_grads(state.acc, updates))
+    sharding.check_gradients(updates, cfg.axis_name)  # mesh mistakes
+    acc = sharding.unstack_partials(state.acc, cfg.axis_name)
+    _check_gradients(updates, acc)
+    state = state._replace(acc=sharding.match_grads(acc, updates))
     utils.check_weight("accum_weight", accum_weight)
     acc, weight, counted = _add(cfg, state, updates, accum_weight, passed)
     mini_step = base.select(counted, state.mini_step + 1, state.mini_step)
@@ -187,7 +193,8 @@ def _gate_update(
             optax.safe_increment(state.gradient_step),
             state.gradient_step,
         ),
-        acc=acc,
+        # Each device's partial sum as an ordinary (checkpointable) array.
+        acc=sharding.stack_partials(acc),
         weight=weight,
         # A call that does not count leaves the state as it was.
         updated=base.select(
@@ -290,7 +297,10 @@ def _gate_flush(
     del extra_args  # the caller checks extra args (near-misses)
     params = _gradient_params(params)
     utils.check_same_structure(
-        "the params", params, state.acc, "the accumulator"
+        "the params",
+        params,
+        sharding.unstack_partials(state.acc, cfg.axis_name),
+        "the accumulator",
     )
     closed_state = state._replace(
         mini_step=jnp.zeros([], jnp.int32),

@@ -182,6 +182,7 @@ def dynamic_loss_scale(
                 "oa.dynamic_loss_scale expects a DynamicLossScaleState, got "
                 f"{type(state).__name__}"
             )
+        sharding.check_mesh_axes(axis_name, "oa.dynamic_loss_scale", updates)
         unscaled = _unscale(updates, state.scale)
         finite = sharding.all_finite(
             unscaled, lambda _: _unscaled_all_finite(updates, state.scale)

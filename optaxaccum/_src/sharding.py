@@ -13,11 +13,14 @@ locally and reduces them once, when the window closes
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
@@ -26,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from optaxaccum._src import utils
 
 __all__ = [
+    "fsdp_gather",
     "map_accumulators",
     "state_shardings",
     "unreduced_value_and_grad",
@@ -51,12 +55,17 @@ def _sharding(x: Any) -> NamedSharding | None:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def _spec(x: Any) -> P:
-    """The partition spec of ``x``'s named sharding (``x`` must have one)."""
+def _named(x: Any) -> NamedSharding:
+    """The named sharding of ``x``'s type (``x`` must have one)."""
     sharding = _sharding(x)
     if sharding is None:
         raise ValueError(f"expected an array on a named mesh, got {x!r}")
-    return sharding.spec
+    return sharding
+
+
+def _spec(x: Any) -> P:
+    """The partition spec of ``x``'s named sharding (``x`` must have one)."""
+    return _named(x).spec
 
 
 def is_explicit(x: Any, axis_name: Any) -> bool:
@@ -73,6 +82,74 @@ def unreduced_axes(x: Any) -> frozenset:
     """The mesh axes over which ``x`` is unreduced (empty if none)."""
     sharding = _sharding(x)
     return frozenset() if sharding is None else sharding.spec.unreduced
+
+
+def check_mesh_axes(axis_name: Any, caller: str, tree: Any = ()) -> None:
+    """Raises ``ValueError`` naming ``axis_name`` and the mesh's axes when
+    one of its names is neither an axis of the current mesh (or of the
+    mesh of a leaf of ``tree``) nor a bound mapped axis (``pmap``,
+    ``shard_map``, ``vmap``): before JAX's own ``NameError``, which points
+    to ``shard_map``. Without any mesh there is nothing to list: JAX's
+    errors stand."""
+    if axis_name is None:
+        return
+    meshes = [jax.sharding.get_abstract_mesh()]
+    meshes += [s.mesh for s in map(_sharding, jax.tree.leaves(tree)) if s]
+    known = {n for m in meshes for n in m.axis_names}
+    for name in axis_names(axis_name):
+        if not known or name in known:  # no mesh: pmap, or JAX's own error
+            continue
+        try:
+            lax.axis_size(name)
+        except NameError:
+            axes = next((m.axis_names for m in meshes if m.axis_names), ())
+            raise ValueError(
+                f"{caller}: axis_name={axis_name!r} names {name!r}, which is "
+                f"not an axis of the mesh (its axes: {axes!r}) nor a mapped "
+                "axis (pmap, shard_map, vmap)"
+            ) from None
+
+
+_WARNED: set[tuple[Hashable, ...]] = set()  # axis names warned about once
+
+
+def check_gradients(grads: Any, axis_name: Any) -> None:
+    """Checks the gradients reaching ``oa.accumulate(axis_name=...)``.
+
+    Raises ``ValueError`` when a gradient is unreduced over a mesh axis that
+    ``axis_name`` does not name (JAX would raise an opaque
+    ``ShardingTypeError``), and warns once (``UserWarning``) when, on an
+    explicit mesh, the gradients are not unreduced over ``axis_name``: each
+    micro-batch was then reduced already, and the accumulation's point lost.
+    """
+    check_mesh_axes(axis_name, "oa.accumulate", grads)
+    names = () if axis_name is None else axis_names(axis_name)
+    leaves = [g for g in jax.tree.leaves(grads) if _sharding(g) is not None]
+    stray = set().union(*map(unreduced_axes, leaves)) - set(names)
+    if stray:
+        raise ValueError(
+            f"the gradients are unreduced over the mesh axes {sorted(stray)} "
+            f"(oa.unreduced_value_and_grad), but oa.accumulate has "
+            f"axis_name={axis_name!r}: name them in axis_name "
+            f"(e.g. axis_name={sorted(stray)[0]!r}) so that the window "
+            "reduces them once"
+        )
+    if not names or names in _WARNED:
+        return
+    floating = [g for g in leaves if jnp.issubdtype(g.dtype, jnp.inexact)]
+    reduced = [g for g in floating if is_explicit(g, names)]
+    if reduced:
+        if not any(set(names) <= unreduced_axes(g) for g in reduced):
+            _WARNED.add(names)
+            warnings.warn(
+                f"oa.accumulate(axis_name={axis_name!r}) got gradients "
+                "that are already reduced over those mesh axes: each "
+                "micro-batch was reduced in the backward pass, so nothing "
+                "is saved. Take the gradients with oa.unreduced_value_and_"
+                f"grad(loss_fn, {axis_name!r}) (docs/scaling.md).",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def deferred_spec(spec: P, names: Sequence[Hashable], kind: str) -> P:
@@ -164,6 +241,11 @@ def unreduced_value_and_grad(
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     def wrapped(*args, **kwargs):
+        check_mesh_axes(
+            axis_name,
+            "oa.unreduced_value_and_grad",
+            [args[i] for i in nums if i < len(args)],
+        )
         args = list(args)
         for i in nums:
             args[i] = jax.tree.map(lambda p: _to_reduced(p, names), args[i])
@@ -172,7 +254,181 @@ def unreduced_value_and_grad(
     return wrapped
 
 
+def _dim_axes(entry: Any) -> tuple[Hashable, ...]:
+    """The mesh axes of one partition-spec entry."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _scatter_back(
+    ct: jax.Array, dims: tuple[Any, ...], spec: P, mesh: Any
+) -> jax.Array:
+    """The cotangent ``ct`` of a gathered parameter back to the parameter's
+    sharding ``spec`` (dims ``dims``, each over axes that ``ct`` is
+    unreduced over), inside a ``shard_map``: a reduce-scatter
+    (``psum_scatter``) over each sharded dimension's axes, a ``psum`` over
+    any other unreduced axis the parameter is not reduced over."""
+    unreduced = unreduced_axes(ct)
+    sharded = {a for d in dims for a in _dim_axes(d)}
+    rest = _ordered(mesh, unreduced - sharded - spec.reduced)
+
+    def body(c):
+        for i, d in enumerate(dims):
+            if d is not None:
+                c = lax.psum_scatter(c, d, scatter_dimension=i, tiled=True)
+        return lax.psum(c, rest) if rest else c
+
+    out = P(*dims, unreduced=spec.reduced & unreduced, reduced=frozenset())
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=_spec(ct), out_specs=out, check_vma=False
+    )(ct)
+
+
+def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
+    """All-gathers a sharded parameter for the forward pass (FSDP).
+
+    Returns ``w`` replicated and *reduced* over ``batch_axes``, so that its
+    gradient stays unreduced over them through the backward pass; the
+    gradient then comes back to ``w``'s sharding by a reduce-scatter in the
+    HLO (each device receives its 1/fsdp shard), never an all-reduce of the
+    whole tree followed by a slice. With ``w`` from
+    :func:`unreduced_value_and_grad` (reduced over ``"data"``) the
+    gradient stays unreduced over ``"data"`` for :func:`accumulate`. A
+    plain ``jax.reshard(w, P())`` drops the reduced axes (JAX's types), so
+    its gradient is all-reduced over the batch in every micro-step.
+
+    Args:
+      w: a parameter on an explicit mesh, e.g. ``P("fsdp", None)``.
+      batch_axes: every mesh axis that shards the batch (a name or a tuple);
+        default: every axis of ``w``'s mesh.
+
+    Returns:
+      ``w`` gathered: ``P(None, ..., reduced=batch_axes)``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import optaxaccum as oa
+      >>> from jax.sharding import AxisType, PartitionSpec as P
+      >>> mesh = jax.make_mesh((1,), ("fsdp",), (AxisType.Explicit,),
+      ...                      devices=jax.devices()[:1])
+      >>> with jax.set_mesh(mesh):
+      ...   w = jax.device_put(jnp.ones((2, 3)), P("fsdp", None))
+      ...   print(jax.jit(oa.fsdp_gather)(w).shape)
+      (2, 3)
+    """
+    sharding = _named(w)
+    mesh, spec = sharding.mesh, sharding.spec
+    names = mesh.axis_names if batch_axes is None else axis_names(batch_axes)
+    check_mesh_axes(names, "oa.fsdp_gather", w)
+    dims = tuple(spec.partitions) + (None,) * (w.ndim - len(spec.partitions))
+    other = {a for d in dims for a in _dim_axes(d)} - set(names)
+    if other:
+        raise ValueError(
+            f"oa.fsdp_gather: w is sharded over {sorted(map(str, other))}, "
+            f"which batch_axes={batch_axes!r} does not name; it gathers over "
+            "axes "
+            "that shard the batch (FSDP), gather others with jax.reshard"
+        )
+    full = P(*(None,) * w.ndim, reduced=frozenset(names) | spec.reduced)
+
+    @jax.custom_vjp
+    def gather(x):
+        return jax.reshard(x, full)
+
+    def fwd(x):
+        return gather(x), None
+
+    def bwd(_, ct):
+        return (_scatter_back(ct, dims, spec, mesh),)
+
+    gather.defvjp(fwd, bwd)
+    return gather(w)
+
+
 # ----------------------------------------- helpers of oa.accumulate
+
+
+def _ordered(mesh: Any, axes: Any) -> tuple[Hashable, ...]:
+    """The mesh axes ``axes`` in the mesh's order."""
+    return tuple(n for n in mesh.axis_names if n in axes)
+
+
+def _entry(axes: tuple[Hashable, ...]) -> Any:
+    """A partition-spec entry for one dimension sharded over ``axes``."""
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _stacked_spec(spec: P, axes: tuple[Hashable, ...]) -> P:
+    """The spec of the stacked form of an array of spec ``spec`` unreduced
+    over ``axes``: a leading dimension sharded over ``axes``."""
+    return P(_entry(axes), *spec.partitions, reduced=spec.reduced)
+
+
+def stacked_axes(a: Any, axis_name: Any) -> tuple[Hashable, ...]:
+    """The axes ``axis_name`` if ``a`` is an accumulator leaf in stacked
+    form (its leading dimension sharded over exactly those explicit axes),
+    else ``()``."""
+    sharding = _sharding(a)
+    if axis_name is None or sharding is None or not jnp.ndim(a):
+        return ()
+    if not is_explicit(a, axis_name) or not sharding.spec.partitions:
+        return ()
+    axes = _ordered(sharding.mesh, axis_names(axis_name))
+    first = sharding.spec.partitions[0]
+    first = first if isinstance(first, tuple) else (first,)
+    return axes if first == axes else ()
+
+
+def stack_partials(tree: Any) -> Any:
+    """Each leaf unreduced over some mesh axes in its *stacked* form: an
+    ordinary global array with a leading dimension of the axes' size,
+    sharded over them, row ``i`` holding device ``i``'s partial sum. A local
+    cast (``shard_map`` of ``a[None]``): no data moves between devices.
+    Other leaves are returned as they are."""
+
+    def stack(x):
+        unreduced = unreduced_axes(x)
+        if not unreduced:
+            return x
+        sharding = _named(x)
+        axes = _ordered(sharding.mesh, unreduced)
+        out = _stacked_spec(sharding.spec.update(unreduced=frozenset()), axes)
+        return jax.shard_map(
+            lambda b: b[None],
+            mesh=sharding.mesh,
+            in_specs=sharding.spec,
+            out_specs=out,
+            check_vma=False,
+        )(x)
+
+    return jax.tree.map(stack, tree)
+
+
+def unstack_partials(tree: Any, axis_name: Any) -> Any:
+    """The inverse of :func:`stack_partials` for leaves stacked over
+    ``axis_name``: each device's row becomes its partial sum of an array
+    unreduced over those axes (a local cast). Other leaves pass through."""
+
+    def unstack(a):
+        axes = stacked_axes(a, axis_name)
+        if not axes:
+            return a
+        spec = _spec(a)
+        out = P(
+            *spec.partitions[1:],
+            unreduced=frozenset(axes),
+            reduced=spec.reduced,
+        )
+        return jax.shard_map(
+            lambda b: b[0],
+            mesh=_named(a).mesh,
+            in_specs=spec,
+            out_specs=out,
+            check_vma=False,
+        )(a)
+
+    return jax.tree.map(unstack, tree)
 
 
 def _in_explicit_context(axis_name: Any) -> bool:
@@ -185,22 +441,32 @@ def _in_explicit_context(axis_name: Any) -> bool:
 
 
 def window_zeros(zeros: Any, axis_name: Any) -> Any:
-    """The accumulator's ``zeros`` (like the params), unreduced over
-    ``axis_name`` under ``jax.set_mesh`` of a mesh whose axes ``axis_name``
-    are Explicit, as the gradients of :func:`unreduced_value_and_grad` are.
-    Outside such a context (e.g. for ``shard_map``) they stay plain:
-    :func:`match_grads` makes them unreduced on the first call that needs
-    it."""
+    """The accumulator's ``zeros`` (like the params) in the form the state
+    stores them: under ``jax.set_mesh`` of a mesh whose axes ``axis_name``
+    are Explicit (``jit``'s global view), stacked over ``axis_name`` (see
+    :func:`stack_partials`), one row per device's partial sum. Outside such
+    a context (``pmap``, ``shard_map``, whose users add the device axis
+    themselves with :func:`map_accumulators`) they stay plain; a plain
+    accumulator given unreduced gradients is stacked by the first step."""
     if not _in_explicit_context(axis_name):
         return zeros
 
-    def unreduced(z):
+    def stacked(z):
         if not is_explicit(z, axis_name):
             return z
-        spec = deferred_spec(_spec(z), axis_names(axis_name), "unreduced")
-        return jax.reshard(z, spec)
+        sharding = _named(z)
+        axes = _ordered(sharding.mesh, axis_names(axis_name))
+        n = int(np.prod([sharding.mesh.shape[a] for a in axes]))
+        spec = deferred_spec(sharding.spec, axes, "unreduced")
+        spec = _stacked_spec(spec.update(unreduced=frozenset()), axes)
+        shape = (n, *z.shape)
+        if isinstance(z, jax.core.Tracer):  # under a trace: its type
+            out = sharding.update(spec=spec)
+            return jnp.zeros(shape, z.dtype, out_sharding=out)
+        # Eager, outside any mesh context: place on the concrete mesh.
+        return jnp.zeros(shape, z.dtype, device=z.sharding.update(spec=spec))
 
-    return jax.tree.map(unreduced, zeros)
+    return jax.tree.map(stacked, zeros)
 
 
 def grad_zeros(p: Any, dtype: Any) -> jax.Array:
@@ -217,8 +483,9 @@ def grad_zeros(p: Any, dtype: Any) -> jax.Array:
 
 
 def match_grads(acc: Any, grads: Any) -> Any:
-    """``acc`` with each plain leaf cast to the unreduced sharding of the
-    corresponding gradient (a local cast: no data moves between devices)."""
+    """``acc`` (unstacked) with each plain leaf cast to the unreduced
+    sharding of the corresponding gradient (a local cast: no data moves
+    between devices)."""
 
     def match(a, g):
         if unreduced_axes(g) and not unreduced_axes(a):
@@ -286,6 +553,7 @@ def reduce_window(
     unreduced accumulator is resharded to its sharding without the unreduced
     axes: the one all-reduce of the window (a plain one needs nothing).
     """
+    acc = unstack_partials(acc, axis_name)
     leaves = jax.tree.leaves(acc)
     if leaves and is_explicit(leaves[0], axis_name):
 
@@ -358,12 +626,12 @@ def state_shardings(
     replicated = NamedSharding(mesh, P())
 
     def typed(s):
-        """The sharding in ``s``'s type (explicit axes), else None."""
+        """The sharding in ``s``'s type (explicit axes) on ``mesh``, else
+        None."""
         sharding = getattr(s, "sharding", None)
-        explicit = isinstance(sharding, NamedSharding) and bool(
-            sharding.mesh.explicit_axes
-        )
-        return sharding if explicit else None
+        if isinstance(sharding, NamedSharding) and sharding.mesh.explicit_axes:
+            return NamedSharding(mesh, sharding.spec)
+        return None
 
     return optax.tree_map_params(
         tx,
