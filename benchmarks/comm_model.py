@@ -1,0 +1,344 @@
+"""B6: a communication model of one accumulation window, checked against HLO.
+
+For a parameter count, a mesh ``dcn x data x fsdp`` (``dcn``: slices or
+nodes joined by the slow network; ``data`` and ``fsdp``: devices inside a
+slice), a window of ``k`` micro-batches and a mode, :func:`collectives`
+lists the collectives a window runs (op, mesh axes, result bytes per device,
+runs per window) and :func:`window_cost` turns them into bytes over the fast
+links (ICI / NVLink) and the slow ones (DCN / InfiniBand), a projected time,
+and the bytes each device holds. Modes:
+
+* ``naive``: ``jax.value_and_grad`` + ``oa.accumulate(k)``: every micro-step
+  gathers the params over ``fsdp``, reduce-scatters the gradient over
+  ``fsdp`` and all-reduces its shard over the data axes;
+* ``deferred``: ``oa.unreduced_value_and_grad`` + ``oa.accumulate(k,
+  axis_name=<data axes>)``: the data-axes all-reduce runs once per window;
+* ``shard_update``: the same with ``shard_update=True`` (API.md §7): once
+  per window a reduce-scatter over the data axes, the optimizer on
+  ``1/(data axes)`` of each shard, an all-gather of the updates;
+* ``fsdp_all``: FSDP over every device, slices included (params and
+  optimizer state sharded ``n`` ways): every micro-step gathers the params
+  and reduce-scatters the gradient over all devices.
+
+Assumptions (docs/scaling.md, "Communication model"): ring algorithms
+(all-reduce ``2 S (m-1)/m`` bytes sent per device for a result of ``S``
+bytes over ``m`` devices; reduce-scatter and all-gather ``S (m-1)/m`` of the
+full size ``S``); a collective spanning slices runs hierarchically (inside
+the slice first, then across slices on the ``1/q`` piece); each device uses
+its whole per-direction bandwidth; no overlap of communication with compute
+nor between collectives; float32 params, gradients, accumulator and Adam
+moments; activations and latency (a few microseconds per collective, times
+the number of leaves or buckets) are not counted.
+
+Run: ``python benchmarks/comm_model.py`` prints the projected table and
+writes ``docs/comm_model_table.md`` (``make bench`` does both). The model's
+bytes are checked against the HLO census of compiled steps on 8 CPU devices
+by ``tests/test_comm_model.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import _common  # noqa: E402
+
+MODES = ("naive", "deferred", "shard_update", "fsdp_all")
+BYTES = 4  # float32 params, gradients, accumulator, Adam moments
+ADAM_MOMENTS = 2
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """``dcn`` slices (or nodes) of ``data x fsdp`` devices each."""
+
+    dcn: int = 1
+    data: int = 1
+    fsdp: int = 1
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"dcn": self.dcn, "data": self.data, "fsdp": self.fsdp}
+
+    @property
+    def devices(self) -> int:
+        return self.dcn * self.data * self.fsdp
+
+    def axes(self, *names: str) -> frozenset[str]:
+        """The axes among ``names`` of size > 1 (the others move nothing)."""
+        return frozenset(n for n in names if self.sizes[n] > 1)
+
+    def size(self, axes: frozenset[str]) -> int:
+        return math.prod(self.sizes[a] for a in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a window, for the whole parameter tree."""
+
+    op: str  # "all-reduce", "reduce-scatter" or "all-gather"
+    axes: frozenset[str]  # the mesh axes it spans
+    result_bytes: float  # per device: the HLO result shape's bytes
+    per_window: int  # runs per window
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Per-device bandwidths (bytes/s, one direction) and memory."""
+
+    name: str
+    fast: float  # ICI / NVLink
+    slow: float  # DCN / InfiniBand
+    memory: float  # bytes of HBM
+    per_slice: int  # devices per slice (TPU) or node (GPU)
+    source: str
+
+
+# Bidirectional figures are halved: a ring sends one way at a time.
+HARDWARE = {
+    "tpu-v5p": Hardware(
+        "TPU v5p",
+        1200e9 / 2,
+        50e9 / 8,
+        95 * GIB,
+        256,
+        "Cloud TPU v5p docs: ICI 1,200 GB/s bidirectional per chip, "
+        "DCN 50 Gbps per chip, 95 GiB HBM",
+    ),
+    "tpu-v5e": Hardware(
+        "TPU v5e",
+        400e9 / 2,
+        6.4e12 / 8 / 256,
+        16e9,
+        256,
+        "Cloud TPU v5e docs: ICI 400 GB/s bidirectional per chip, DCN "
+        "6.4 Tbps per 256-chip pod (2 x 100 Gbps NICs per 8-chip host), "
+        "16 GB HBM",
+    ),
+    "h100": Hardware(
+        "H100 (DGX)",
+        900e9 / 2,
+        400e9 / 8,
+        80e9,
+        8,
+        "NVIDIA H100 SXM datasheet: NVLink 900 GB/s bidirectional, 80 GB; "
+        "DGX H100 user guide: one ConnectX-7 400 Gb/s InfiniBand port per "
+        "GPU",
+    ),
+}
+
+
+def collectives(
+    n_params: int, mesh: Mesh, k: int, mode: str
+) -> list[Collective]:
+    """The collectives of one window of ``k`` micro-batches (see module)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode=!r}")
+    tree = BYTES * n_params
+    fsdp, data = mesh.axes("fsdp"), mesh.axes("dcn", "data")
+    everything = fsdp | data
+    out = []
+
+    def add(op, axes, result, runs):
+        if axes:
+            out.append(Collective(op, axes, result, runs))
+
+    if mode == "fsdp_all":
+        n = mesh.size(everything)
+        add("all-gather", everything, tree, k)
+        add("reduce-scatter", everything, tree / n, k)
+        return out
+    shard = tree / mesh.size(fsdp)
+    add("all-gather", fsdp, tree, k)  # the params, for the forward pass
+    add("reduce-scatter", fsdp, shard, k)  # the gradient, to fsdp shards
+    if mode == "naive":
+        add("all-reduce", data, shard, k)
+    elif mode == "deferred":
+        add("all-reduce", data, shard, 1)
+    else:  # shard_update: reduce-scatter, then gather the updates
+        add("reduce-scatter", data, shard / mesh.size(data), 1)
+        add("all-gather", data, shard, 1)
+    return out
+
+
+def link_bytes(c: Collective, mesh: Mesh) -> tuple[float, float]:
+    """Bytes one device sends over fast and slow links for ``c``, per run.
+
+    A ring over ``m`` devices sends ``(m-1)/m`` of the full size for a
+    reduce-scatter or an all-gather, twice that for an all-reduce. Across
+    slices the collective is hierarchical: over the ``q`` devices of the
+    slice first (fast), then over the ``s`` slices on ``1/q`` of it (slow).
+    """
+    q = mesh.size(c.axes - {"dcn"})
+    s = mesh.size(c.axes & {"dcn"})
+    full = c.result_bytes * (q * s if c.op == "reduce-scatter" else 1)
+    fast = full * (q - 1) / q
+    slow = full / q * (s - 1) / s
+    if c.op == "all-reduce":
+        return 2 * fast, 2 * slow
+    return fast, slow
+
+
+def memory(n_params: int, mesh: Mesh, k: int, mode: str) -> dict[str, float]:
+    """Bytes per device: params, accumulator (none for ``k == 1``) and Adam's
+    moments."""
+    tree = BYTES * n_params
+    fsdp = mesh.size(mesh.axes("fsdp"))
+    if mode == "fsdp_all":
+        fsdp = mesh.devices
+    opt = ADAM_MOMENTS * tree / fsdp
+    if mode == "shard_update":
+        opt /= mesh.size(mesh.axes("dcn", "data"))
+    return {
+        "params": tree / fsdp,
+        "accumulator": tree / fsdp if k > 1 else 0.0,
+        "optimizer": opt,
+    }
+
+
+def window_cost(
+    n_params: int, mesh: Mesh, k: int, mode: str, hw: Hardware
+) -> dict[str, float]:
+    """Per device and window: fast and slow bytes, collectives (of the whole
+    tree), projected seconds, and the bytes held (``fits``: within HBM,
+    activations not counted)."""
+    fast = slow = runs = 0.0
+    for c in collectives(n_params, mesh, k, mode):
+        f, s = link_bytes(c, mesh)
+        fast, slow = fast + f * c.per_window, slow + s * c.per_window
+        runs += c.per_window
+    held = memory(n_params, mesh, k, mode)
+    total = sum(held.values())
+    return dict(
+        fast_bytes=fast,
+        slow_bytes=slow,
+        collectives=runs,
+        seconds=fast / hw.fast + slow / hw.slow,
+        held=total,
+        fits=total <= hw.memory,
+        **held,
+    )
+
+
+def slice_mesh(slices: int, hw: Hardware) -> Mesh:
+    """FSDP inside each slice (or node), data parallel across them: the
+    layout MaxText uses for multi-slice runs (``ici_fsdp``, ``dcn_data``)."""
+    return Mesh(dcn=slices, data=1, fsdp=hw.per_slice)
+
+
+SIZES = {"1B": 10**9, "8B": 8 * 10**9, "70B": 70 * 10**9}
+SLICES = (1, 4, 16)
+WINDOWS = (1, 4, 16)
+
+
+def _fmt_gb(x: float) -> str:
+    return f"{x / 1e9:.2f}"
+
+
+def _held(cost: dict) -> str:
+    return _fmt_gb(cost["held"]) + ("" if cost["fits"] else " (no)")
+
+
+def table(hw: Hardware) -> tuple[list[str], list[list[str]]]:
+    """The projected table for ``hw``: one row per size, slices and k."""
+    headers = [
+        "params",
+        "slices",
+        "k",
+        "slow-link GB/device/window naive",
+        "deferred",
+        "shard_update",
+        "fsdp_all",
+        "naive / deferred",
+        "comm s/window naive",
+        "deferred",
+        "shard_update",
+        "fsdp_all",
+        "GB/device naive",
+        "shard_update",
+        "fsdp_all",
+    ]
+    rows = []
+    for size, n in SIZES.items():
+        for slices in SLICES:
+            mesh = slice_mesh(slices, hw)
+            for k in WINDOWS:
+                cost = {m: window_cost(n, mesh, k, m, hw) for m in MODES}
+                ratio = (
+                    cost["naive"]["slow_bytes"] / cost["deferred"]["slow_bytes"]
+                    if cost["deferred"]["slow_bytes"]
+                    else float("nan")
+                )
+
+                rows.append(
+                    [size, str(slices), str(k)]
+                    + [_fmt_gb(cost[m]["slow_bytes"]) for m in MODES]
+                    + ["-" if math.isnan(ratio) else f"{ratio:.1f}x"]
+                    + [f"{cost[m]['seconds']:.3f}" for m in MODES]
+                    + [
+                        _held(cost[m])
+                        for m in ("naive", "shard_update", "fsdp_all")
+                    ]
+                )
+    return headers, rows
+
+
+def markdown() -> str:
+    """The projected tables for every hardware, as Markdown."""
+    parts = [
+        "<!-- Generated by benchmarks/comm_model.py (make bench); do not "
+        "edit by hand. -->\n"
+    ]
+    for hw in HARDWARE.values():
+        headers, rows = table(hw)
+        parts.append(
+            f"**{hw.name}**, {hw.per_slice} devices per "
+            f"{'node' if hw.per_slice == 8 else 'slice'} (FSDP inside, data "
+            f"parallel across); source: {hw.source}. GB/device: params + "
+            "accumulator + Adam moments, '(no)' where it exceeds "
+            f"{hw.memory / 1e9:.0f} GB of HBM (activations not counted).\n"
+        )
+        parts.append(_common.markdown_table(headers, rows) + "\n")
+    return "\n".join(parts)
+
+
+def main(tiny: bool = False) -> dict:
+    """Writes ``docs/comm_model_table.md`` (not with ``tiny``: a smoke run
+    leaves the docs alone); returns the TPU v5p table."""
+    if not tiny:
+        path = os.path.join(HERE, "..", "docs", "comm_model_table.md")
+        with open(path, "w") as f:
+            f.write(markdown())
+    hw = HARDWARE["tpu-v5p"]
+    headers, rows = table(hw)
+    n, mesh = SIZES["8B"], slice_mesh(16, hw)
+    naive = window_cost(n, mesh, 8, "naive", hw)
+    deferred = window_cost(n, mesh, 8, "deferred", hw)
+    shard = window_cost(n, mesh, 8, "shard_update", hw)
+    return {
+        "name": "B6",
+        "title": "B6: communication model, projected per window (TPU v5p)",
+        "headers": headers,
+        "rows": rows,
+        "ratios": {},
+        "targets": [],
+        "notes": [
+            "8B params, 16 slices of 256 v5p chips, k=8: DCN bytes per "
+            f"window {naive['slow_bytes'] / deferred['slow_bytes']:.0f}x "
+            "less deferred than naive; optimizer state per device "
+            f"{naive['optimizer'] / shard['optimizer']:.0f}x less with "
+            "shard_update.",
+            "All tables: docs/comm_model_table.md; assumptions: "
+            "docs/scaling.md, 'Communication model'.",
+        ],
+    }
+
+
+if __name__ == "__main__":
+    print(markdown())

@@ -1,0 +1,167 @@
+"""The communication model (``benchmarks/comm_model.py``, issue 27) against
+the HLO census of compiled steps on the 8 CPU devices of conftest.py.
+
+For the modes the library controls (``deferred``), every collective the
+model lists must be in the compiled step with exactly the model's result
+bytes per window, per op and per mesh axes, and nothing else of tree size.
+For the modes XLA partitions on its own (``naive``, ``fsdp_all``), the
+step moves at least the model's bytes over each set of mesh axes: XLA:CPU
+all-reduces the whole gradient and slices it where the model counts a
+reduce-scatter, and may gather activations instead of reducing gradients,
+so the model is the lower bound a backend reaches and never flatters
+deferring.
+"""
+
+import importlib.util
+import pathlib
+import sys
+from collections import Counter
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optaxaccum as oa
+
+BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+K = 4
+WIDTHS = (16, 32, 16)
+BATCH = 64
+SCALAR_BYTES = 8  # the loss and the window's weight: not the model's
+MESHES = {
+    "data2xfsdp4": dict(data=2, fsdp=4),
+    "dcn2xdata2xfsdp2": dict(dcn=2, data=2, fsdp=2),
+    "data8": dict(data=8),
+}
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(
+        name, BENCH_DIR / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+cm = _load("comm_model")
+bench_mesh = _load("bench_mesh")
+_common = _load("_common")
+
+
+def _census(sizes, mode):
+    """Total result bytes per window of each (op, axes) of the compiled
+    step, scalars left out."""
+    names = tuple(sizes)
+    mesh = jax.make_mesh(
+        tuple(sizes.values()),
+        names,
+        axis_types=(AxisType.Explicit,) * len(names),
+        devices=jax.devices()[:8],
+    )
+    shard = (
+        names if mode == "fsdp_all" else ("fsdp" if "fsdp" in names else None)
+    )
+    data = tuple(n for n in names if n in ("dcn", "data"))
+    loss = bench_mesh.make_loss(names)
+    if mode == "deferred":
+        axis = data if len(data) > 1 else data[0]
+        tx = oa.chain(oa.accumulate(K, axis_name=axis), optax.adam(1e-3))
+        grad_fn = oa.unreduced_value_and_grad(loss, axis)
+    else:
+        tx = oa.chain(oa.accumulate(K), optax.adam(1e-3))
+        grad_fn = jax.value_and_grad(loss)
+
+    def step(p, s, x, y):
+        _, g = grad_fn(p, x, y)
+        return oa.apply_gradients(tx, g, s, p)
+
+    with jax.set_mesh(mesh):
+        params = jax.tree.map(
+            lambda a: jax.device_put(
+                a, NamedSharding(mesh, P(shard, *(None,) * (a.ndim - 1)))
+            ),
+            _common.init_mlp(WIDTHS),
+        )
+        state = jax.jit(tx.init)(params)
+        rows = NamedSharding(mesh, P(names))
+        x = jax.device_put(np.ones((BATCH, WIDTHS[0]), np.float32), rows)
+        y = jax.device_put(np.ones((BATCH, WIDTHS[-1]), np.float32), rows)
+        compiled = jax.jit(step).lower(params, state, x, y).compile()
+    total = Counter()
+    for o in oa.collective_census(compiled, mesh):
+        if o["bytes"] > SCALAR_BYTES:
+            runs = 1 if o["branches"] else K
+            total[o["op"], o["axes"]] += o["bytes"] * runs
+    return total
+
+
+def _model(sizes, mode):
+    n_params = sum(
+        int(np.prod(a.shape)) for a in jax.tree.leaves(_common.init_mlp(WIDTHS))
+    )
+    total = Counter()
+    for c in cm.collectives(n_params, cm.Mesh(**sizes), K, mode):
+        total[c.op, c.axes] += c.result_bytes * c.per_window
+    return total
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_model_equals_hlo_census_deferred(mesh):
+    sizes = MESHES[mesh]
+    assert _census(sizes, "deferred") == _model(sizes, "deferred")
+
+
+@pytest.mark.parametrize(
+    "mesh, mode",
+    [
+        ("data2xfsdp4", "naive"),
+        ("dcn2xdata2xfsdp2", "naive"),
+        ("data8", "naive"),
+        ("data2xfsdp4", "fsdp_all"),
+    ],
+)
+def test_model_bounds_hlo_census_of_xla_partitioned_steps(mesh, mode):
+    """Over every mesh axis set of the model, the compiled step moves at
+    least the model's bytes (XLA may gather activations instead of reducing
+    gradients, or all-reduce and slice where the model reduce-scatters)."""
+    sizes = MESHES[mesh]
+    hlo, model = _census(sizes, mode), _model(sizes, mode)
+    for axes in {a for _, a in model}:
+        moved = sum(b for (_, a), b in hlo.items() if a >= axes)
+        needed = sum(b for (_, a), b in model.items() if a == axes)
+        assert moved >= needed, (axes, hlo, model)
+
+
+def test_link_bytes_of_a_ring():
+    mesh = cm.Mesh(dcn=4, data=2, fsdp=8)
+    ar = cm.Collective("all-reduce", frozenset({"data"}), 100.0, 1)
+    assert cm.link_bytes(ar, mesh) == (2 * 100 * 1 / 2, 0.0)
+    rs = cm.Collective("reduce-scatter", frozenset({"fsdp"}), 10.0, 1)
+    assert cm.link_bytes(rs, mesh) == (80 * 7 / 8, 0.0)
+    # Across slices: inside the slice (q = 2) first, then 1/q over dcn.
+    ar2 = cm.Collective("all-reduce", frozenset({"dcn", "data"}), 64.0, 1)
+    assert cm.link_bytes(ar2, mesh) == (2 * 64 / 2, 2 * 32 * 3 / 4)
+    ag = cm.Collective("all-gather", frozenset({"dcn"}), 64.0, 1)
+    assert cm.link_bytes(ag, mesh) == (0.0, 64 * 3 / 4)
+
+
+def test_deferring_divides_slow_bytes_by_k_and_shard_update_the_optimizer():
+    hw, n = cm.HARDWARE["tpu-v5p"], 8 * 10**9
+    mesh = cm.slice_mesh(16, hw)
+    naive = cm.window_cost(n, mesh, 8, "naive", hw)
+    deferred = cm.window_cost(n, mesh, 8, "deferred", hw)
+    shard = cm.window_cost(n, mesh, 8, "shard_update", hw)
+    assert naive["slow_bytes"] == pytest.approx(8 * deferred["slow_bytes"])
+    # reduce-scatter + all-gather move the bytes of one all-reduce
+    assert shard["slow_bytes"] == pytest.approx(deferred["slow_bytes"])
+    assert naive["optimizer"] == pytest.approx(16 * shard["optimizer"])
+
+
+def test_bad_mode_is_named():
+    with pytest.raises(ValueError, match="mode"):
+        cm.collectives(10, cm.Mesh(), 1, "zero")
