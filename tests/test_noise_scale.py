@@ -99,6 +99,11 @@ def test_single_window_estimates_are_unbiased_over_seeds(fused, weights):
     var_gsq = 4 * G_SQ * S2 / big_w + var_trace * (K / big_w**2)
     se_trace = math.sqrt(var_trace / seeds)
     se_gsq = math.sqrt(var_gsq / seeds)
+    print(
+        f"seed means: trace {float(est.trace_cov.mean()):.4f} (truth {TRACE},"
+        f" SE {se_trace:.4f}), |G|^2 {float(est.grad_sq.mean()):.4f} (truth"
+        f" {G_SQ}, SE {se_gsq:.4f})"
+    )
     assert abs(float(est.trace_cov.mean()) - TRACE) < 5 * se_trace
     assert abs(float(est.grad_sq.mean()) - G_SQ) < 5 * se_gsq
     # the per-seed spread matches the derived variance (within 10%: the
@@ -132,6 +137,7 @@ def test_moving_average_lands_on_the_true_noise_scale(fused, weights):
     )
     np.testing.assert_allclose(float(est.grad_sq), G_SQ, rtol=4 * rel * rel_gsq)
     rel_b = rel * math.hypot(rel_trace, rel_gsq)
+    print(f"EMA b_simple {float(est.b_simple):.4f}, truth {TRACE / G_SQ}")
     np.testing.assert_allclose(
         float(est.b_simple), TRACE / G_SQ, rtol=4 * rel_b
     )
@@ -338,6 +344,9 @@ def test_digits_mlp_agrees_with_per_example_gradients():
     for got, want in ((est.trace_cov, true_trace), (est.grad_sq, true_gsq)):
         got = np.asarray(got, np.float64)
         se = got.std(ddof=1) / math.sqrt(windows)
+        print(
+            f"digits: estimate {got.mean():.4f} +- {se:.4f}, truth {want:.4f}"
+        )
         assert abs(got.mean() - want) < 4 * se, (got.mean(), want, se)
         assert se < 0.1 * want  # the check has teeth: 10% or better
 
@@ -430,12 +439,15 @@ def _device_inputs(runner, tx):
     return _Placed(fn, put), jnp.zeros(D), state
 
 
-@pytest.mark.parametrize("runner", ["pmap", "shard_map"])
-def test_devices_micro_batches_are_the_small_batches(runner):
+@pytest.mark.parametrize(
+    "runner,reduction",
+    [("pmap", "mean"), ("pmap", "sum"), ("shard_map", "mean")],
+)
+def test_devices_micro_batches_are_the_small_batches(runner, reduction):
     """4 devices x 2 micro-steps: k = 8 device micro-batches (one of weight
     0 with a NaN gradient: 7 count); the estimate is the brute force over
-    all of them, on every device."""
-    tx = _tx(0.0, k=2, axis_name=AXIS)
+    all of them, on every device, whatever the window emits."""
+    tx = _tx(0.0, k=2, axis_name=AXIS, reduction=reduction)
     fn, params, state = _device_inputs(runner, tx)
     w = np.array([[1.0, 2.0, 0.0, 4.0], [3.0, 1.0, 2.0, 5.0]], np.float32)
     grads, _ = _synthetic(jax.random.key(9), (1.0,) * 8, 1)
@@ -471,3 +483,72 @@ def test_hlo_no_collective_added_per_micro_batch(runner):
     assert on["true_branch_only"], on
     assert on["branch_bytes"] == off["branch_bytes"] + 8 == 4 * D + 4 + 8
     assert on["branch_ops"] <= off["branch_ops"] + 1, (off, on)
+
+
+# ------------------------------------------------- critical_batch_every_k
+
+
+def _window_lengths(tx, grads):
+    """The length of every closed window (from ``gradient_step``)."""
+    params = jnp.zeros(D)
+
+    def step(state, g):
+        state = oa.apply_gradients(tx, g, state, params)[1]
+        return state, state[0].gradient_step
+
+    _, steps = jax.jit(lambda g: lax.scan(step, tx.init(params), g))(grads)
+    ends = np.flatnonzero(np.diff(np.concatenate([[0], steps])))
+    return np.diff(np.concatenate([[-1], ends]))
+
+
+def test_critical_batch_windows_follow_a_jump_in_the_noise_scale():
+    """Phase 1: |G|^2 = 256, b_simple = 64 / 256 = 0.25 micro-batches ->
+    windows of min_k = 2 (a window's estimate: trace +-18%, |G|^2 +-9%, so
+    b stays far below 1). Phase 2: |G|^2 = 0.16, b_simple = 400 -> max_k
+    = 16. The average of |G|^2 forgets phase 1 at rate 0.5 per window: j
+    windows after the jump it is about 256 / 2^j, so the window is about
+    2^(j - 2) micro-batches and reaches 16 at j = 6; we allow 8. Then it
+    stays: with W = 16 an average of |G|^2 above 1.9 (b < 34) has
+    probability below 1e-4."""
+    tx = _tx(0.5, k=oa.critical_batch_every_k(2, 16, micro_batch_weight=1))
+    noise = jax.random.normal(jax.random.key(10), (40 + 16 * 16, D))
+    g = jnp.concatenate([2.0 + noise[:40], 0.05 + noise[40:]])
+    lengths = _window_lengths(tx, g)
+    assert list(lengths[:20]) == [2] * 20, lengths
+    after = lengths[20:]
+    assert after[0] <= 4 and list(after[8:]) == [16] * len(after[8:])
+    assert len(after) >= 12, lengths
+
+
+def test_critical_batch_stays_at_min_k_while_the_estimate_is_nan():
+    """min_k = 1 on one device: windows of one micro-batch give no estimate
+    (k < 2), so b_simple stays NaN and every window keeps min_k, however
+    noisy the gradients (b_simple would be 400)."""
+    tx = _tx(0.5, k=oa.critical_batch_every_k(1, 16, micro_batch_weight=1))
+    g = 0.05 + jax.random.normal(jax.random.key(11), (12, D))
+    assert list(_window_lengths(tx, g)) == [1] * 12
+
+
+# ------------------------------------------------------ flax integrations
+
+
+def test_noise_scale_in_flax_train_state_and_nnx_optimizer():
+    """``oa.noise_scale`` reads a linen TrainState's and an nnx Optimizer's
+    ``opt_state``; the estimate is the brute force over the window."""
+    from flax import nnx
+
+    from optaxaccum.flax import TrainState
+    from optaxaccum.flax import nnx as oa_nnx
+
+    grads, ws = _synthetic(jax.random.key(12), (1.0, 3.0, 2.0), 1)
+    tx = _tx(0.0, k=3)
+    state = TrainState.create(apply_fn=None, params=jnp.zeros(D), tx=tx)
+    for g, w in zip(grads, ws):
+        state = state.apply_gradients(grads=g, accum_weight=w)
+    _assert_brute(state.opt_state, grads, ws)
+
+    model = nnx.Linear(D, 1, use_bias=False, rngs=nnx.Rngs(0))
+    opt = oa_nnx.Optimizer(model, _tx(0.0, k=3), wrt=nnx.Param)
+    for g, w in zip(grads, ws):
+        opt.update(model, {"kernel": g[:, None]}, accum_weight=w)
+    _assert_brute(opt.opt_state, grads, ws)
