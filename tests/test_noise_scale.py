@@ -552,3 +552,123 @@ def test_noise_scale_in_flax_train_state_and_nnx_optimizer():
     for g, w in zip(grads, ws):
         opt.update(model, {"kernel": g[:, None]}, accum_weight=w)
     _assert_brute(opt.opt_state, grads, ws)
+
+
+# ------------------------------------------------------- jit meshes
+
+MESH_SHAPES = {"data8": (8,), "data2xfsdp4": (2, 4)}
+
+
+def _mesh_problem(name):
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    shape = MESH_SHAPES[name]
+    names = ("data", "fsdp")[: len(shape)]
+    mesh = jax.make_mesh(
+        shape, names, axis_types=(AxisType.Explicit,) * len(shape)
+    )
+    fsdp = "fsdp" if "fsdp" in names else None
+    specs = {"w": P(fsdp, None), "v": P()}
+    rng = np.random.default_rng(13)
+    params = {
+        "w": rng.normal(size=(8, 4)).astype(np.float32) / 3,
+        "v": rng.normal(size=(4, 4)).astype(np.float32) / 2,
+    }
+    x = rng.normal(size=(4, 16, 8)).astype(np.float32)  # 4 micro-steps
+    y = rng.normal(size=(4, 16, 4)).astype(np.float32)
+    return mesh, specs, params, x, y
+
+
+def _mesh_loss(params, x, y):
+    from jax.sharding import PartitionSpec as P
+
+    def gather(a):  # keep the reduced axes (docs/scaling.md)
+        return jax.reshard(a, P(None, None, reduced={"data"}))
+
+    pred = (x @ gather(params["w"])) @ gather(params["v"])
+    return ((pred - y) ** 2).sum() / x.shape[0]
+
+
+def _mesh_run(name, decay, *, compile_only=False):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh, specs, params, x, y = _mesh_problem(name)
+    tx = _tx(decay, k=2, axis_name="data")
+    grad = oa.unreduced_value_and_grad(_mesh_loss, "data")
+
+    def step(p, s, xb, yb):
+        g = grad(p, xb, yb)[1]
+        return oa.apply_gradients(tx, g, s, p, accum_weight=16.0)
+
+    with jax.set_mesh(mesh):
+        p = {
+            k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+            for k, v in params.items()
+        }
+        s = jax.jit(tx.init)(p)
+        batch = P("data", None)
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, batch))  # noqa: E731
+        fn = jax.jit(step)
+        if compile_only:
+            return mesh, fn.lower(p, s, put(x[0]), put(y[0])).compile()
+        for t in range(len(x)):
+            p, s = fn(p, s, put(x[t]), put(y[t]))
+        return mesh, jax.device_get(oa.noise_scale(s))
+
+
+@pytest.mark.parametrize("name", list(MESH_SHAPES))
+def test_jit_mesh_device_shares_are_the_small_batches(name):
+    """jit with oa.unreduced_value_and_grad on data8 and data2 x fsdp4: each
+    data device's share of a micro-batch (16 / n_data examples, the mean
+    loss's equal shares) is a small batch. Truth: the brute force over the
+    single-device gradients of each share, for the last window (2 micro-
+    steps x n_data shares)."""
+    mesh, specs, params, x, y = _mesh_problem(name)
+    n = mesh.shape["data"]
+    shares = []
+    for t in (2, 3):
+        for d in range(n):
+            sl = slice(d * 16 // n, (d + 1) * 16 // n)
+            shares.append(
+                ravel_pytree(
+                    jax.grad(
+                        lambda p: (
+                            ((x[t, sl] @ p["w"] @ p["v"] - y[t, sl]) ** 2)
+                            .sum(-1)
+                            .mean()
+                        )
+                    )(params)
+                )[0]
+            )
+    trace, gsq = _brute(np.stack(shares), np.full(2 * n, 16.0 / n))
+    _, est = _mesh_run(name, 0.0)
+    np.testing.assert_allclose(est.trace_cov, trace, rtol=1e-4)
+    np.testing.assert_allclose(est.grad_sq, gsq, rtol=1e-4)
+
+
+def test_jit_mesh_no_collective_added_per_micro_batch():
+    """data2 x fsdp4: with the estimate on, the collectives run on every
+    micro-step are those without it; the closing branch reduces 4 more
+    bytes (the float32 sum of squares)."""
+    from optaxaccum._src import collectives
+
+    mesh, off = _mesh_run("data2xfsdp4", None, compile_only=True)
+    _, on = _mesh_run("data2xfsdp4", 0.9, compile_only=True)
+    off = oa.collective_census(off, mesh)
+    on = oa.collective_census(on, mesh)
+
+    def top(ops):
+        return sorted(
+            (o["op"], o["bytes"], tuple(sorted(o["axes"])))
+            for o in ops
+            if not o["branches"]
+        )
+
+    assert top(on) == top(off), (on, off)
+    branch_bytes = [
+        sum(o["bytes"] for o in collectives.over(ops, "data", top=False))
+        for ops in (off, on)
+    ]
+    assert branch_bytes[1] == branch_bytes[0] + 4, (on, off)

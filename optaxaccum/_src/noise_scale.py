@@ -111,14 +111,22 @@ def micro_step(
 
     ``w`` is the checked weight (NaN if invalid), ``fresh`` whether the
     window's sums are stale, ``counted`` whether the call counts at all.
+    Gradients left unreduced over ``n`` devices (``jit`` meshes) are ``n``
+    small batches of weight ``w / n`` each (:func:`_device_sq`).
     """
     if state is None:
         return None
-    sq = optax.tree.sum(jax.tree.map(_leaf_sq, grads, acc))
+    if any(sharding.unreduced_axes(g) for g in jax.tree.leaves(grads)):
+        sq, n = _device_sq(grads, acc)
+        state = state._replace(sq_sum=_like(state.sq_sum, sq))
+    else:
+        sq = optax.tree.sum(jax.tree.map(_leaf_sq, grads, acc))
+        n = 1
     sq = jnp.asarray(sq).astype(w.dtype)
+    wsq = sharding.times(n * w, sq)
     # A weight-0 micro-batch adds nothing, even a 0/0 gradient.
-    wsq = jnp.where(w == 0, jnp.zeros_like(w), w * sq)
-    positive = (w > 0).astype(w.dtype)
+    wsq = jnp.where(w == 0, jnp.zeros_like(wsq), wsq)
+    positive = n * (w > 0).astype(w.dtype)
     new = state._replace(
         sq_sum=jnp.where(fresh, wsq, state.sq_sum + wsq),
         micro_batches=jnp.where(
@@ -140,36 +148,61 @@ def map_window(state: NoiseScaleState | None, fn: Any) -> Any:
 
 def _leaf_sq(g: Any, a: jax.Array) -> jax.Array:
     """``|g|^2`` of one leaf in the accumulator's dtype (fused with the
-    accumulator's add by XLA); of an unreduced gradient (jit mesh), each
-    device's own partial sum's (:func:`_local_sq`)."""
-    g = jnp.asarray(g).astype(a.dtype)
-    if sharding.unreduced_axes(g):
-        return _local_sq(g)
-    return optax.tree.norm(g, squared=True)
+    accumulator's add by XLA)."""
+    return optax.tree.norm(jnp.asarray(g).astype(a.dtype), squared=True)
 
 
-def _local_sq(g: jax.Array) -> jax.Array:
-    """Each device's ``|g_d|^2`` of an unreduced ``g`` as an unreduced scalar
-    (summing it over the devices gives ``sum_d |g_d|^2``): computed in a
-    ``shard_map`` on the local partial sums, no communication."""
-    spec = jax.typeof(g).sharding.spec
-    axes = tuple(spec.unreduced)
+def _device_sq(grads: Any, acc: Any) -> tuple[jax.Array, int]:
+    """``sum_d |g_d|^2`` over the devices' partial sums ``g_d`` of gradients
+    unreduced over mesh axes (``jit``), as a scalar left unreduced over every
+    mesh axis: each device squares its own shard in a ``shard_map``, with
+    no communication; the window's reduction sums them once. Also the
+    number ``n`` of devices the gradient is unreduced over.
 
-    def local(x):
-        return jnp.sum(jnp.real(x * jnp.conj(x))).reshape(1)
+    With ``accum_weight`` the micro-batch's global weight ``w``, each
+    device's part is taken as a small batch of weight ``w / n`` (equal
+    shares) whose mean gradient is ``n g_d``: it adds ``n w |g_d|^2``.
+    """
+    leaves = jax.tree.leaves(grads)
+    first = next(g for g in leaves if sharding.unreduced_axes(g))
+    mesh = jax.typeof(first).sharding.mesh
+    every = frozenset(mesh.axis_names)
+    n = math.prod(mesh.shape[a] for a in sharding.unreduced_axes(first))
+    total = None
+    for g, a in zip(leaves, jax.tree.leaves(acc)):
+        g = jnp.asarray(g).astype(a.dtype)
+        spec = jax.typeof(g).sharding.spec
+        copies = every - spec.unreduced - _sharded_axes(spec)
 
-    out = jax.shard_map(
-        local,
-        in_specs=spec,
-        out_specs=P(axes),
-        axis_names=set(axes) | _sharded_axes(spec),
-    )(g)
-    return out  # one entry per device over ``axes``: summed by tree.norm
+        def local(x, copies=copies):
+            s = optax.tree.norm(x, squared=True)
+            for axis in sorted(copies):  # a replicated copy counts once
+                s = jnp.where(lax.axis_index(axis) == 0, s, jnp.zeros_like(s))
+            return s
+
+        sq = jax.shard_map(
+            local,
+            in_specs=spec,
+            out_specs=P(unreduced=every),
+            check_vma=False,  # local values of an unreduced operand
+        )(g)
+        total = sq if total is None else total + sq
+    assert total is not None  # for the type checker: first is a leaf
+    return total, n
+
+
+def _like(x: jax.Array, unreduced: jax.Array) -> jax.Array:
+    """``x`` cast to the unreduced sharding of ``unreduced`` if it has
+    none (a local cast, as :func:`sharding.match_grads` does)."""
+    if sharding.unreduced_axes(x):
+        return x
+    return jax.reshard(x, jax.typeof(unreduced).sharding.spec)
 
 
 def _sharded_axes(spec: P) -> set:
+    """The mesh axes that shard some dimension of ``spec``."""
     names = set()
-    for entry in spec:
+    for entry in spec.partitions:
         if entry is not None:
             names.update(entry if isinstance(entry, tuple) else (entry,))
     return names
@@ -193,10 +226,11 @@ def close(
     """
     if state is None or decay is None:
         return state
-    sq_sum, count = _reduce(state, axis_name)
+    mapped = _is_mapped(acc, axis_name)
+    sq_sum, count = _reduce(state, axis_name, mapped)
     dtype = weight.dtype
     wsum_sq = optax.tree.norm(acc, squared=True).astype(dtype)
-    if reduction == "sum" and _is_mapped(acc, axis_name):
+    if reduction == "sum" and mapped:
         # the reduction averaged the device sums: undo it for |sum w g|^2
         wsum_sq = wsum_sq * jnp.asarray(lax.axis_size(axis_name), dtype) ** 2
     valid = count >= 2
@@ -228,7 +262,7 @@ def _is_mapped(acc: Any, axis_name: Any) -> bool:
 
 
 def _reduce(
-    state: NoiseScaleState, axis_name: Any
+    state: NoiseScaleState, axis_name: Any, mapped: bool
 ) -> tuple[jax.Array, jax.Array]:
     """The window's ``sq_sum`` and ``count`` over all devices: one ``psum``
     of both inside ``pmap``/``shard_map``; under ``jit`` the unreduced
@@ -236,7 +270,7 @@ def _reduce(
     sq_sum, count = state.sq_sum, state.micro_batches
     if axis_name is None:
         return sq_sum, count
-    if sharding.is_explicit(count, axis_name):
+    if not mapped:
         if sharding.unreduced_axes(sq_sum):
             sq_sum = jax.reshard(sq_sum, P())
         return sq_sum, count
