@@ -226,6 +226,18 @@ def test_checkpoint_round_trip_continues_to_the_same_estimate():
     )
 
 
+def test_fresh_state_can_be_donated():
+    """Every leaf of a new state is its own buffer (jit rejects donating
+    one buffer twice)."""
+    tx = _tx(0.9)
+    params = jnp.zeros(D)
+    step = jax.jit(
+        lambda p, s, g: oa.apply_gradients(tx, g, s, p), donate_argnums=(0, 1)
+    )
+    params, state = step(params, tx.init(params), jnp.ones(D))
+    assert int(state[0].mini_step) == 1
+
+
 def test_off_by_default_no_state_and_value_error():
     tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
     state = tx.init(jnp.zeros(3))

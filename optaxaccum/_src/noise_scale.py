@@ -94,8 +94,8 @@ def init(decay: float | None, dtype: Any) -> NoiseScaleState | None:
     """The initial state: ``None`` (no leaves) when the estimate is off."""
     if decay is None:
         return None
-    zero = jnp.zeros([], dtype)
-    return NoiseScaleState(zero, zero, zero, zero, zero)
+    # One buffer per field: a state donated to jit may not alias a buffer.
+    return NoiseScaleState(*(jnp.zeros([], dtype) for _ in range(5)))
 
 
 def micro_step(
