@@ -307,8 +307,7 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     speedups = {
         n: ms_open / t
         for n, t in per_call.items()
-        if n.split()[0] in ("fused", "fused+noise_scale", "plain")
-        and "window" not in n
+        if n.split()[0] in ("fused", "plain") and "window" not in n
     }
     targets = [
         _common.target(
