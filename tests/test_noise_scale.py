@@ -625,8 +625,11 @@ def _mesh_run(name, decay, *, compile_only=False):
         fn = jax.jit(step)
         if compile_only:
             return mesh, fn.lower(p, s, put(x[0]), put(y[0])).compile()
+        types = jax.tree.map(jax.typeof, s)
         for t in range(len(x)):
             p, s = fn(p, s, put(x[t]), put(y[t]))
+        # init already gives the micro-steps' types: jit compiles once
+        assert jax.tree.map(jax.typeof, s) == types
         return mesh, jax.device_get(oa.noise_scale(s))
 
 

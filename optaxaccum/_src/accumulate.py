@@ -174,7 +174,9 @@ def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
         ),
         weight=jnp.zeros([], _weight_dtype(cfg)),
         updated=jnp.zeros([], bool),
-        noise_scale=noise_scale.init(cfg.noise_scale_decay, _weight_dtype(cfg)),
+        noise_scale=noise_scale.init(
+            cfg.noise_scale_decay, _weight_dtype(cfg), cfg.axis_name
+        ),
     )
 
 

@@ -90,12 +90,22 @@ def check_decay(value: Any) -> float | None:
     return decay
 
 
-def init(decay: float | None, dtype: Any) -> NoiseScaleState | None:
-    """The initial state: ``None`` (no leaves) when the estimate is off."""
+def init(
+    decay: float | None, dtype: Any, axis_name: Any = None
+) -> NoiseScaleState | None:
+    """The initial state: ``None`` (no leaves) when the estimate is off.
+    Under ``jax.set_mesh`` of a mesh whose axes ``axis_name`` are Explicit,
+    ``sq_sum`` is left unreduced over every mesh axis, as the micro-steps
+    make it (:func:`_device_sq`)."""
     if decay is None:
         return None
     # One buffer per field: a state donated to jit may not alias a buffer.
-    return NoiseScaleState(*(jnp.zeros([], dtype) for _ in range(5)))
+    state = NoiseScaleState(*(jnp.zeros([], dtype) for _ in range(5)))
+    if not sharding._in_explicit_context(axis_name):  # noqa: SLF001
+        return state
+    every = frozenset(jax.sharding.get_abstract_mesh().axis_names)
+    sq_sum = jax.reshard(state.sq_sum, P(unreduced=every))
+    return state._replace(sq_sum=sq_sum)
 
 
 def micro_step(
@@ -119,10 +129,11 @@ def micro_step(
     if any(sharding.unreduced_axes(g) for g in jax.tree.leaves(grads)):
         sq, n = _device_sq(grads, acc)
         state = state._replace(sq_sum=_like(state.sq_sum, sq))
-    else:
+    else:  # the global micro-batch gradient: one small batch
         sq = optax.tree.sum(jax.tree.map(_leaf_sq, grads, acc))
+        sq = _like(jnp.asarray(sq), state.sq_sum)
         n = 1
-    sq = jnp.asarray(sq).astype(w.dtype)
+    sq = sq.astype(w.dtype)
     wsq = sharding.times(n * w, sq)
     # A weight-0 micro-batch adds nothing, even a 0/0 gradient.
     wsq = jnp.where(w == 0, jnp.zeros_like(wsq), wsq)
@@ -194,7 +205,7 @@ def _device_sq(grads: Any, acc: Any) -> tuple[jax.Array, int]:
 def _like(x: jax.Array, unreduced: jax.Array) -> jax.Array:
     """``x`` cast to the unreduced sharding of ``unreduced`` if it has
     none (a local cast, as :func:`sharding.match_grads` does)."""
-    if sharding.unreduced_axes(x):
+    if sharding.unreduced_axes(x) or not sharding.unreduced_axes(unreduced):
         return x
     return jax.reshard(x, jax.typeof(unreduced).sharding.spec)
 
