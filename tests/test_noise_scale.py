@@ -562,7 +562,10 @@ def test_noise_scale_in_flax_train_state_and_nnx_optimizer():
     model = nnx.Linear(D, 1, use_bias=False, rngs=nnx.Rngs(0))
     opt = oa_nnx.Optimizer(model, _tx(0.0, k=3), wrt=nnx.Param)
     for g, w in zip(grads, ws):
-        opt.update(model, {"kernel": g[:, None]}, accum_weight=w)
+        tree = jax.tree.map(
+            lambda _, g=g: g[:, None], nnx.state(model, nnx.Param)
+        )
+        opt.update(model, tree, accum_weight=w)
     _assert_brute(opt.opt_state, grads, ws)
 
 
