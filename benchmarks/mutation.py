@@ -23,7 +23,10 @@ CORE_TESTS = [
     "tests/test_accumulate.py",
 ]
 
-# name: (file, original text, mutated text, test files)
+_HARD = ["tests/test_hardening.py"]
+
+# name: (file under optaxaccum/_src, original text, mutated text, pytest
+# arguments: test files, optionally -k)
 MUTANTS = {
     "nested_tail": (  # issue 10 (a): followers' state from the inner branch
         "chain.py",
@@ -88,6 +91,97 @@ MUTANTS = {
         "counted = True\n",
         CORE_TESTS + ["tests/test_loss_scale.py"],
     ),
+    # ----------------------------------------------- issue 23 (hardening 2)
+    "float32_window_weight": (  # item 2
+        "accumulate.py",
+        "weight=jnp.zeros([], _weight_dtype(cfg, params)),",
+        "weight=jnp.zeros([], jnp.float32),",
+        _HARD + ["-k", "float64_mean"],
+    ),
+    "zero_weight_call_overflows": (  # item 4
+        "loss_scale.py",
+        "new_state = base.select(empty, state, _adjust(state, finite))",
+        "new_state = _adjust(state, finite)",
+        _HARD + ["-k", "zero_weight_call"],
+    ),
+    "complex_explicit_real_accumulator": (  # item 5
+        "accumulate.py",
+        "        return utils.widen(jnp.complex64, cfg.accumulator_dtype)",
+        "        return jnp.finfo(cfg.accumulator_dtype).dtype",
+        _HARD + ["-k", "complex"],
+    ),
+    "loss_scale_ignores_imaginary_part": (  # item 5
+        "loss_scale.py",
+        "parts = (jnp.abs(g.real), jnp.abs(g.imag))",
+        "parts = (jnp.abs(g.real),)",
+        _HARD + ["-k", "complex_part"],
+    ),
+    "nnx_refused_micro_batch_enters_bn": (  # item 6
+        "../flax/nnx.py",
+        "                module.keep_counted(old_opt_state, opt_state)",
+        "                pass",
+        ["tests/test_nnx_optimizer.py", "-k", "refused"],
+    ),
+    "bare_weight_not_a_near_miss": (  # item 7
+        "utils.py",
+        "        close = close or [d for d in declared "
+        'if d.endswith(f"_{key}")]\n',
+        "",
+        _HARD + ["-k", "bare_weight"],
+    ),
+    "has_updated_flagless_optax_rule": (  # item 8
+        "multisteps.py",
+        "(jnp.asarray(mini_step) == 0) & (jnp.asarray(gradient_step) > 0)",
+        "jnp.asarray(mini_step) == 0",
+        _HARD + ["-k", "multisteps_has_updated"],
+    ),
+    "nnx_update_returns_none": (  # item 9
+        "../flax/nnx.py",
+        "        self.step[...] += 1\n        return updates",
+        "        self.step[...] += 1\n        return None",
+        ["tests/test_nnx_optimizer.py", "-k", "returns_the_updates"],
+    ),
+    "unreduced_first_argnum_only": (  # item 10
+        "sharding.py",
+        "        for i in nums:",
+        "        for i in nums[:1]:",
+        ["tests/test_mesh.py", "-k", "tuple_argnums"],
+    ),
+    "opened_false_zeros_grads_dtype": (  # zeros of an all-weight-0 window
+        "chain.py",
+        "        return base.zeros_of(jax.eval_shape(run)[0]), tail_state",
+        "        return jax.tree.map(jnp.zeros_like, out.updates), tail_state",
+        _HARD + ["-k", "followers_output_dtype"],
+    ),
+    "closed_gate_zeros_grads_dtype": (  # a nested gate that stays closed
+        "chain.py",
+        "        zeros, args2 = base.zeros_of(shapes)\n",
+        "        zeros, args2 = base.zeros_of(shapes)\n"
+        "        zeros = jax.tree.map(jnp.zeros_like, out.updates)\n",
+        _HARD + ["-k", "nested_closed_gate"],
+    ),
+    "per_micro_step_pmean": (  # one reduction per window, not per call
+        "accumulate.py",
+        "    acc = jax.tree.map(add, state.acc, updates)",
+        "    if cfg.axis_name is not None and not sharding.is_explicit(\n"
+        "        jax.tree.leaves(updates)[0], cfg.axis_name\n"
+        "    ):\n"
+        "        updates = jax.lax.pmean(updates, cfg.axis_name)\n"
+        "    acc = jax.tree.map(add, state.acc, updates)",
+        ["tests/test_multidevice.py", "-k", "hlo_gradient"],
+    ),
+    "no_window_reduction_explicit_mesh": (
+        "sharding.py",
+        "        return jax.tree.map(reduce, acc), weight",
+        "        return acc, weight",
+        ["tests/test_mesh.py", "-k", "emits_reduced"],
+    ),
+    "replicas_disagree_on_overflow": (
+        "loss_scale.py",
+        "            finite = sharding.agree(finite, axis_name)\n",
+        "",
+        _HARD + ["-k", "replicas_agree"],
+    ),
 }
 
 
@@ -121,8 +215,21 @@ def run(name: str) -> tuple[str, float]:
         )
     finally:
         path.write_text(text)
-    verdict = "killed" if proc.returncode != 0 else "SURVIVED"
+    if proc.returncode == 0:
+        verdict = "SURVIVED"
+    else:  # by an assertion, or only by a crash (an error, an abort)?
+        verdict = "killed" if _asserted(proc.stdout) else "killed (crash)"
     return verdict, time.perf_counter() - start
+
+
+def _asserted(output: str) -> bool:
+    """Whether pytest's output shows a failed assertion (``assert``,
+    ``AssertionError``, ``pytest.raises`` not raised)."""
+    for line in output.splitlines():
+        text = line[1:].strip() if line.startswith("E ") else ""
+        if text.startswith(("assert ", "AssertionError", "Failed: DID NOT")):
+            return True
+    return False
 
 
 def main(names: list[str]) -> int:

@@ -440,3 +440,338 @@ def test_follower_keyword_close_to_accum_weight_is_not_a_near_miss():
     params = jnp.zeros(1)
     u, _ = tx.update(jnp.ones(1), tx.init(params), params, accum_weights=3.0)
     np.testing.assert_allclose(u, [3.0])
+
+
+# =========================================== issue 23 (hardening 2)
+# ------------------------------------------- 2. float64 means under x64
+
+
+@pytest.mark.parametrize("accumulator_dtype", [None, jnp.float64])
+@pytest.mark.parametrize("case", ["k3", "flush3", "weights"])
+def test_float64_mean_is_exact_at_float64_rounding(case, accumulator_dtype):
+    """Issue 23, item 2: the window's weight and its division are in the
+    accumulator's dtype, so a float64 mean is off by float64 rounding only
+    (a float32 ``1 / weight`` left errors of ~3e-8 for k=3)."""
+    rng = np.random.default_rng(23)
+    gs = rng.normal(size=(3, 5))
+    ws = [0.3, 1.7, 2.9] if case == "weights" else [1.0, 1.0, 1.0]
+    with jax.enable_x64(True):
+        params = jnp.zeros(5, jnp.float64)
+        acc = oa.accumulate(
+            4 if case == "flush3" else 3, accumulator_dtype=accumulator_dtype
+        )
+        tx = oa.chain(acc, optax.sgd(1.0))
+        state = tx.init(params)
+        for g, w in zip(gs, ws):
+            u, state = tx.update(jnp.asarray(g), state, params, accum_weight=w)
+        if case == "flush3":
+            u, state = oa.flush(tx, state, params)
+        assert u.dtype == jnp.float64
+        want = -np.average(gs, axis=0, weights=ws)
+        # float64 rounding of a 3-term weighted sum and one division.
+        np.testing.assert_allclose(np.asarray(u), want, rtol=1e-14, atol=0)
+
+
+# ----------------------------- 4. the loss scale and weight-0 (padding) calls
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_loss_scale_zero_weight_call_is_not_an_overflow(fused, jit):
+    """Issue 23, item 4: a weight-0 micro-batch's NaN gradient (0/0 of an
+    empty mask) behind ``dynamic_loss_scale`` leaves the scale and its
+    counter as they were and passes on: the window is the one of
+    ``oa.accumulate`` alone on the unscaled gradients."""
+    scale = 8.0
+    nan = jnp.array([jnp.nan, jnp.nan])
+    calls = [
+        (jnp.array([1.0, 2.0]), 1.0),
+        (nan, 0.0),
+        (jnp.array([3.0, 1.0]), 2.0),
+        (jnp.array([jnp.nan, jnp.inf]), 0.0),
+        (jnp.array([2.0, -2.0]), 1.0),
+        (jnp.array([5.0, 1.0]), 3.0),
+    ]
+    tx = oa.chain(
+        oa.dynamic_loss_scale(scale, period=2), oa.accumulate(2), optax.sgd(1.0)
+    )
+    ref = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    params = ref_params = jnp.zeros(2)
+    state, ref_state = tx.init(params), ref.init(params)
+
+    def step(params, state, g, w):
+        if fused:
+            return oa.apply_gradients(tx, g, state, params, accum_weight=w)
+        u, state = tx.update(g, state, params, accum_weight=w)
+        return optax.apply_updates(params, u), state
+
+    step = jax.jit(step) if jit else step
+    for g, w in calls:
+        before = state[0]
+        params, state = step(params, state, g * oa.loss_scale(state), w)
+        u, ref_state = ref.update(g, ref_state, ref_params, accum_weight=w)
+        ref_params = optax.apply_updates(ref_params, u)
+        if w == 0:
+            chex.assert_trees_all_equal(state[0], before)
+        np.testing.assert_array_equal(
+            state[1].mini_step, ref_state[0].mini_step
+        )
+        np.testing.assert_allclose(params, ref_params, rtol=1e-6)
+    # 4 calls with data, all finite: grown twice (period 2).
+    assert float(oa.loss_scale(state)) == scale * 4
+
+
+def test_loss_scale_without_accumulate_passes_zero_weight_call_on():
+    """Issue 23, item 4: the loss scale alone (no accumulate) also reads a
+    weight-0 call as no data: the scale stays, the followers run."""
+    tx = oa.chain(oa.dynamic_loss_scale(4.0), optax.scale(0.5))
+    state = tx.init(jnp.zeros(1))
+    u, new = tx.update(jnp.array([8.0]), state, accum_weight=0)
+    np.testing.assert_allclose(u, [1.0])
+    chex.assert_trees_all_equal(new, state)
+
+
+# ---------------------------------------------------- 5. complex edges
+
+
+_COMPLEX_GS = [
+    jnp.array([1 + 2j, -1j], jnp.complex64),
+    jnp.array([3 - 1j, 2 + 2j], jnp.complex64),
+]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: oa.chain(
+            oa.accumulate(2, accumulator_dtype=jnp.float32), optax.sgd(1.0)
+        ),
+        lambda: oa.chain(
+            oa.accumulate(2, accumulator_dtype=jnp.complex64), optax.sgd(1.0)
+        ),
+        lambda: oa.MultiSteps(optax.sgd(1.0), 2),  # explicit float32 default
+        lambda: oa.MultiSteps(optax.sgd(1.0), 2, True, None, jnp.complex64),
+    ],
+    ids=["float32", "complex64", "multisteps", "multisteps-complex64"],
+)
+def test_complex_gradients_with_explicit_accumulator_dtype(make):
+    """Issue 23, item 5: a real explicit ``accumulator_dtype`` means the
+    complex dtype of that precision for complex gradients (the imaginary part
+    is kept), and a complex one is accepted."""
+    tx = make()
+    params = jnp.zeros(2, jnp.complex64)
+    state = tx.init(params)
+    # The accumulator (the only leaf shaped like the params) is complex64.
+    accs = [x for x in jax.tree.leaves(state) if jnp.shape(x) == (2,)]
+    assert [x.dtype for x in accs] == [jnp.complex64], accs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning
+        _, state = tx.update(_COMPLEX_GS[0], state, params)
+        u, state = tx.update(_COMPLEX_GS[1], state, params)
+    assert u.dtype == jnp.complex64
+    want = -(np.asarray(_COMPLEX_GS[0]) + np.asarray(_COMPLEX_GS[1])) / 2
+    np.testing.assert_allclose(u, want, rtol=1e-6)
+
+
+def test_complex_accumulator_dtype_for_real_gradients_is_real():
+    """Issue 23, item 5: with a complex ``accumulator_dtype``, real leaves
+    accumulate in the real dtype of that precision."""
+    params = {"r": jnp.zeros(2), "c": jnp.zeros(2, jnp.complex64)}
+    tx = oa.chain(
+        oa.accumulate(2, accumulator_dtype=jnp.complex64), optax.sgd(1.0)
+    )
+    state = tx.init(params)
+    assert state[0].acc["r"].dtype == jnp.float32
+    assert state[0].acc["c"].dtype == jnp.complex64
+    grads = {"r": jnp.array([1.0, 3.0]), "c": _COMPLEX_GS[0]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning
+        _, state = tx.update(grads, state, params)
+        u, state = tx.update(grads, state, params)
+    np.testing.assert_allclose(u["r"], [-1.0, -3.0])
+    np.testing.assert_allclose(u["c"], -np.asarray(_COMPLEX_GS[0]))
+
+
+@pytest.mark.parametrize("part", ["imag", "real"])
+def test_loss_scale_overflow_in_a_complex_part(part):
+    """Issue 23, item 5: an ``inf`` in the imaginary part of a complex
+    gradient is an overflow: scale halved, micro-batch not counted."""
+    tx = oa.chain(oa.dynamic_loss_scale(4.0), oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.zeros(2, jnp.complex64)
+    state = tx.init(params)
+    bad = complex(1, np.inf) if part == "imag" else complex(np.inf, 1)
+    g = jnp.array([bad, 1j], jnp.complex64)
+    _, state = tx.update(g, state, params)
+    assert float(oa.loss_scale(state)) == 2.0
+    assert int(state[1].mini_step) == 0
+
+
+# ------------------------------------------------ 8. MultiSteps drop-in traps
+
+
+def test_multisteps_has_updated_on_an_optax_state_answers_as_optax():
+    """Issue 23, item 8: ``has_updated`` of a state made by
+    ``optax.MultiSteps`` (no ``updated`` flag) answers as optax's does,
+    on every call of a window, and ``oa.has_updated`` finds our state."""
+    params = jnp.zeros(2)
+    theirs = optax.MultiSteps(optax.adam(0.1), 3)
+    ours = oa.MultiSteps(optax.adam(0.1), 3)
+    state = theirs.init(params)
+    for i in range(4):
+        np.testing.assert_array_equal(
+            ours.has_updated(state), theirs.has_updated(state)
+        )
+        _, state = theirs.update(jnp.full(2, i + 1.0), state, params)
+        assert bool(ours.has_updated(state)) == (i == 2)
+    our_state = ours.init(params)
+    for _ in range(3):
+        _, our_state = ours.update(jnp.ones(2), our_state, params)
+    assert bool(oa.has_updated(our_state)) and bool(ours.has_updated(our_state))
+
+
+def test_multisteps_takes_accumulator_dtype_fifth_positional():
+    """Issue 23, item 8: optax's constructor order, ``accumulator_dtype``
+    fifth positional included."""
+    ms = oa.MultiSteps(optax.adam(0.1), 3, True, None, jnp.bfloat16)
+    theirs = optax.MultiSteps(optax.adam(0.1), 3, True, None, jnp.bfloat16)
+    params = jnp.zeros(2)
+    assert ms.init(params).acc_grads.dtype == jnp.bfloat16
+    assert theirs.init(params).acc_grads.dtype == jnp.bfloat16
+
+
+# ------------------------------------ 7. bare `weight`, non-numeric weights
+
+
+@pytest.mark.parametrize(
+    "entry", ["update", "apply_gradients", "flush", "nnx", "trainstate"]
+)
+def test_bare_weight_keyword_is_a_near_miss_of_accum_weight(entry):
+    """Issue 23, item 7: ``weight=3.`` was silently ignored."""
+    tx = oa.chain(oa.agc(0.1), oa.accumulate(2), optax.sgd(1.0))
+    params = {"w": jnp.ones(1)}
+    state = tx.init(params)
+    grads = {"w": jnp.ones(1)}
+
+    def call():
+        if entry == "update":
+            return tx.update(grads, state, params, weight=3.0)
+        if entry == "apply_gradients":
+            return oa.apply_gradients(tx, grads, state, params, weight=3.0)
+        if entry == "flush":
+            return oa.flush(tx, state, params, weight=3.0)
+        if entry == "nnx":
+            from flax import nnx
+
+            from optaxaccum.flax import nnx as oa_nnx
+
+            model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+            opt = oa_nnx.Optimizer(model, tx)
+            g = nnx.grad(lambda m: m(jnp.ones((1, 1))).sum())(model)
+            return opt.update(model, g, weight=3.0)
+        from optaxaccum.flax import TrainState
+
+        ts = TrainState.create(apply_fn=None, params=params, tx=tx)
+        return ts.apply_gradients(grads=grads, weight=3.0)
+
+    with pytest.raises(TypeError, match="'weight'.*'accum_weight'"):
+        call()
+
+
+@pytest.mark.parametrize("loss_scale", [False, True])
+@pytest.mark.parametrize("entry", ["update", "apply_gradients"])
+def test_string_accum_weight_raises_naming_it(entry, loss_scale):
+    """Issue 23, item 7: a string ``accum_weight`` gave numpy's raw
+    ``ufunc 'isfinite' not supported``."""
+    head = (oa.dynamic_loss_scale(),) if loss_scale else ()
+    tx = oa.chain(*head, oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.ones(1)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match="accum_weight"):
+        if entry == "update":
+            tx.update(jnp.ones(1), state, params, accum_weight="2")
+        else:
+            oa.apply_gradients(tx, jnp.ones(1), state, params, accum_weight="2")
+
+
+# ------------------------------------------ tests the suite lacked (issue 23)
+
+
+def _to_float32():
+    """A follower that casts the updates to float32 (as Adam does for bf16
+    gradients of float32 params)."""
+    return optax.GradientTransformationExtraArgs(
+        lambda params: optax.EmptyState(),
+        lambda u, s, p=None, **kw: (
+            jax.tree.map(lambda x: x.astype(jnp.float32), u),
+            s,
+        ),
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_zeros_take_the_followers_output_dtype(jit):
+    """Issue 23, tests the suite lacks: bf16 gradients, a follower casting to
+    float32. Every call emits float32: a non-closing call (the closed gate's
+    zeros), a closing one, and a flush of an all-weight-0 window (the gate
+    opens with ``opened=False``): never zeros in the gradients' dtype."""
+    tx = oa.chain(oa.accumulate(2), _to_float32(), optax.sgd(1.0))
+    params = jnp.zeros(2, jnp.bfloat16)
+    state = tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    flush = (
+        jax.jit(lambda s, p: oa.flush(tx, s, p))
+        if jit
+        else (lambda s, p: oa.flush(tx, s, p))
+    )
+    g = jnp.ones(2, jnp.bfloat16)
+    dtypes = []
+    u, state = update(g, state, params)  # non-closing: the closed gate
+    dtypes.append(u.dtype)
+    u, state = update(g, state, params)  # closing
+    dtypes.append(u.dtype)
+    np.testing.assert_array_equal(u, [-1.0, -1.0])
+    _, state = update(g, state, params, accum_weight=0.0)
+    u, state = flush(state, params)  # opens with opened=False: weight 0
+    dtypes.append(u.dtype)
+    np.testing.assert_array_equal(u, [0.0, 0.0])
+    assert dtypes == [jnp.float32] * 3, dtypes
+
+
+def test_dynamic_loss_scale_replicas_agree_on_one_device_overflow():
+    """Issue 23, tests the suite lacks: with ``axis_name``, one device's
+    overflow skips the step on all and every replica's scale and params
+    stay equal (no collective after the gate, so a disagreement shows as
+    values, not as a crash)."""
+    n = 4
+    tx = oa.chain(oa.dynamic_loss_scale(16.0, axis_name="d"), optax.sgd(1.0))
+    params = jnp.ones(2)
+    rep = lambda t: jax.tree.map(lambda a: jnp.stack([a] * n), t)  # noqa: E731
+    params_r, state_r = rep(params), rep(tx.init(params))
+    step = jax.pmap(
+        lambda g, s, p: oa.apply_gradients(tx, g, s, p),
+        axis_name="d",
+        devices=jax.devices()[:n],
+    )
+    g = jnp.ones((n, 2)).at[2, 1].set(jnp.inf)
+    params_r, state_r = step(g, state_r, params_r)
+    np.testing.assert_array_equal(state_r[0].scale, np.full(n, 8.0))
+    np.testing.assert_array_equal(params_r, np.ones((n, 2)))
+
+
+def test_nested_closed_gate_zeros_take_the_followers_output_dtype():
+    """Issue 23, tests the suite lacks: where the outer window closes but an
+    inner gate after a float32-casting follower stays closed, the zeros are
+    float32 (the followers' output), not the bf16 gradients' dtype."""
+    # The outer window closes on every call (so no branch is traced before
+    # the dtype is checked); the inner one on every second.
+    tx = oa.chain(
+        oa.accumulate(1), _to_float32(), oa.accumulate(2), optax.sgd(1.0)
+    )
+    params = jnp.zeros(2, jnp.bfloat16)
+    state = tx.init(params)
+    dtypes = []
+    for i in range(2):
+        u, state = tx.update(jnp.full(2, i + 1.0, jnp.bfloat16), state, params)
+        dtypes.append(u.dtype)
+    assert dtypes == [jnp.float32] * 2, dtypes
+    np.testing.assert_array_equal(u, [-1.5, -1.5])

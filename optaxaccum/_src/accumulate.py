@@ -27,8 +27,8 @@ class AccumulateState(NamedTuple):
       acc: the window's running weighted sum of gradients, a pytree like the
         params in ``accumulator_dtype``. Reset lazily: when ``mini_step`` is
         0 its content is stale and the next micro-batch overwrites it.
-      weight: the window's running sum of weights; ``shape=()``,
-        ``accumulator_dtype`` or float32, whichever is wider (token counts
+      weight: the window's running sum of weights; ``shape=()``, the real
+        dtype of the widest accumulator leaf, at least float32 (token counts
         overflow float16). Stale when ``mini_step`` is 0.
       updated: whether the most recent call that reached this transformation
         closed a window and stepped the followers; ``shape=(), bool``.
@@ -39,7 +39,7 @@ class AccumulateState(NamedTuple):
     mini_step: jax.Array  # shape=(), int32
     gradient_step: jax.Array  # shape=(), int32
     acc: optax.Updates  # like params, accumulator dtype (see accumulate)
-    weight: jax.Array  # shape=(), accumulator_dtype or float32 (the wider)
+    weight: jax.Array  # shape=(), widest accumulator precision, >= float32
     updated: jax.Array  # shape=(), bool
     noise_scale: Any = None  # noise_scale.NoiseScaleState, or None (off)
 
@@ -77,9 +77,10 @@ def accumulate(
         ``gradient_step -> int`` (cast to int32; a length below 1 closes the
         window on every call), or :func:`critical_batch_every_k`.
       reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
-      accumulator_dtype: floating dtype of the running sum; by default
-        float32 or the leaf's own dtype if wider. Complex leaves accumulate
-        in the complex dtype of that precision; updates are emitted in the
+      accumulator_dtype: floating (or complex) dtype of the running sum; by
+        default float32 or the leaf's own dtype if wider. It gives the
+        precision: complex leaves accumulate in the complex dtype of that
+        precision, real ones in the real; updates are emitted in the
         gradients' dtypes.
       axis_name: the device axis (or axes) over which the window is
         reduced once, when it closes: the mapped axis of ``pmap`` /
@@ -120,7 +121,9 @@ def accumulate(
         reduction,
         None
         if accumulator_dtype is None
-        else utils.check_float_dtype("accumulator_dtype", accumulator_dtype),
+        else utils.check_float_dtype(
+            "accumulator_dtype", accumulator_dtype, complex_ok=True
+        ),
         utils.check_axis_name(axis_name),
         utils.check_bool("skip_nonfinite", skip_nonfinite),
         decay,
@@ -151,14 +154,25 @@ def _leaf_dtype(cfg: _Config, leaf: Any) -> np.dtype:
     dtype = jnp.result_type(leaf)
     if cfg.accumulator_dtype is None:  # at least float32 and the leaf's own
         return utils.widen(dtype)
-    if jnp.issubdtype(dtype, jnp.complexfloating):  # complex stays complex
+    # The accumulator_dtype gives the precision; complex stays complex, real
+    # stays real.
+    if jnp.issubdtype(dtype, jnp.complexfloating):
         return utils.widen(jnp.complex64, cfg.accumulator_dtype)
-    return cfg.accumulator_dtype
+    return jnp.finfo(cfg.accumulator_dtype).dtype
 
 
-def _weight_dtype(cfg: _Config) -> np.dtype:
-    """float32 or wider: token counts overflow float16."""
-    return utils.widen(cfg.accumulator_dtype or jnp.float32)
+def _weight_dtype(cfg: _Config, params: Any) -> np.dtype:
+    """The real dtype of the widest accumulator leaf, at least float32 (token
+    counts overflow float16): the window's weight and its division are done
+    in it, so a float64 accumulator gives a float64-exact mean."""
+    dtypes = [_leaf_dtype(cfg, p) for p in jax.tree.leaves(params)]
+    if cfg.accumulator_dtype is not None:
+        dtypes.append(cfg.accumulator_dtype)
+    return functools.reduce(
+        lambda wide, d: utils.widen(jnp.finfo(d).dtype, wide),
+        dtypes,
+        jnp.dtype(jnp.float32),
+    )
 
 
 def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
@@ -172,7 +186,7 @@ def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
             ),
             cfg.axis_name,
         ),
-        weight=jnp.zeros([], _weight_dtype(cfg)),
+        weight=jnp.zeros([], _weight_dtype(cfg, params)),
         updated=jnp.zeros([], bool),
         noise_scale=noise_scale.init(
             cfg.noise_scale_decay, _weight_dtype(cfg), cfg.axis_name
@@ -250,7 +264,7 @@ def _add(
     makes the micro-batch non-finite; weight 0 contributes nothing, even a
     non-finite gradient (a fully padded micro-batch).
     """
-    w = jnp.asarray(weight).astype(_weight_dtype(cfg))
+    w = jnp.asarray(weight).astype(state.weight.dtype)
     valid = jnp.isfinite(w) & (w >= 0)
     w = jnp.where(valid, w, jnp.nan)
     zero = w == 0
@@ -303,7 +317,8 @@ def _emitter(
         opened = True if weight_checked else weight != 0
         if cfg.reduction == "mean":
             scale = jnp.where(opened, 1 / jnp.where(opened, weight, 1), 0)
-            acc = optax.tree.scale(scale, acc)
+            # In each leaf's own precision (the weight's is the widest).
+            acc = jax.tree.map(lambda a: scale.astype(a.dtype) * a, acc)
         updates = jax.tree.map(lambda a, d: a.astype(d), acc, out_dtypes)
         # Same type (e.g. device-varying) as the flag of the closed branch.
         updated = jnp.zeros_like(state.updated) | opened

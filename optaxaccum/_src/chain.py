@@ -322,22 +322,42 @@ def apply_gradients(
       >>> params
       Array([0., 0.], dtype=float32)
     """
+    params, opt_state, _ = fused_step(tx, grads, opt_state, params, extra_args)
+    return params, opt_state
+
+
+def fused_step(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    extra_args: dict[str, Any],
+    with_updates: bool = False,
+) -> tuple[optax.Params, optax.OptState, optax.Updates | None]:
+    """:func:`apply_gradients`, also returning the updates applied when
+    ``with_updates`` (zeros where the gate stayed closed; ``None`` without
+    it). Under ``jit`` an unused updates output costs nothing."""
     if not base.is_gate(tx):
         warn_if_wrapped(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-        return optax.apply_updates(params, updates), opt_state
+        return optax.apply_updates(params, updates), opt_state, updates
     utils.check_extra_args(extra_args, utils.declared_extra_args(tx))
     result = tx.gate_update(grads, opt_state, params, **extra_args)
-    return _apply(result, params)
+    return _apply(result, params, with_updates)
 
 
-def _apply(res: base.GateResult, params):
+def _apply(res: base.GateResult, params, with_updates: bool):
     def opened():
         updates, state, flag, _ = base.emitted(res)
         new_params = optax.apply_updates(params, updates)
-        return base.select(flag, new_params, params), state
+        updates = base.mask(flag, updates) if with_updates else None
+        return base.select(flag, new_params, params), state, updates
 
-    return base.cond_or_call(res.may_open, opened, lambda: (params, res.state))
+    def closed():
+        shapes = jax.eval_shape(opened)[2]  # None without with_updates
+        return params, res.state, base.zeros_of(shapes)
+
+    return base.cond_or_call(res.may_open, opened, closed)
 
 
 def flush(

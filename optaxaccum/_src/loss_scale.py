@@ -124,8 +124,10 @@ def dynamic_loss_scale(
     scale grows by ``factor`` (kept if that overflows float32); otherwise
     the elements after it do not run (zeros are emitted, their states are
     untouched, an :func:`accumulate` does not count the micro-batch) and
-    :math:`s \leftarrow \max(s_{\min}, s / f)`: jmp's schedule. Place it
-    first in an :func:`chain` (docs/concepts.md, "Loss scaling first").
+    :math:`s \leftarrow \max(s_{\min}, s / f)`: jmp's schedule. A call
+    with ``accum_weight=0`` (padding) carries no data: it passes on, the
+    scale and counter stay. Place it first in an :func:`chain`
+    (docs/concepts.md, "Loss scaling first").
 
     Args:
       init_scale: the initial loss scale, finite and ``> 0``.
@@ -175,7 +177,9 @@ def dynamic_loss_scale(
             min_scale=jnp.asarray(min32, jnp.float32),
         )
 
-    def gate_update_fn(updates, state, params=None, **extra_args):
+    def gate_update_fn(
+        updates, state, params=None, *, accum_weight=1.0, **extra_args
+    ):
         del params, extra_args
         if not isinstance(state, DynamicLossScaleState):
             raise TypeError(
@@ -186,14 +190,31 @@ def dynamic_loss_scale(
         finite = sharding.all_finite(
             unscaled, lambda _: _unscaled_all_finite(updates, state.scale)
         )
+        # A call of weight 0 carries no data (API.md 4): not an overflow.
+        empty = _carries_no_data(accum_weight)
+        if empty is not False:
+            finite = finite | empty
         if axis_name is not None:
             finite = sharding.agree(finite, axis_name)
-        new_state = _adjust(state, finite)
+            if empty is not False:  # the scale moves unless all are empty
+                empty = sharding.agree(jnp.asarray(empty), axis_name)
+        new_state = base.select(empty, state, _adjust(state, finite))
         return base.GateResult(
             new_state, finite, lambda: (unscaled, new_state, True), eager=True
         )
 
     return base.GatedTransformation(init_fn, gate_update_fn, None)
+
+
+def _carries_no_data(accum_weight: Any) -> Any:
+    """Whether a call of weight ``accum_weight`` carries no data (weight 0):
+    a Python bool for a concrete weight (``False``: nothing to select), a
+    boolean scalar array for a traced one."""
+    utils.check_weight("accum_weight", accum_weight)
+    try:
+        return bool(np.asarray(accum_weight) == 0)
+    except jax.errors.TracerArrayConversionError:
+        return jnp.asarray(accum_weight) == 0
 
 
 def _adjust(state: DynamicLossScaleState, finite: jax.Array):

@@ -125,8 +125,10 @@ class MultiSteps(base.GatedTransformation):
       use_grad_mean: average the window's gradients (else sum them).
       should_skip_update_fn: ``(updates, gradient_step, params) ->
         (should_skip, skip_state)``, e.g. :func:`optax.skip_not_finite`.
-      accumulator_dtype: floating dtype of the running sum; ``None``: each
-        parameter's dtype, at least float32 (optax: the parameter's dtype).
+      accumulator_dtype: floating (or complex) dtype of the running sum,
+        fifth positional as in optax; ``None``: each parameter's dtype, at
+        least float32 (optax: the parameter's dtype). Complex gradients
+        accumulate in the complex dtype of its precision.
 
     Raises:
       TypeError: for an argument of the wrong type.
@@ -154,7 +156,6 @@ class MultiSteps(base.GatedTransformation):
         every_k_schedule: int | Callable[[jax.Array], Any],
         use_grad_mean: bool = True,
         should_skip_update_fn: Callable | None = None,
-        *,
         accumulator_dtype: Any = jnp.float32,
     ):
         _check_args(opt, every_k_schedule, use_grad_mean, should_skip_update_fn)
@@ -216,13 +217,17 @@ class MultiSteps(base.GatedTransformation):
         """The wrapped optimizer (with extra-argument support), as optax's."""
         return self._opt
 
-    def has_updated(self, state: MultiStepsState) -> jax.Array:
+    def has_updated(
+        self, state: MultiStepsState | optax.MultiStepsState
+    ) -> jax.Array:
         """Whether the last counted call closed a window and stepped the
         optimizer: a boolean scalar array, as ``optax.MultiSteps``'s."""
-        if state.updated is not None:
-            return state.updated
+        updated = getattr(state, "updated", None)  # optax's state has none
+        if updated is not None:
+            return updated
         # optax's rule, for states without the flag (e.g. optax's own).
-        return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+        mini_step, gradient_step = state.mini_step, state.gradient_step
+        return (jnp.asarray(mini_step) == 0) & (jnp.asarray(gradient_step) > 0)
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """Itself: it already is an optax (and gated) transformation."""

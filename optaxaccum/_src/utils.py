@@ -69,7 +69,8 @@ def widen(dtype: Any, at_least: Any = jnp.float32) -> np.dtype:
 
 
 def check_weight(name: str, value: Any) -> None:
-    """Raises ``ValueError`` if a concrete weight is not a finite real >= 0.
+    """Raises ``ValueError`` if a concrete weight is not a finite real >= 0
+    (``TypeError`` if it is not a number at all, e.g. a string).
 
     Traced values cannot be checked here; the caller decides what a traced
     invalid weight does (see :func:`optaxaccum.accumulate`).
@@ -85,6 +86,11 @@ def check_weight(name: str, value: Any) -> None:
     if number.dtype == np.bool_:
         raise ValueError(
             f"{name} must be a number, got a bool: {name}={value!r}"
+        )
+    if not np.issubdtype(number.dtype, np.number):
+        raise TypeError(
+            f"{name} must be a number, got {name}={value!r} of type "
+            f"{type(value).__name__}"
         )
     if number.ndim != 0:
         raise ValueError(
@@ -148,7 +154,8 @@ def check_extra_args(
     where: str = "no element of the chain takes it",
 ) -> None:
     """Raises ``TypeError`` for a keyword that is not declared but is a
-    near-miss of one that is (``acum_weight`` for ``accum_weight``).
+    near-miss of one that is (``acum_weight`` for ``accum_weight``, or its
+    last word: ``weight``).
 
     Args:
       extra_args: the keywords given.
@@ -164,7 +171,10 @@ def check_extra_args(
             )
         if key in declared or key.startswith("_"):
             continue
+        # A misspelling, or a declared name's last word (``weight`` for
+        # ``accum_weight``).
         close = difflib.get_close_matches(key, declared, n=1, cutoff=0.75)
+        close = close or [d for d in declared if d.endswith(f"_{key}")]
         if close:
             raise TypeError(
                 f"unexpected keyword argument {key!r}: {where}; "
@@ -225,17 +235,24 @@ def check_real(name: str, value: Any) -> float:
     return float(value)
 
 
-def check_float_dtype(name: str, value: Any) -> jnp.dtype:
-    """Returns ``jnp.dtype(value)`` if it is a floating dtype."""
+def check_float_dtype(
+    name: str, value: Any, *, complex_ok: bool = False
+) -> jnp.dtype:
+    """Returns ``jnp.dtype(value)`` if it is a floating dtype (or a complex
+    one, with ``complex_ok``)."""
+    kind = "floating or complex" if complex_ok else "floating"
     try:
         dtype = jnp.dtype(value)
     except TypeError as e:
         raise TypeError(
-            f"{name} must be a floating dtype, got {name}={value!r}"
+            f"{name} must be a {kind} dtype, got {name}={value!r}"
         ) from e
-    if not jnp.issubdtype(dtype, jnp.floating):
+    ok = jnp.issubdtype(dtype, jnp.floating) or (
+        complex_ok and jnp.issubdtype(dtype, jnp.complexfloating)
+    )
+    if not ok:
         raise ValueError(
-            f"{name} must be a floating dtype (e.g. jnp.float32), "
+            f"{name} must be a {kind} dtype (e.g. jnp.float32), "
             f"got {name}={value!r}"
         )
     if jax.dtypes.canonicalize_dtype(dtype) != dtype:

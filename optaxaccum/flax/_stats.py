@@ -17,10 +17,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optaxaccum._src import utils
+from optaxaccum._src import accumulate, utils
 
 # Names of the extra ``batch_stats`` entries (linen) / attributes (nnx).
 WINDOW_KEYS = ("window_count", "window_mean", "window_m2", "window_step")
+# Every statistic a training micro-batch changes: the running ones and the
+# window's.
+STAT_KEYS = ("mean", "var", *WINDOW_KEYS)
 # The linen layer also records its momentum, so that a flush uses it.
 MOMENTUM_KEY = "momentum"
 
@@ -232,3 +235,15 @@ def flush(
 ) -> tuple[jax.Array, jax.Array, Window]:
     """Closes a partial window (no-op for an empty one)."""
     return close(window, ra_mean, ra_var, momentum, window.step > 0)
+
+
+def keep_counted(old_opt_state: Any, new_opt_state: Any, new: Any, old: Any):
+    """``new`` statistics if the chain counted the micro-batch that turned
+    ``old_opt_state`` into ``new_opt_state``, else ``old`` ones (as they
+    were before its forward pass): the BatchNorm windows stay aligned with
+    the optimizer's (API.md 6). Used by linen's ``TrainState`` and nnx's
+    ``Optimizer`` alike."""
+    counted = accumulate.counted(old_opt_state, new_opt_state)
+    if counted is True:  # no accumulate: every call counts
+        return new
+    return jax.tree.map(lambda n, o: jnp.where(counted, n, o), new, old)

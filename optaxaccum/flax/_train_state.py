@@ -14,7 +14,6 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from optaxaccum._src import accumulate as accumulate_lib
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
 from optaxaccum.flax import _stats
@@ -135,13 +134,13 @@ class TrainState(train_state.TrainState):
                 OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT],
             }
         if "batch_stats" in replace and self.batch_stats is not None:
-            counted = accumulate_lib.counted(self.opt_state, new_opt_state)
-            if counted is not True:
-                new_bs = replace["batch_stats"]
-                old_bs = _with_windows_like(self.batch_stats, new_bs)
-                replace["batch_stats"] = optax.tree.where(
-                    counted, new_bs, old_bs
-                )
+            new_bs = replace["batch_stats"]
+            replace["batch_stats"] = _stats.keep_counted(
+                self.opt_state,
+                new_opt_state,
+                new_bs,
+                _with_windows_like(self.batch_stats, new_bs),
+            )
         return self.replace(
             step=self.step + 1,
             params=new_params,

@@ -5,15 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from flax.nnx import filterlib
 
 import optaxaccum as oa
+from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
 from optaxaccum.flax import _stats
 
 __all__ = ["AccumBatchNorm", "Optimizer", "flush_batch_stats"]
+
+# Prefix of the attributes holding the last counted statistics.
+_COUNTED = "counted_"
 
 
 class AccumBatchNorm(nnx.BatchNorm):
@@ -27,8 +32,11 @@ class AccumBatchNorm(nnx.BatchNorm):
     pooled statistics of the whole window (exact parallel variance in
     float32), so they equal ``nnx.BatchNorm`` run once on the concatenated
     window. The window is held in ``nnx.BatchStat`` attributes
-    ``window_count``, ``window_mean``, ``window_m2`` and ``window_step``
-    (present only when ``accum_steps > 1``). ``accum_steps=1`` is exactly
+    ``window_count``, ``window_mean``, ``window_m2`` and ``window_step``,
+    and the statistics as of the last micro-batch the optimizer counted in
+    ``counted_*`` copies, restored by :meth:`Optimizer.update` when the
+    chain refuses a micro-batch (all present only when ``accum_steps > 1``).
+    ``accum_steps=1`` is exactly
     ``nnx.BatchNorm``. Under ``axis_name`` devices are weighted by their
     number of (unmasked) elements, as for the linen
     :class:`optaxaccum.flax.AccumBatchNorm`.
@@ -71,11 +79,43 @@ class AccumBatchNorm(nnx.BatchNorm):
             window = _stats.empty_window(self.mean[...].shape)
             for key, value in zip(_stats.WINDOW_KEYS, window):
                 setattr(self, key, nnx.BatchStat(value))
+            # The statistics as the optimizer last counted them (see
+            # keep_counted): restored when it refuses a micro-batch.
+            for key, value in zip(_stats.STAT_KEYS, self._stats()):
+                setattr(self, _COUNTED + key, nnx.BatchStat(jnp.copy(value)))
 
     def _window(self) -> _stats.Window:
         return _stats.Window(
             *(getattr(self, key)[...] for key in _stats.WINDOW_KEYS)
         )
+
+    def _stats(self, prefix: str = "") -> list[jax.Array]:
+        return [getattr(self, prefix + k)[...] for k in _stats.STAT_KEYS]
+
+    def keep_counted(self, old_opt_state: Any, new_opt_state: Any) -> None:
+        """Keeps this layer's window aligned with the optimizer's: where the
+        chain did not count the micro-batch (``old_opt_state`` to
+        ``new_opt_state``), restores the statistics to those of the last
+        counted one; else records them as counted. Called by
+        :meth:`Optimizer.update` (and :meth:`flush`) on every layer."""
+        if self.accum_steps == 1:
+            return
+        self._record(
+            _stats.keep_counted(
+                old_opt_state,
+                new_opt_state,
+                self._stats(),
+                self._stats(_COUNTED),
+            )
+        )
+
+    def _record(self, stats: list[jax.Array]) -> None:
+        """Sets the statistics and records them as counted."""
+        for key, value in zip(_stats.STAT_KEYS, stats):
+            getattr(self, key)[...] = value
+            # A buffer of its own: a leaf shared by two variables could not
+            # be donated to a jitted step.
+            getattr(self, _COUNTED + key)[...] = jnp.copy(value)
 
     def _set(self, mean, var, window: _stats.Window) -> None:
         self.mean[...] = mean
@@ -129,6 +169,7 @@ class AccumBatchNorm(nnx.BatchNorm):
                     self._window(), self.mean[...], self.var[...], self.momentum
                 )
             )
+            self._record(self._stats())  # a flush always counts
 
 
 def flush_batch_stats(model: nnx.Module) -> None:
@@ -185,7 +226,7 @@ class Optimizer(nnx.Optimizer):
       >>> opt = Optimizer(model, oa.chain(oa.accumulate(4), optax.sgd(0.1)))
       >>> loss = lambda m, x: (m(x) ** 2).mean()
       >>> for i in range(3):  # 3 of a window of 4: the last of an epoch
-      ...     opt.update(model, nnx.grad(loss)(model, jnp.ones((1, 2))))
+      ...     _ = opt.update(model, nnx.grad(loss)(model, jnp.ones((1, 2))))
       >>> before = model.kernel[...]
       >>> opt.flush(model)  # steps SGD with the mean of the 3
       >>> bool((model.kernel[...] != before).all()), int(opt.step[...])
@@ -219,16 +260,27 @@ class Optimizer(nnx.Optimizer):
           **kwargs: extra args for ``tx`` (e.g. ``accum_weight``).
 
         Returns:
-          ``None``: unlike :meth:`flax.nnx.Optimizer.update`, no update tree
-          is returned (the fused path never builds one).
+          The updates applied, as :meth:`flax.nnx.Optimizer.update` returns
+          them (zeros on a micro-step where the gate stays closed). Under
+          ``nnx.jit`` a step that does not use them pays nothing for them
+          (XLA drops the unused output).
         """
-        params, opt_state = self._pure(model)
+        params, old_opt_state = self._pure(model)
         grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-        params, opt_state = oa.apply_gradients(
-            self.tx, grads, opt_state, params, **nnx.as_pure(kwargs)
+        params, opt_state, updates = chain_lib.fused_step(
+            self.tx,
+            grads,
+            old_opt_state,
+            params,
+            nnx.as_pure(kwargs),
+            with_updates=True,
         )
         self._store(model, params, opt_state)
+        for _, module in nnx.iter_modules(model):
+            if isinstance(module, AccumBatchNorm):
+                module.keep_counted(old_opt_state, opt_state)
         self.step[...] += 1
+        return updates
 
     def flush(self, model: Any, /, **kwargs: Any) -> None:
         """Closes the partial windows at the end of an epoch.
