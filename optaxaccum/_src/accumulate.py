@@ -189,7 +189,7 @@ def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
         weight=jnp.zeros([], _weight_dtype(cfg, params)),
         updated=jnp.zeros([], bool),
         noise_scale=noise_scale.init(
-            cfg.noise_scale_decay, _weight_dtype(cfg), cfg.axis_name
+            cfg.noise_scale_decay, _weight_dtype(cfg, params), cfg.axis_name
         ),
     )
 
