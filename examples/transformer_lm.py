@@ -3,7 +3,8 @@
 A small decoder-only transformer (``flax.nnx``) learns to continue Python
 code. The text is the Python standard library's own ``.py`` sources (found
 with ``sysconfig``; nothing is downloaded), cut at blank lines into
-documents of very different lengths, each padded to the context length. The
+documents whose lengths are then drawn at random (as in chat or code data,
+padding is 30 to 50% of every batch), each padded to the context length. The
 loss is the mean cross-entropy over the real (unpadded) tokens of the batch.
 
 Three runs see the same documents in the same order, from the same
@@ -20,6 +21,10 @@ initialization, with ``optax.adam``:
     the per-micro-batch means, which over-weights the tokens of micro-batches
     of short documents (the bug of Hugging Face transformers #34191).
 
+(b) also estimates the gradient noise scale from its windows
+(``oa.accumulate(k, noise_scale_decay=0.9)``): ``B_simple``, in tokens, the
+batch beyond which more tokens per step buy little (docs/noise_scale.md).
+
 The window count k is the one ``oa.plan_microbatches`` picks for a stated
 memory budget (by default 40% of what the whole-batch step needs, from
 XLA's memory analysis; ``--budget-kib`` to state another). An epoch is not a
@@ -29,9 +34,10 @@ empty rows, which carry no tokens).
 
 The script prints the gradient error of (b) and (c) against (a) at the
 initialization, a table of losses and of the distance of the trained
-parameters from those of (a), and saves ``transformer_lm.png``: per
-optimizer step, the train loss, its gap to (a) and the parameters' distance
-to (a).
+parameters from those of (a), (b)'s ``B_simple`` per window, and saves
+``transformer_lm.png`` (per optimizer step: the train loss, its gap to (a)
+and the parameters' distance to (a)) and ``transformer_lm_noise_scale.png``
+(the train loss and ``B_simple`` against the tokens per window).
 
 Run: ``python examples/transformer_lm.py [--epochs 2] [--out DIR] [--quick]``.
 """
@@ -91,7 +97,9 @@ QUICK = Config(
 
 def load_documents(context, max_rows, seed=0):
     """The stdlib's .py files cut at blank lines into documents, and each
-    document into rows of ``context + 1`` characters (its last row shorter).
+    document into rows of ``context + 1`` characters (its last row shorter),
+    each row then cut to a length drawn uniformly from ``context // 5 + 2``
+    to ``context + 1``: about 40% of the tokens are padding.
 
     Reads files (in sorted order) until it has ``max_rows`` rows. Returns
     ``(tokens, lengths)``: tokens ``(n, context + 1)`` int32, padded with
@@ -109,12 +117,15 @@ def load_documents(context, max_rows, seed=0):
                 codes[i : i + context + 1]
                 for i in range(0, len(codes) - 2, context + 1)
             ]
-    order = np.random.default_rng(seed).permutation(len(rows))
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(rows))
+    cut = rng.integers(context // 5 + 2, context + 2, size=len(rows))
     tokens = np.full((len(rows), context + 1), PAD, np.int32)
     lengths = np.zeros(len(rows), np.int32)
     for row, i in enumerate(order):
-        tokens[row, : len(rows[i])] = np.clip(rows[i], 1, 127)
-        lengths[row] = len(rows[i])
+        text = rows[i][: cut[row]]
+        tokens[row, : len(text)] = np.clip(text, 1, 127)
+        lengths[row] = len(text)
     return tokens, lengths
 
 
@@ -258,7 +269,8 @@ def train(name, mode, cfg, tx, k, data, progress, reference=None):
     else:
         opt = oa_nnx.Optimizer(model, tx)
     micro = cfg.batch // k
-    hist = {"loss": [], "params": [], "dist": [], "eval": []}
+    hist = {"loss": [], "params": [], "dist": [], "eval": [], "b_simple": []}
+    hist["tokens"] = []  # real tokens per window
     start = time.perf_counter()
     n_batches = sum(
         len(windows(train_tokens, cfg, k, e)) for e in range(cfg.epochs)
@@ -283,6 +295,10 @@ def train(name, mode, cfg, tx, k, data, progress, reference=None):
                 if not full:
                     flush(model, opt)  # the epoch's last, partial window
                 loss = np.dot(losses, counts) / np.sum(counts)  # per token
+                if mode == "weighted":  # tokens: accum_weight counts them
+                    ns = oa.noise_scale(opt.opt_state)
+                    hist["b_simple"].append(float(ns.b_simple))
+            hist["tokens"].append(float(split_batch(batch)[2].sum()))
             hist["loss"].append(float(loss))
             params = flat_params(model)
             if reference is None:
@@ -362,6 +378,56 @@ def plot(histories, path, title):
     plt.close(fig)
 
 
+def print_noise_scale(hist, per_line=8):
+    """(b)'s B_simple after each window, in tokens, next to the window's
+    real tokens."""
+    values = hist["b_simple"]
+    print(
+        f"B_simple of (b) per window, in tokens (decay 0.9; a window holds "
+        f"{np.mean(hist['tokens']):.0f} real tokens on average):"
+    )
+    for i in range(0, len(values), per_line):
+        cells = [
+            f"{i + j + 1:>3}: {v:>7.0f}"
+            for j, v in enumerate(values[i : i + per_line])
+        ]
+        print("  " + "  ".join(cells))
+
+
+def plot_noise_scale(hist, path, title):
+    fig, (ax_loss, ax_b) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = np.arange(1, hist["steps"] + 1)
+    ax_loss.plot(steps, hist["loss"], color="C1")
+    ax_loss.set(
+        xlabel="optimizer step (window)",
+        ylabel="train loss per real token",
+        title="Train loss",
+    )
+    b = np.asarray(hist["b_simple"])
+    ok = np.isfinite(b) & (b > 0)
+    ax_b.plot(steps[ok], b[ok], color="C1", label="B_simple (EMA, decay 0.9)")
+    ax_b.plot(
+        steps,
+        hist["tokens"],
+        color="0.5",
+        linestyle=":",
+        label="real tokens per window",
+    )
+    ax_b.set(
+        xlabel="optimizer step (window)",
+        ylabel="tokens",
+        yscale="log",
+        title="Gradient noise scale B_simple",
+    )
+    for ax in (ax_loss, ax_b):
+        ax.grid(alpha=0.3)
+    ax_b.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=None)
@@ -424,7 +490,8 @@ def main(argv=None):
         "naive": f"(c) {micro} x accumulate({k}), naive",
     }
     data = (train_tokens, eval_tokens)
-    tx = oa.chain(oa.accumulate(k), optax.adam(cfg.lr))
+    # (b) also estimates the gradient noise scale (no effect on the updates).
+    tx = oa.chain(oa.accumulate(k, noise_scale_decay=0.9), optax.adam(cfg.lr))
     hists, reference = {}, None
     for mode, name in names.items():
         hists[name] = train(
@@ -452,7 +519,15 @@ def main(argv=None):
             f"{h['wall']:>6.1f}"
         )
 
+    weighted = hists[names["weighted"]]
+    print_noise_scale(weighted)
+
     os.makedirs(args.out, exist_ok=True)
+    plot_noise_scale(
+        weighted,
+        os.path.join(args.out, "transformer_lm_noise_scale.png"),
+        f"{names['weighted']}: gradient noise scale from the windows",
+    )
     path = os.path.join(args.out, "transformer_lm.png")
     plot(
         hists,

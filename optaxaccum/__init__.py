@@ -23,6 +23,12 @@ from optaxaccum._src.microbatch import (
     plan_microbatches,
 )
 from optaxaccum._src.multisteps import MultiSteps, MultiStepsState
+from optaxaccum._src.noise_scale import (
+    NoiseScale,
+    NoiseScaleState,
+    critical_batch_every_k,
+    noise_scale,
+)
 from optaxaccum._src.sharding import (
     fsdp_gather,
     map_accumulators,
@@ -39,12 +45,15 @@ __all__ = [
     "GatedTransformation",
     "MultiSteps",
     "MultiStepsState",
+    "NoiseScale",
+    "NoiseScaleState",
     "StaticLossScaleState",
     "accumulate",
     "agc",
     "apply_gradients",
     "chain",
     "collective_census",
+    "critical_batch_every_k",
     "dynamic_loss_scale",
     "flush",
     "has_updated",
@@ -53,6 +62,7 @@ __all__ = [
     "map_accumulators",
     "microbatched_step_memory",
     "microbatched_value_and_grad",
+    "noise_scale",
     "plan_microbatches",
     "scaled_value_and_grad",
     "fsdp_gather",

@@ -56,6 +56,7 @@ def test_bench_step_main_tiny():
         f"{kind} {phase}"
         for kind in (
             "fused",
+            "fused+noise_scale",
             "plain",
             "MultiSteps",
             "oa.MultiSteps(fused)",
@@ -88,6 +89,11 @@ def test_bench_step_main_tiny():
     # ``(grads, opt_state, params)``) XLA copies every leaf (21 copies here).
     assert res["tree_copies"]["floor"] == 0
     assert res["tree_copies"]["fused"] == 0
+    # The noise scale adds a sum of squares per leaf, no tree-sized buffer:
+    # its temporaries are the reductions' partial sums (under 1 KiB here).
+    assert res["tree_copies"]["fused+noise_scale"] == 0
+    noise_temp = mem["fused+noise_scale"]["temp"] - mem["fused"]["temp"]
+    assert noise_temp < bench.SCALARS
     assert res["tree_copies"]["plain"] == 0
     # oa.MultiSteps, the drop-in, compiles to the same program shape as the
     # oa.chain it wraps: no leaf copied, no tree-sized temporary when fused.

@@ -49,6 +49,13 @@ TRANSFORMS = {
         ),
         _inf,
     ),
+    "accumulate_noise_scale": (
+        lambda: oa.chain(
+            oa.accumulate(2, skip_nonfinite=True, noise_scale_decay=0.9),
+            optax.adam(1e-2),
+        ),
+        _inf,
+    ),
     "multisteps_adam": (lambda: oa.MultiSteps(optax.adam(1e-2), 2), _same),
     "multisteps_skip_not_finite": (
         lambda: oa.MultiSteps(

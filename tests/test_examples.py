@@ -168,5 +168,15 @@ def test_transformer_lm(tmp_path):
     # near-zero gradients into differences of ~1e-5; (c)'s is ~1e-2.
     assert row(b, 3) < 1e-4 and row(c, 3) > 1e-3
     assert abs(row(b, 1) - row(a, 1)) < 1e-4  # final train loss
-    png = tmp_path / "figures" / "transformer_lm.png"
-    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    # Padding is a real share of every batch (issue 28): 30-50% of tokens.
+    mean = _number(r"mean ([\d.]+) of 32\)", stdout)
+    assert 0.5 <= mean / 32 <= 0.7, mean
+    # (b) logs B_simple per window, in tokens: finite and positive once
+    # windows of k >= 2 micro-batches closed (every window here).
+    block = stdout.split("B_simple of (b) per window")[1].split("saved")[0]
+    values = re.findall(r"\b\d+:\s+(\S+)", block.split("\n", 1)[1])
+    assert len(values) == row(b, 0), stdout
+    assert all(0 < float(v) < float("inf") for v in values), values
+    for name in ("transformer_lm.png", "transformer_lm_noise_scale.png"):
+        png = tmp_path / "figures" / name
+        assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

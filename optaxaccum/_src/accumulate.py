@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, sharding, utils
+from optaxaccum._src import base, noise_scale, sharding, utils
 
 __all__ = ["AccumulateState", "accumulate", "has_updated"]
 
@@ -36,6 +36,8 @@ class AccumulateState(NamedTuple):
         overflow float16). Stale when ``mini_step`` is 0.
       updated: whether the most recent call that reached this transformation
         closed a window and stepped the followers; ``shape=(), bool``.
+      noise_scale: the gradient noise scale's sums and averages
+        (``noise_scale_decay``); ``None`` (no leaves) when off.
     """
 
     mini_step: jax.Array  # shape=(), int32
@@ -43,25 +45,28 @@ class AccumulateState(NamedTuple):
     acc: optax.Updates  # like params, accumulator dtype (see accumulate)
     weight: jax.Array  # shape=(), widest accumulator precision, >= float32
     updated: jax.Array  # shape=(), bool
+    noise_scale: Any = None  # noise_scale.NoiseScaleState, or None (off)
 
 
 class _Config(NamedTuple):
     """The static configuration of one :func:`accumulate`."""
 
-    window: Callable[[jax.Array], Any]  # gradient_step -> window length
+    window: Callable[[AccumulateState], Any]  # state -> window length
     reduction: str
     accumulator_dtype: np.dtype | None  # None: at least float32 and the leaf's
     axis_name: Hashable | None
     skip_nonfinite: bool
+    noise_scale_decay: float | None
 
 
 def accumulate(
-    every_k: int | Callable[[jax.Array], Any],
+    every_k: int | Callable[[jax.Array], Any] | noise_scale.CriticalBatchEveryK,
     *,
     reduction: str = "mean",
     accumulator_dtype: Any = None,
     axis_name: Hashable | None = None,
     skip_nonfinite: bool = False,
+    noise_scale_decay: float | None = None,
 ) -> base.GatedTransformation:
     r"""Accumulates gradients over windows of ``every_k`` micro-batches.
 
@@ -74,7 +79,7 @@ def accumulate(
     Args:
       every_k: window length, a positive int, or a jit-traceable callable
         ``gradient_step -> int`` (cast to int32; a length below 1 closes the
-        window on every call).
+        window on every call), or :func:`critical_batch_every_k`.
       reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
       accumulator_dtype: floating (or complex) dtype of the running sum; by
         default float32 or the leaf's own dtype if wider. It gives the
@@ -88,6 +93,10 @@ def accumulate(
         ``jax.jit`` (docs/scaling.md).
       skip_nonfinite: drop a micro-batch whose weighted gradient holds a
         NaN/Inf as if never seen (all devices agree under ``axis_name``).
+      noise_scale_decay: ``None`` (off: no state, no work), or a decay in
+        ``[0, 1)`` turning on the gradient noise scale estimate, averaged
+        over windows with that decay (:func:`noise_scale`,
+        docs/noise_scale.md).
 
     Returns:
       A :class:`GatedTransformation` with an :class:`AccumulateState`.
@@ -105,11 +114,8 @@ def accumulate(
       >>> u   # -(3 * 1 + 1 * 5) / (3 + 1)
       Array([-2.], dtype=float32)
     """
-    if callable(every_k):
-        window = every_k
-    else:
-        k = utils.check_positive_int("every_k", every_k)
-        window = lambda gradient_step: k  # noqa: E731
+    decay = noise_scale.check_decay(noise_scale_decay)
+    window = _window_fn(every_k, decay)
     if reduction not in ("mean", "sum"):
         raise ValueError(
             f'reduction must be "mean" or "sum", got reduction={reduction!r}'
@@ -124,12 +130,27 @@ def accumulate(
         ),
         utils.check_axis_name(axis_name),
         utils.check_bool("skip_nonfinite", skip_nonfinite),
+        decay,
     )
     return base.GatedTransformation(
         functools.partial(_init, cfg),
         functools.partial(_gate_update, cfg),
         functools.partial(_gate_flush, cfg),
     )
+
+
+def _window_fn(
+    every_k: Any, decay: float | None
+) -> Callable[[AccumulateState], Any]:
+    """``every_k`` as a function of the state: the window's length."""
+    if isinstance(every_k, noise_scale.CriticalBatchEveryK):
+        if decay is None:
+            raise ValueError(noise_scale.NEEDS_DECAY_MSG)
+        return lambda state: every_k.window(state.noise_scale)
+    if callable(every_k):
+        return lambda state: every_k(state.gradient_step)
+    k = utils.check_positive_int("every_k", every_k)
+    return lambda state: k
 
 
 def _leaf_dtype(cfg: _Config, leaf: Any) -> np.dtype:
@@ -171,6 +192,9 @@ def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
         ),
         weight=jnp.zeros([], _weight_dtype(cfg, params)),
         updated=jnp.zeros([], bool),
+        noise_scale=noise_scale.init(
+            cfg.noise_scale_decay, _weight_dtype(cfg, params), cfg.axis_name
+        ),
     )
 
 
@@ -196,9 +220,11 @@ def _gate_update(
     _check_gradients(updates, acc)
     state = state._replace(acc=sharding.match_grads(acc, updates))
     utils.check_weight("accum_weight", accum_weight)
-    acc, weight, counted = _add(cfg, state, updates, accum_weight, passed)
+    acc, weight, noise, counted = _add(
+        cfg, state, updates, accum_weight, passed
+    )
     mini_step = base.select(counted, state.mini_step + 1, state.mini_step)
-    window = jnp.asarray(cfg.window(state.gradient_step), jnp.int32)
+    window = jnp.asarray(cfg.window(state), jnp.int32)
     closing = base.both(counted, mini_step >= window)
     new_state = AccumulateState(
         mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
@@ -214,6 +240,7 @@ def _gate_update(
         updated=base.select(
             counted, jnp.zeros_like(state.updated), state.updated
         ),
+        noise_scale=noise,
     )
     out_dtypes = jax.tree.map(jnp.result_type, updates)
     if cfg.axis_name is None:
@@ -234,10 +261,11 @@ def _add(
     updates: optax.Updates,
     weight: Any,
     passed: Any,
-) -> tuple[optax.Updates, jax.Array, Any]:
-    """The accumulator and total weight with this micro-batch, and whether it
-    counted (a flag): not where an earlier gate refused it (``passed``) or
-    ``skip_nonfinite`` drops it, and then both stay as they were.
+) -> tuple[optax.Updates, jax.Array, Any, Any]:
+    """The accumulator, total weight and noise-scale sums with this
+    micro-batch, and whether it counted (a flag): not where an earlier gate
+    refused it (``passed``) or ``skip_nonfinite`` drops it, and then all
+    stay as they were.
 
     A weight that is negative or not finite (traced: it could not be checked)
     makes the micro-batch non-finite; weight 0 contributes nothing, even a
@@ -263,7 +291,10 @@ def _add(
 
     acc = jax.tree.map(add, state.acc, updates)
     total = jnp.where(fresh, w, state.weight + w)
-    return acc, base.select(counted, total, state.weight), counted
+    noise = noise_scale.micro_step(
+        state.noise_scale, updates, state.acc, w, fresh, counted
+    )
+    return acc, base.select(counted, total, state.weight), noise, counted
 
 
 def _emitter(
@@ -282,6 +313,14 @@ def _emitter(
             acc, weight = sharding.reduce_window(
                 acc, weight, cfg.axis_name, cfg.reduction
             )
+        noise = noise_scale.close(
+            cfg.noise_scale_decay,
+            state.noise_scale,
+            acc,
+            weight,
+            cfg.axis_name,
+            cfg.reduction,
+        )
         opened = True if weight_checked else weight != 0
         if cfg.reduction == "mean":
             scale = jnp.where(opened, 1 / jnp.where(opened, weight, 1), 0)
@@ -297,7 +336,7 @@ def _emitter(
         )
         return base.Emitted(
             updates,
-            state._replace(updated=updated),
+            state._replace(updated=updated, noise_scale=noise),
             opened,
             {"accum_weight": follower_weight},
         )

@@ -647,7 +647,8 @@ def map_accumulators(state: Any, fn: Callable[[Any], Any]) -> Any:
 
     Inside ``pmap``/``shard_map`` with ``oa.accumulate(k, axis_name=...)``,
     each device's accumulator (``acc`` and ``weight`` of every
-    :class:`optaxaccum.AccumulateState`) holds its own running sum; every
+    :class:`optaxaccum.AccumulateState`, and the window sums of its
+    ``noise_scale``) holds its own running sum; every
     other leaf is the same on all devices. With ``shard_map`` store those
     leaves with a leading device axis: ``fn`` adds it (outside:
     ``lambda a: jnp.broadcast_to(a, (n, *a.shape))``; specs:
@@ -671,11 +672,16 @@ def map_accumulators(state: Any, fn: Callable[[Any], Any]) -> Any:
       >>> stacked[0].acc.shape, stacked[0].mini_step.shape
       ((4, 3), ())
     """
+    from optaxaccum._src import noise_scale
     from optaxaccum._src.accumulate import AccumulateState
 
     def fix(s):
         if isinstance(s, AccumulateState):
-            return s._replace(acc=jax.tree.map(fn, s.acc), weight=fn(s.weight))
+            return s._replace(
+                acc=jax.tree.map(fn, s.acc),
+                weight=fn(s.weight),
+                noise_scale=noise_scale.map_window(s.noise_scale, fn),
+            )
         return s
 
     return jax.tree.map(

@@ -1,0 +1,425 @@
+"""The gradient noise scale of McCandlish et al. (2018) from the window.
+
+``oa.accumulate(k, noise_scale_decay=d)`` adds, on each micro-step, the
+weighted squared norm ``w |g|^2`` of the micro-batch gradient to a running
+scalar (:func:`micro_step`); when the window closes, :func:`close` turns it
+and the window's mean into unbiased estimates of ``tr(Sigma)`` and ``|G|^2``
+and folds them into exponential moving averages. :func:`noise_scale` reads
+them; :func:`critical_batch_every_k` sizes windows from them. The
+derivation: docs/noise_scale.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from optaxaccum._src import base, sharding, utils
+
+__all__ = [
+    "NoiseScale",
+    "NoiseScaleState",
+    "critical_batch_every_k",
+    "noise_scale",
+]
+
+NOT_ON_MSG = (
+    "found no oa.accumulate with noise_scale_decay set in the state given; "
+    "turn the estimate on with oa.accumulate(k, noise_scale_decay=0.9)"
+)
+
+
+class NoiseScaleState(NamedTuple):
+    """The noise-scale part of an :class:`optaxaccum.AccumulateState`.
+
+    Attributes:
+      sq_sum: this device's ``sum_i w_i |g_i|^2`` over the window so far;
+        ``shape=()``, the window weight's dtype. Stale when the window's
+        ``mini_step`` is 0 (overwritten by the next micro-batch).
+      micro_batches: this device's micro-batches of positive weight in the
+        window (an integer held in the weight's dtype, so that it is reduced
+        with ``sq_sum`` in one collective); stale like ``sq_sum``.
+      trace_cov: exponential moving average of the windows' ``tr(Sigma)``
+        estimates, not debiased; ``shape=()``, the weight's dtype.
+      grad_sq: the same for ``|G|^2``.
+      norm: the sum of the averages' weights, ``1 - decay**n`` after ``n``
+        windows with ``k >= 2`` (0 before: the averages are then unset);
+        dividing by it debiases them. ``shape=()``, the weight's dtype.
+    """
+
+    sq_sum: jax.Array  # shape=(), weight dtype
+    micro_batches: jax.Array  # shape=(), weight dtype (an integer)
+    trace_cov: jax.Array  # shape=(), weight dtype
+    grad_sq: jax.Array  # shape=(), weight dtype
+    norm: jax.Array  # shape=(), weight dtype
+
+
+class NoiseScale(NamedTuple):
+    """What :func:`noise_scale` returns (float32 scalars).
+
+    Attributes:
+      b_simple: ``trace_cov / grad_sq``, the critical batch size estimate
+        in units of ``accum_weight`` (examples or tokens); ``+inf`` when
+        ``grad_sq <= 0``.
+      trace_cov: the averaged estimate of the trace of the gradient
+        covariance per unit of weight.
+      grad_sq: the averaged estimate of the true gradient's squared norm.
+    """
+
+    b_simple: jax.Array
+    trace_cov: jax.Array
+    grad_sq: jax.Array
+
+
+def check_decay(value: Any) -> float | None:
+    """``noise_scale_decay``: ``None`` or a real in ``[0, 1)``."""
+    if value is None:
+        return None
+    decay = utils.check_real("noise_scale_decay", value)
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(
+            f"noise_scale_decay must be None or in [0, 1), got {value=!r}"
+        )
+    return decay
+
+
+def init(
+    decay: float | None, dtype: Any, axis_name: Any = None
+) -> NoiseScaleState | None:
+    """The initial state: ``None`` (no leaves) when the estimate is off.
+    Under ``jax.set_mesh`` of a mesh whose axes ``axis_name`` are Explicit,
+    ``sq_sum`` is left unreduced over every mesh axis, as the micro-steps
+    make it (:func:`_device_sq`)."""
+    if decay is None:
+        return None
+    # One buffer per field: a state donated to jit may not alias a buffer.
+    state = NoiseScaleState(*(jnp.zeros([], dtype) for _ in range(5)))
+    if not sharding._in_explicit_context(axis_name):  # noqa: SLF001
+        return state
+    every = frozenset(jax.sharding.get_abstract_mesh().axis_names)
+    sq_sum = jax.reshard(state.sq_sum, P(unreduced=every))
+    return state._replace(sq_sum=sq_sum)
+
+
+def micro_step(
+    state: NoiseScaleState | None,
+    grads: Any,
+    acc: Any,
+    w: jax.Array,
+    fresh: Any,
+    counted: Any,
+) -> NoiseScaleState | None:
+    """Adds one micro-batch's ``w |g|^2`` (leaves squared in the dtypes of
+    the accumulator ``acc``) and whether ``w > 0`` to the window's sums.
+
+    ``w`` is the checked weight (NaN if invalid), ``fresh`` whether the
+    window's sums are stale, ``counted`` whether the call counts at all.
+    Gradients left unreduced over ``n`` devices (``jit`` meshes) are ``n``
+    small batches of weight ``w / n`` each (:func:`_device_sq`).
+    """
+    if state is None:
+        return None
+    if any(sharding.unreduced_axes(g) for g in jax.tree.leaves(grads)):
+        sq, n = _device_sq(grads, acc)
+        state = state._replace(sq_sum=_like(state.sq_sum, sq))
+    else:  # the global micro-batch gradient: one small batch
+        sq = optax.tree.sum(jax.tree.map(_leaf_sq, grads, acc))
+        sq = _like(jnp.asarray(sq), state.sq_sum)
+        n = 1
+    sq = sq.astype(w.dtype)
+    wsq = sharding.times(n * w, sq)
+    # A weight-0 micro-batch adds nothing, even a 0/0 gradient.
+    wsq = jnp.where(w == 0, jnp.zeros_like(wsq), wsq)
+    positive = n * (w > 0).astype(w.dtype)
+    new = state._replace(
+        sq_sum=jnp.where(fresh, wsq, state.sq_sum + wsq),
+        micro_batches=jnp.where(
+            fresh, positive, state.micro_batches + positive
+        ),
+    )
+    return base.select(counted, new, state)
+
+
+def map_window(state: NoiseScaleState | None, fn: Any) -> Any:
+    """``state`` with ``fn`` applied to its per-device window sums (for
+    :func:`optaxaccum.map_accumulators`)."""
+    if state is None:
+        return None
+    return state._replace(
+        sq_sum=fn(state.sq_sum), micro_batches=fn(state.micro_batches)
+    )
+
+
+def _leaf_sq(g: Any, a: jax.Array) -> jax.Array:
+    """``|g|^2`` of one leaf in the accumulator's dtype (fused with the
+    accumulator's add by XLA)."""
+    return optax.tree.norm(jnp.asarray(g).astype(a.dtype), squared=True)
+
+
+def _device_sq(grads: Any, acc: Any) -> tuple[jax.Array, int]:
+    """``sum_d |g_d|^2`` over the devices' partial sums ``g_d`` of gradients
+    unreduced over mesh axes (``jit``), as a scalar left unreduced over every
+    mesh axis: each device squares its own shard in a ``shard_map``, with
+    no communication; the window's reduction sums them once. Also the
+    number ``n`` of devices the gradient is unreduced over.
+
+    With ``accum_weight`` the micro-batch's global weight ``w``, each
+    device's part is taken as a small batch of weight ``w / n`` (equal
+    shares) whose mean gradient is ``n g_d``: it adds ``n w |g_d|^2``.
+    """
+    leaves = jax.tree.leaves(grads)
+    first = next(g for g in leaves if sharding.unreduced_axes(g))
+    mesh = jax.typeof(first).sharding.mesh
+    every = frozenset(mesh.axis_names)
+    n = math.prod(mesh.shape[a] for a in sharding.unreduced_axes(first))
+    total = None
+    for g, a in zip(leaves, jax.tree.leaves(acc)):
+        g = jnp.asarray(g).astype(a.dtype)
+        spec = jax.typeof(g).sharding.spec
+        copies = every - spec.unreduced - _sharded_axes(spec)
+
+        def local(x, copies=copies):
+            s = optax.tree.norm(x, squared=True)
+            for axis in sorted(copies):  # a replicated copy counts once
+                s = jnp.where(lax.axis_index(axis) == 0, s, jnp.zeros_like(s))
+            return s
+
+        sq = jax.shard_map(
+            local,
+            in_specs=spec,
+            out_specs=P(unreduced=every),
+            check_vma=False,  # local values of an unreduced operand
+        )(g)
+        total = sq if total is None else total + sq
+    assert total is not None  # for the type checker: first is a leaf
+    return total, n
+
+
+def _like(x: jax.Array, unreduced: jax.Array) -> jax.Array:
+    """``x`` cast to the unreduced sharding of ``unreduced`` if it has
+    none (a local cast, as :func:`sharding.match_grads` does)."""
+    if sharding.unreduced_axes(x) or not sharding.unreduced_axes(unreduced):
+        return x
+    return jax.reshard(x, jax.typeof(unreduced).sharding.spec)
+
+
+def _sharded_axes(spec: P) -> set:
+    """The mesh axes that shard some dimension of ``spec``."""
+    names = set()
+    for entry in spec.partitions:
+        if entry is not None:
+            names.update(entry if isinstance(entry, tuple) else (entry,))
+    return names
+
+
+def close(
+    decay: float | None,
+    state: NoiseScaleState | None,
+    acc: Any,
+    weight: jax.Array,
+    axis_name: Hashable | None,
+    reduction: str,
+) -> NoiseScaleState | None:
+    """Folds a closing window into the averages.
+
+    ``acc`` and ``weight`` are the window's sum and weight after the
+    window's reduction over ``axis_name``; this device's ``sq_sum`` and
+    ``micro_batches`` are reduced here, in the same closing branch (no
+    collective on other micro-steps). Windows with fewer than two counted
+    micro-batches change nothing.
+    """
+    if state is None or decay is None:
+        return state
+    mapped = _is_mapped(acc, axis_name)
+    sq_sum, count = _reduce(state, axis_name, mapped)
+    dtype = weight.dtype
+    wsum_sq = optax.tree.norm(acc, squared=True).astype(dtype)
+    if reduction == "sum" and mapped:
+        # the reduction averaged the device sums: undo it for |sum w g|^2
+        wsum_sq = wsum_sq * jnp.asarray(lax.axis_size(axis_name), dtype) ** 2
+    valid = count >= 2
+    safe_w = jnp.where(valid, weight, jnp.ones_like(weight))
+    safe_k = jnp.where(valid, count, 2 * jnp.ones_like(count))
+    mean_sq = wsum_sq / safe_w**2  # C = |g_window|^2
+    a = sq_sum / safe_w  # A = sum_i w_i |g_i|^2 / W
+    trace_cov = safe_w * (a - mean_sq) / (safe_k - 1)
+    grad_sq = (safe_k * mean_sq - a) / (safe_k - 1)
+    keep = jnp.asarray(decay, dtype)
+
+    def ema(old, new):
+        return jnp.where(valid, keep * old + (1 - keep) * new, old)
+
+    return state._replace(
+        trace_cov=ema(state.trace_cov, trace_cov),
+        grad_sq=ema(state.grad_sq, grad_sq),
+        norm=ema(state.norm, jnp.ones_like(state.norm)),
+    )
+
+
+def _is_mapped(acc: Any, axis_name: Any) -> bool:
+    """Whether ``axis_name`` is a mapped axis (pmap/shard_map), not a mesh
+    axis of ``jit``'s global view."""
+    if axis_name is None:
+        return False
+    leaves = jax.tree.leaves(acc)
+    return not (leaves and sharding.is_explicit(leaves[0], axis_name))
+
+
+def _reduce(
+    state: NoiseScaleState, axis_name: Any, mapped: bool
+) -> tuple[jax.Array, jax.Array]:
+    """The window's ``sq_sum`` and ``count`` over all devices: one ``psum``
+    of both inside ``pmap``/``shard_map``; under ``jit`` the unreduced
+    ``sq_sum`` is resharded (the count is already global)."""
+    sq_sum, count = state.sq_sum, state.micro_batches
+    if axis_name is None:
+        return sq_sum, count
+    if not mapped:
+        if sharding.unreduced_axes(sq_sum):
+            sq_sum = jax.reshard(sq_sum, P())
+        return sq_sum, count
+    both = lax.psum(jnp.stack([sq_sum, count]), axis_name)
+    return both[0], both[1]
+
+
+def noise_scale(opt_state: optax.OptState) -> NoiseScale:
+    """The gradient noise scale estimated by an accumulation window.
+
+    Args:
+      opt_state: the state of a (possibly nested) chain, a Flax
+        ``TrainState.opt_state`` or an ``nnx.Optimizer.opt_state``; the first
+        :func:`accumulate` with ``noise_scale_decay`` set is read.
+
+    Returns:
+      A :class:`NoiseScale` of float32 scalars: the debiased moving averages
+      of ``tr(Sigma)`` (per unit of ``accum_weight``) and ``|G|^2``, and
+      ``b_simple``, their ratio. NaN until a window with at least two
+      micro-batches of positive weight has closed.
+
+    Raises:
+      ValueError: naming ``noise_scale_decay`` if no accumulate in
+        ``opt_state`` has it set.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optaxaccum as oa
+      >>> tx = oa.chain(oa.accumulate(2, noise_scale_decay=0.0), optax.sgd(1.0))
+      >>> state = tx.init(jnp.zeros(2))
+      >>> for g in ([1.0, 0.0], [3.0, 0.0]):   # mean (2, 0), spread 1 each
+      ...   _, state = tx.update(jnp.array(g), state)
+      >>> oa.noise_scale(state)   # tr(Sigma) = 2, |G|^2 = 4 - 2 / 2
+      NoiseScale(b_simple=Array(0.6666667, dtype=float32), \
+trace_cov=Array(2., dtype=float32), grad_sq=Array(3., dtype=float32))
+    """
+    try:
+        found = utils.find_state(opt_state, NoiseScaleState, "oa.noise_scale")
+    except ValueError:
+        raise ValueError(f"oa.noise_scale {NOT_ON_MSG}") from None
+    trace_cov, grad_sq, norm = (
+        jnp.asarray(x) for x in (found.trace_cov, found.grad_sq, found.norm)
+    )
+    unset = norm == 0  # no window with k >= 2 yet
+    norm = jnp.where(unset, jnp.nan, norm)
+    return NoiseScale(
+        b_simple(found).astype(jnp.float32),
+        (trace_cov / norm).astype(jnp.float32),
+        (grad_sq / norm).astype(jnp.float32),
+    )
+
+
+def b_simple(state: NoiseScaleState) -> jax.Array:
+    """``EMA(trace_cov) / EMA(grad_sq)`` (the debiasing cancels): NaN while
+    unset, ``+inf`` when ``EMA(grad_sq) <= 0``; in the weight's dtype."""
+    trace_cov, grad_sq, norm = (
+        jnp.asarray(x) for x in (state.trace_cov, state.grad_sq, state.norm)
+    )
+    ratio = jnp.where(
+        grad_sq > 0, trace_cov / jnp.where(grad_sq > 0, grad_sq, 1), jnp.inf
+    )
+    return jnp.where(norm == 0, jnp.nan, ratio)
+
+
+class CriticalBatchEveryK(NamedTuple):
+    """The ``every_k`` made by :func:`critical_batch_every_k` (static)."""
+
+    min_k: int
+    max_k: int
+    micro_batch_weight: float
+    fraction: float
+
+    def window(self, state: NoiseScaleState | None) -> jax.Array:
+        """The window length for the current estimate (an int32 scalar)."""
+        if state is None:
+            raise ValueError(NEEDS_DECAY_MSG)
+        k = jnp.ceil(self.fraction * b_simple(state) / self.micro_batch_weight)
+        k = jnp.clip(k, self.min_k, self.max_k)  # +inf gives max_k
+        return jnp.where(jnp.isnan(k), self.min_k, k).astype(jnp.int32)
+
+
+NEEDS_DECAY_MSG = (
+    "oa.critical_batch_every_k sizes windows from the noise scale: it needs "
+    "noise_scale_decay on the same oa.accumulate (e.g. "
+    "oa.accumulate(oa.critical_batch_every_k(...), noise_scale_decay=0.9))"
+)
+
+
+def critical_batch_every_k(
+    min_k: int,
+    max_k: int,
+    *,
+    micro_batch_weight: float,
+    fraction: float = 1.0,
+) -> CriticalBatchEveryK:
+    r"""An ``every_k`` that sizes each window from the noise scale.
+
+    When a window opens its length is set to
+
+    .. math:: k = \mathrm{clip}\left(\left\lceil \frac{f\, B_\mathrm{simple}}
+       {w_\mathrm{micro}} \right\rceil, k_\min, k_\max\right),
+
+    ``min_k`` while the estimate is NaN (no window with two micro-batches
+    yet), ``max_k`` when it is ``+inf``; it stays fixed until the window
+    closes. The learning rate is left alone: pair it with a schedule
+    yourself (docs/noise_scale.md, "Windows sized by the noise scale").
+
+    Args:
+      min_k: the shortest window, an int >= 1.
+      max_k: the longest window, an int >= ``min_k``.
+      micro_batch_weight: the weight (``accum_weight``: examples or tokens)
+        of one micro-batch, summed over devices with ``axis_name``; > 0.
+      fraction: the window's target weight as a fraction of ``b_simple``;
+        finite and > 0.
+
+    Returns:
+      An ``every_k`` for :func:`accumulate` with ``noise_scale_decay`` set.
+
+    Raises:
+      TypeError, ValueError: for a bad argument, naming it.
+
+    Examples:
+      >>> import optax, optaxaccum as oa
+      >>> tx = oa.chain(
+      ...     oa.accumulate(oa.critical_batch_every_k(1, 64,
+      ...                   micro_batch_weight=32), noise_scale_decay=0.9),
+      ...     optax.sgd(0.1))
+    """
+    min_k = utils.check_positive_int("min_k", min_k)
+    max_k = utils.check_positive_int("max_k", max_k)
+    if max_k < min_k:
+        raise ValueError(f"max_k must be >= min_k, got {max_k=}, {min_k=}")
+    values = {"micro_batch_weight": micro_batch_weight, "fraction": fraction}
+    for name, value in values.items():
+        number = utils.check_real(name, value)
+        if not (math.isfinite(number) and number > 0):
+            raise ValueError(
+                f"{name} must be finite and > 0, got {name}={value!r}"
+            )
+    return CriticalBatchEveryK(
+        min_k, max_k, float(micro_batch_weight), float(fraction)
+    )
