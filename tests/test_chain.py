@@ -421,3 +421,62 @@ def test_gates_survive_pytree_round_trips():
     _, s = clone.update(jnp.ones(2), s, params)
     u, _ = clone.update(jnp.ones(2), s, params)
     chex.assert_trees_all_equal(u, -jnp.ones(2))
+
+
+# ------------------- issue 23, item 1: followers see exactly the call's keywords
+
+
+def _window_loss(p, batch):
+    return jnp.mean((batch @ p - 1.0) ** 2)
+
+
+_LINESEARCH_OPTIMIZERS = {
+    "lbfgs": optax.lbfgs,
+    "sgd+backtracking": lambda: optax.chain(
+        optax.sgd(1.0), optax.scale_by_backtracking_linesearch(15)
+    ),
+}
+
+
+def _linesearch_args(params, batch):
+    """The window's ``value``/``grad``/``value_fn``, as a linesearch needs."""
+    value_fn = lambda p: _window_loss(p, batch)  # noqa: E731
+    value, grad = jax.value_and_grad(value_fn)(params)
+    return {"value": value, "grad": grad, "value_fn": value_fn}
+
+
+@pytest.mark.parametrize("path", ["update", "apply_gradients", "flush"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(_LINESEARCH_OPTIMIZERS))
+def test_linesearch_optimizer_after_accumulate(name, jit, path):
+    """Issue 23, item 1: ``accum_weight`` reached optax's linesearches,
+    which hand unknown keywords to ``value_fn`` (a TypeError on every call).
+    Over a window of two micro-batches (``flush``: of one), the chain equals the optimizer run on the window means with the window's
+    ``value``/``grad``/``value_fn``."""
+    make = _LINESEARCH_OPTIMIZERS[name]
+    tx, ref = oa.chain(oa.accumulate(2), make()), make()
+    rng = np.random.default_rng(0)
+    batches = jnp.asarray(rng.normal(size=(2, 3, 2)), jnp.float32)
+    params = p_ref = jnp.array([0.5, -0.5])
+    state, s_ref = tx.init(params), ref.init(p_ref)
+    per_window = 1 if path == "flush" else 2
+
+    def call(params, state, batch, window):
+        args = _linesearch_args(params, window)
+        grad = jax.grad(_window_loss)(params, batch)
+        if path == "apply_gradients":
+            return oa.apply_gradients(tx, grad, state, params, **args)
+        updates, state = tx.update(grad, state, params, **args)
+        if path == "flush":
+            updates, state = oa.flush(tx, state, params, **args)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(call) if jit else call
+    window = batches[:per_window]
+    for batch in window:
+        params, state = step(params, state, batch, jnp.concatenate(window))
+    args = _linesearch_args(p_ref, jnp.concatenate(window))
+    u_ref, s_ref = ref.update(args["grad"], s_ref, p_ref, **args)
+    p_ref = optax.apply_updates(p_ref, u_ref)
+    assert not np.allclose(p_ref, [0.5, -0.5])  # the optimizer stepped
+    np.testing.assert_allclose(params, p_ref, rtol=1e-5, atol=1e-6)

@@ -2,7 +2,9 @@
 
 A new transformation joins by adding one entry to ``TRANSFORMS``: a factory,
 and (for gates) a function turning ordinary gradients into gradients on which
-the gate stays closed on the first call.
+the gate stays closed on the first call. Transformations that need extra
+arguments on every call (optax's linesearches: ``value``, ``grad``,
+``value_fn``) also have an entry in ``EXTRA_ARGS``.
 """
 
 import chex
@@ -63,8 +65,52 @@ TRANSFORMS = {
         ),
         _inf,
     ),
+    # optax's linesearches hand unknown keywords to value_fn (issue 23).
+    "chain_accumulate_lbfgs": (
+        lambda: oa.chain(oa.accumulate(2), optax.lbfgs()),
+        _same,
+    ),
+    "multisteps_backtracking_linesearch": (
+        lambda: oa.MultiSteps(
+            optax.chain(
+                optax.sgd(1.0), optax.scale_by_backtracking_linesearch(15)
+            ),
+            2,
+        ),
+        _same,
+    ),
 }
 NAMES = list(TRANSFORMS)
+
+
+def _value_fn(params):
+    return sum(
+        jnp.sum(jnp.square(p.astype(jnp.float32)))
+        for p in jax.tree.leaves(params)
+    )
+
+
+def _linesearch_args(params):
+    value, grad = jax.value_and_grad(_value_fn)(params)
+    grad = jax.tree.map(lambda g, p: g.astype(p.dtype), grad, params)
+    return {"value": value, "grad": grad, "value_fn": _value_fn}
+
+
+# name -> params -> the extra arguments of every call
+EXTRA_ARGS = {
+    "chain_accumulate_lbfgs": _linesearch_args,
+    "multisteps_backtracking_linesearch": _linesearch_args,
+}
+
+
+def _update_fn(name, tx):
+    """``tx.update`` with the extra arguments the transformation needs."""
+    extra = EXTRA_ARGS.get(name, lambda params: {})
+
+    def update(g, s, p):
+        return tx.update(g, s, p, **extra(p))
+
+    return update
 
 
 def _params(dtype):
@@ -91,10 +137,11 @@ def test_contract_jit_matches_eager(name):
     tx = TRANSFORMS[name][0]()
     params = _params(jnp.float32)
     s_eager = s_jit = tx.init(params)
-    update = jax.jit(tx.update)
+    eager = _update_fn(name, tx)
+    update = jax.jit(eager)
     for i in range(4):
         g = _grads(params, i)
-        u_eager, s_eager = tx.update(g, s_eager, params)
+        u_eager, s_eager = eager(g, s_eager, params)
         u_jit, s_jit = update(g, s_jit, params)
         chex.assert_trees_all_close(u_eager, u_jit, rtol=1e-5, atol=1e-6)
         chex.assert_trees_all_close(s_eager, s_jit, rtol=1e-5, atol=1e-6)
@@ -110,7 +157,7 @@ def test_contract_no_retrace(name):
     @jax.jit
     @chex.assert_max_traces(n=1)
     def update(g, s, p):
-        return tx.update(g, s, p)
+        return _update_fn(name, tx)(g, s, p)
 
     for i in range(5):  # covers closing and non-closing calls
         _, state = update(_grads(params, i), state, params)
@@ -125,7 +172,7 @@ def test_contract_dtypes_and_state_stable(name, dtype):
     params = _params(dtype)
     state0 = tx.init(params)
     state = state0
-    update = jax.jit(tx.update)
+    update = jax.jit(_update_fn(name, tx))
     for i in range(3):
         u, state = update(_grads(params, i), state, params)
         chex.assert_trees_all_equal_dtypes(u, params)
@@ -140,7 +187,8 @@ def test_contract_closed_gate_leaves_followers_untouched(name):
     tx = oa.chain(factory(), optax.adam(1e-2))
     params = _params(jnp.float32)
     state = tx.init(params)
-    u, new_state = jax.jit(tx.update)(closing(_grads(params, 0)), state, params)
+    update = jax.jit(_update_fn(name, tx))
+    u, new_state = update(closing(_grads(params, 0)), state, params)
     chex.assert_trees_all_equal(new_state[1], state[1])
     chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
 
@@ -151,8 +199,9 @@ def test_contract_fused_step_equals_plain_protocol(name):
     params = _params(jnp.float32)
     s_plain = s_fused = tx.init(params)
     p_plain = p_fused = params
-    fused = jax.jit(lambda p, s, g: oa.apply_gradients(tx, g, s, p))
-    plain = jax.jit(tx.update)
+    extra = EXTRA_ARGS.get(name, lambda params: {})
+    fused = jax.jit(lambda p, s, g: oa.apply_gradients(tx, g, s, p, **extra(p)))
+    plain = jax.jit(_update_fn(name, tx))
     for i in range(4):
         g = _grads(params, i)
         p_fused, s_fused = fused(p_fused, s_fused, g)

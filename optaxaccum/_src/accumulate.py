@@ -206,9 +206,11 @@ def _gate_update(
     *,
     accum_weight: Any = 1.0,
     passed: Any = True,
+    window_weight: Any = None,
     **extra_args: Any,
 ) -> base.GateResult:
-    """Adds one micro-batch; decides whether the window closes."""
+    """Adds one micro-batch (of weight ``window_weight``, an earlier
+    window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
     if not isinstance(state, AccumulateState):
         raise TypeError(
@@ -219,6 +221,8 @@ def _gate_update(
     acc = sharding.unstack_partials(state.acc, cfg.axis_name)
     _check_gradients(updates, acc)
     state = state._replace(acc=sharding.match_grads(acc, updates))
+    if window_weight is not None:
+        accum_weight = window_weight
     utils.check_weight("accum_weight", accum_weight)
     acc, weight, noise, counted = _add(
         cfg, state, updates, accum_weight, passed

@@ -197,9 +197,31 @@ def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
     return true_fn() if concrete else false_fn()
 
 
+def replaced(extra_args: dict[str, Any], window: Any) -> dict[str, Any]:
+    """The call's keywords with ``accum_weight`` replaced by an earlier
+    window's total weight ``window`` where the call passed one."""
+    if window is None or "accum_weight" not in extra_args:
+        return extra_args
+    return {**extra_args, "accum_weight": window}
+
+
+def follower_args(
+    tx: Any, extra_args: dict[str, Any], window: Any
+) -> dict[str, Any]:
+    """The keywords a follower ``tx`` sees: exactly the call's (already
+    :func:`replaced`), plus the window's total as ``accum_weight`` if ``tx``
+    declares ``accum_weight`` by name (a nested accumulate). No other
+    keyword reaches it: optax's linesearches hand unknown keywords to
+    ``value_fn``."""
+    if window is None or "accum_weight" not in utils.declared_extra_args(tx):
+        return extra_args
+    return {**extra_args, "accum_weight": window}
+
+
 def call_gate(
     gate: GatedTransformation,
     passed: Any,
+    window: Any,
     updates: optax.Updates,
     state: optax.OptState,
     params: optax.Params | None = None,
@@ -211,8 +233,15 @@ def call_gate(
     state is its state as it was, and it does not open. A gate whose
     ``gate_update`` takes the keyword ``passed`` does this itself (inside
     its own update, so no tree is held twice); for any other gate the
-    state is selected here.
+    state is selected here. ``window`` is the total weight of an earlier
+    accumulate's window (or ``None``), given as ``window_weight`` to a gate
+    that takes it, else as in :func:`follower_args`.
     """
+    if window is not None:
+        if "window_weight" in utils.keywords(gate.gate_update):
+            extra_args = {**extra_args, "window_weight": window}
+        else:
+            extra_args = follower_args(gate, extra_args, window)
     if passed is True:
         return gate.gate_update(updates, state, params, **extra_args)
     if "passed" in utils.keywords(gate.gate_update):

@@ -76,23 +76,39 @@ def chain(
     )
     if gate_at is None:  # a chain without gates is optax.chain
         return _checked(optax.chain(*transforms), declared, len(transforms))
-    head = optax.chain(*transforms[:gate_at]) if gate_at else None
+    head = _plain(transforms[:gate_at]) if gate_at else None
     first, rest = transforms[gate_at], _followers(transforms, gate_at)
     assert base.is_gate(first)  # for the type checker: found as a gate
     init = optax.chain(*transforms).init
 
     def gate_update_fn(
-        updates, state, params=None, *, passed=True, **extra_args
+        updates,
+        state,
+        params=None,
+        *,
+        passed=True,
+        window_weight=None,
+        **extra_args,
     ):
         _check_state(state, len(transforms))
         head_state = ()
         if head is not None:
             updates, head_state = head.update(
-                updates, state[:gate_at], params, **extra_args
+                updates,
+                state[:gate_at],
+                params,
+                window_weight=window_weight,
+                **extra_args,
             )
             head_state = base.select(passed, head_state, state[:gate_at])
         res = base.call_gate(
-            first, passed, updates, state[gate_at], params, **extra_args
+            first,
+            passed,
+            window_weight,
+            updates,
+            state[gate_at],
+            params,
+            **extra_args,
         )
         return _follow(
             res, head_state, state[gate_at + 1 :], rest, params, extra_args
@@ -163,7 +179,28 @@ def _followers(transforms, i):
     rest = transforms[i + 1 :]
     if not rest:
         return None
-    return chain(*rest) if any(map(base.is_gate, rest)) else optax.chain(*rest)
+    return chain(*rest) if any(map(base.is_gate, rest)) else _plain(rest)
+
+
+def _plain(transforms):
+    """``optax.chain(*transforms)`` (no gates among them) whose ``update``
+    also takes the ``window_weight`` of an accumulate before them and gives
+    each element the keywords :func:`base.follower_args` says it sees."""
+    txs = [optax.with_extra_args_support(t) for t in transforms]
+
+    def update_fn(
+        updates, state, params=None, *, window_weight=None, **extra_args
+    ):
+        new_state = []
+        for tx, s in zip(txs, state, strict=True):
+            args = base.follower_args(tx, extra_args, window_weight)
+            updates, s = tx.update(updates, s, params, **args)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return optax.GradientTransformationExtraArgs(
+        optax.chain(*transforms).init, update_fn
+    )
 
 
 def _follow(
@@ -191,9 +228,10 @@ def _follow(
 
     def emit():
         out = base.emitted(res)
-        args = {**extra_args, **out.follower_args}
+        window = out.follower_args.get("accum_weight")
+        args = base.replaced(extra_args, window)
         updates, tail, opened, follower_args = into(
-            out, tail_state, rest, params, args
+            out, tail_state, rest, params, args, window
         )
         return base.Emitted(
             updates, (*head, out.state, *tail), opened, follower_args
@@ -202,11 +240,13 @@ def _follow(
     return base.GateResult((*head, res.state, *tail_state), res.may_open, emit)
 
 
-def _emit_into(out, tail_state, rest, params, args) -> base.Emitted:
+def _emit_into(out, tail_state, rest, params, args, window) -> base.Emitted:
     """The plain followers run where the gate ``opened`` after all."""
 
     def run():
-        return rest.update(out.updates, tail_state, params, **args)
+        return rest.update(
+            out.updates, tail_state, params, window_weight=window, **args
+        )
 
     def skip():
         return base.zeros_of(jax.eval_shape(run)[0]), tail_state
@@ -215,10 +255,14 @@ def _emit_into(out, tail_state, rest, params, args) -> base.Emitted:
     return base.Emitted(updates, tail, out.opened)
 
 
-def _emit_into_gate(out, tail_state, rest, params, args) -> base.Emitted:
+def _emit_into_gate(
+    out, tail_state, rest, params, args, window
+) -> base.Emitted:
     """A later gate decides in turn (only where this one opened, e.g. once
     per window); its emit runs only where it opens too."""
-    res2 = rest.gate_update(out.updates, tail_state, params, **args)
+    res2 = rest.gate_update(
+        out.updates, tail_state, params, window_weight=window, **args
+    )
 
     def opened():
         out2 = base.emitted(res2)
@@ -247,13 +291,15 @@ def _follow_eager(res, head, tail_state, rest, params, extra_args):
     passed = base.both(res.may_open, opened)
     gate_state = base.select(res.may_open, open_state, res.state)
     # A call this gate refused does not count for the later gate (``passed``).
+    window = follower_args.get("accum_weight")
     res2 = base.call_gate(
         rest,
         passed,
+        window,
         updates,
         tail_state,
         params,
-        **{**extra_args, **follower_args},
+        **base.replaced(extra_args, window),
     )
 
     def emit():

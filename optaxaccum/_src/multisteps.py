@@ -174,10 +174,22 @@ class MultiSteps(base.GatedTransformation):
             return views.outer(inner.init(params))
 
         def gate_update_fn(
-            updates, state, params=None, *, passed=True, **extra_args
+            updates,
+            state,
+            params=None,
+            *,
+            passed=True,
+            window_weight=None,
+            **extra_args,
         ):
             res = base.call_gate(
-                inner, passed, updates, views.inner(state), params, **extra_args
+                inner,
+                passed,
+                window_weight,
+                updates,
+                views.inner(state),
+                params,
+                **extra_args,
             )
             return views.result(res)
 

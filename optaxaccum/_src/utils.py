@@ -110,7 +110,7 @@ def check_weight(name: str, value: Any) -> None:
 
 # Keywords of the gate protocol itself (see base.py), not extra arguments a
 # user may pass.
-PROTOCOL_KEYWORDS = frozenset({"passed"})
+PROTOCOL_KEYWORDS = frozenset({"passed", "window_weight"})
 
 
 def keywords(fn: Any, skip: int = 3) -> frozenset[str]:
