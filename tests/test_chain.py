@@ -480,3 +480,42 @@ def test_linesearch_optimizer_after_accumulate(name, jit, path):
     p_ref = optax.apply_updates(p_ref, u_ref)
     assert not np.allclose(p_ref, [0.5, -0.5])  # the optimizer stepped
     np.testing.assert_allclose(params, p_ref, rtol=1e-5, atol=1e-6)
+
+
+# ------------- issue 23, item 3: a nested window of weight 0 is one micro-batch
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+def test_nested_window_of_weight_0_counts_as_one_micro_batch(fused):
+    """Issue 23, item 3: with weights 1, 2, 0, 0, 1, 1, 4, 4 nested
+    accumulates of 2 and 2 stepped once, at call 6; ``oa.accumulate(4)``
+    steps at calls 4 and 8, and so must they, with the same result."""
+    nested = oa.chain(oa.accumulate(2), oa.accumulate(2), optax.sgd(1.0))
+    flat = oa.chain(oa.accumulate(4), optax.sgd(1.0))
+    rng = np.random.default_rng(0)
+    grads = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+    weights = [1.0, 2.0, 0.0, 0.0, 1.0, 1.0, 4.0, 4.0]
+
+    def step(tx, params, state, g, w):
+        if fused:
+            return oa.apply_gradients(tx, g, state, params, accum_weight=w)
+        u, state = tx.update(g, state, params, accum_weight=w)
+        return optax.apply_updates(params, u), state
+
+    params = {"nested": jnp.zeros(2), "flat": jnp.zeros(2)}
+    states = {"nested": nested.init(params["nested"]), "flat": None}
+    states["flat"] = flat.init(params["flat"])
+    stepped = {"nested": [], "flat": []}
+    for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+        for name, tx in (("nested", nested), ("flat", flat)):
+            old = params[name]
+            params[name], states[name] = jax.jit(step, static_argnums=0)(
+                tx, params[name], states[name], g, w
+            )
+            if not np.array_equal(old, params[name]):
+                stepped[name].append(i + 1)
+    assert stepped["flat"] == [4, 8]
+    assert stepped["nested"] == stepped["flat"]
+    np.testing.assert_allclose(
+        params["nested"], params["flat"], rtol=1e-6, atol=1e-7
+    )

@@ -249,10 +249,13 @@ def _gate_update(
     out_dtypes = jax.tree.map(jnp.result_type, updates)
     if cfg.axis_name is None:
         # The weight is local: decide on it here so the chain branches once.
+        # A window of weight 0 is ``empty``: a later gate counts it.
+        nonzero = weight != 0
         return base.GateResult(
             new_state,
-            closing & (weight != 0),
+            closing & nonzero,
             _emitter(cfg, new_state, out_dtypes, weight_checked=True),
+            empty=closing & ~nonzero,
         )
     return base.GateResult(
         new_state, closing, _emitter(cfg, new_state, out_dtypes)
@@ -309,7 +312,9 @@ def _emitter(
 ) -> Callable[[], base.Emitted]:
     """The ``emit`` of a closing window; ``weight_checked`` promises that the
     caller already checked the window's weight is not 0 (then ``opened`` is
-    the literal ``True`` and the chain needs no second branch on it)."""
+    the literal ``True`` and the chain needs no second branch on it), or
+    said that the window is ``empty``: then the chain passes it on with
+    weight 0 to a later gate only."""
 
     def emit():
         acc, weight = state.acc, state.weight
@@ -327,7 +332,8 @@ def _emitter(
         )
         opened = True if weight_checked else weight != 0
         if cfg.reduction == "mean":
-            scale = jnp.where(opened, 1 / jnp.where(opened, weight, 1), 0)
+            nonzero = weight != 0  # ``empty``: 0 where weight_checked lies
+            scale = jnp.where(nonzero, 1 / jnp.where(nonzero, weight, 1), 0)
             # In each leaf's own precision (the weight's is the widest).
             acc = jax.tree.map(lambda a: scale.astype(a.dtype) * a, acc)
         updates = jax.tree.map(lambda a, d: a.astype(d), acc, out_dtypes)
@@ -336,7 +342,9 @@ def _emitter(
         # Followers (a nested accumulate) weigh this window by its total
         # weight; a window sum adds up with weight 1.
         follower_weight = (
-            weight if cfg.reduction == "mean" else jnp.ones_like(weight)
+            weight
+            if cfg.reduction == "mean"
+            else (weight != 0).astype(weight.dtype)
         )
         return base.Emitted(
             updates,

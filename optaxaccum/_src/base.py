@@ -63,12 +63,15 @@ class Emitted(NamedTuple):
         replaced by zeros and ``state`` is kept.
       follower_args: extra arguments replacing the call's own for the
         followers (a closing accumulate passes its total ``accum_weight``).
+      reached: a flag: whether the call reached the last gate of a chain
+        (false where a later gate of the chain did not open).
     """
 
     updates: optax.Updates
     state: Any  # the gate's state (a pytree)
     opened: Any = True
     follower_args: Mapping[str, Any] = {}
+    reached: Any = True
 
 
 class GateResult(NamedTuple):
@@ -82,12 +85,16 @@ class GateResult(NamedTuple):
         branch taken when ``may_open`` is true, unless ``eager``.
       eager: ``True`` when ``emit`` costs nothing and may be called on every
         step; default ``False``.
+      empty: a flag: the call closed a window of weight 0 (``may_open`` is
+        false): the followers do not step, but a later gate counts the
+        window as one call of weight 0 (``emit`` is called for it).
     """
 
     state: Any  # the gate's state (a pytree)
     may_open: Any
     emit: Callable[[], tuple]
     eager: bool = False
+    empty: Any = False
 
 
 # ``gate_update(updates, state, params=None, *, passed=True, **extra_args)``
@@ -270,7 +277,7 @@ def resolve(res: GateResult) -> tuple[optax.Updates, optax.OptState]:
     """
 
     def opened():
-        updates, state, flag, _ = emitted(res)
+        updates, state, flag, *_ = emitted(res)
         return mask(flag, updates), state
 
     def closed():
@@ -289,6 +296,16 @@ def mask(flag: Any, updates: optax.Updates) -> optax.Updates:
     if flag is True:  # no zeros to build (eager callers would allocate them)
         return updates
     return select(flag, updates, jax.tree.map(jnp.zeros_like, updates))
+
+
+def either(a: Any, b: Any) -> Any:
+    """``a | b`` for boolean scalars, keeping the literals ``True`` and
+    ``False``."""
+    if a is True or b is False:
+        return a
+    if a is False:
+        return b
+    return a | b
 
 
 def both(a: Any, b: Any) -> Any:

@@ -100,7 +100,9 @@ def chain(
                 window_weight=window_weight,
                 **extra_args,
             )
-            head_state = base.select(passed, head_state, state[:gate_at])
+            # An earlier window of weight 0 does not step them.
+            stepped = base.both(passed, _nonzero(window_weight))
+            head_state = base.select(stepped, head_state, state[:gate_at])
         res = base.call_gate(
             first,
             passed,
@@ -182,6 +184,12 @@ def _followers(transforms, i):
     return chain(*rest) if any(map(base.is_gate, rest)) else _plain(rest)
 
 
+def _nonzero(window: Any) -> Any:
+    """Whether an earlier window's total weight is not 0 (``True`` if there
+    is none)."""
+    return True if window is None else window != 0
+
+
 def _plain(transforms):
     """``optax.chain(*transforms)`` (no gates among them) whose ``update``
     also takes the ``window_weight`` of an accumulate before them and gives
@@ -220,24 +228,23 @@ def _follow(
             return out._replace(state=(*head, out.state))
 
         return base.GateResult(
-            (*head, res.state), res.may_open, emit_alone, res.eager
+            (*head, res.state), res.may_open, emit_alone, res.eager, res.empty
         )
     if base.is_gate(rest) and res.eager:
         return _follow_eager(res, head, tail_state, rest, params, extra_args)
-    into = _emit_into_gate if base.is_gate(rest) else _emit_into
+    gated = base.is_gate(rest)
+    into = _emit_into_gate if gated else _emit_into
 
     def emit():
         out = base.emitted(res)
         window = out.follower_args.get("accum_weight")
         args = base.replaced(extra_args, window)
-        updates, tail, opened, follower_args = into(
-            out, tail_state, rest, params, args, window
-        )
-        return base.Emitted(
-            updates, (*head, out.state, *tail), opened, follower_args
-        )
+        e = into(out, tail_state, rest, params, args, window)
+        return e._replace(state=(*head, out.state, *e.state))
 
-    return base.GateResult((*head, res.state, *tail_state), res.may_open, emit)
+    # A later gate counts an empty window (weight 0) as one call.
+    may_open = base.either(res.may_open, res.empty) if gated else res.may_open
+    return base.GateResult((*head, res.state, *tail_state), may_open, emit)
 
 
 def _emit_into(out, tail_state, rest, params, args, window) -> base.Emitted:
@@ -260,34 +267,52 @@ def _emit_into_gate(
 ) -> base.Emitted:
     """A later gate decides in turn (only where this one opened, e.g. once
     per window); its emit runs only where it opens too."""
+    # An accumulate's window reaches the later gate as one call of the
+    # window's weight (0 for an empty window), where it reached this gate.
     res2 = rest.gate_update(
-        out.updates, tail_state, params, window_weight=window, **args
+        out.updates,
+        tail_state,
+        params,
+        passed=True if window is None else out.reached,
+        window_weight=window,
+        **args,
     )
+    pred = base.either(res2.may_open, res2.empty)
 
     def opened():
         out2 = base.emitted(res2)
         flag = base.both(res2.may_open, out2.opened)
-        return out2.updates, out2.state, flag, out2.follower_args
+        reached = jnp.logical_or(pred, True) & out2.reached
+        return out2.updates, out2.state, flag, out2.follower_args, reached
 
     def closed():
         shapes = jax.eval_shape(
             lambda: (lambda e: (e.updates, e.follower_args))(base.emitted(res2))
         )
         zeros, args2 = base.zeros_of(shapes)
-        return zeros, res2.state, jnp.logical_and(res2.may_open, False), args2
+        false = jnp.logical_and(pred, False)
+        return zeros, res2.state, false, args2, false
 
-    updates, inner, opened2, args2 = base.cond_or_call(
-        res2.may_open, opened, closed
+    updates, inner, opened2, args2, reached2 = base.cond_or_call(
+        pred, opened, closed
     )
+    if window is not None:
+        return base.Emitted(updates, inner, opened2, args2, reached2)
     tail = base.select(out.opened, inner, tail_state)
-    return base.Emitted(updates, tail, base.both(out.opened, opened2), args2)
+    return base.Emitted(
+        updates,
+        tail,
+        base.both(out.opened, opened2),
+        args2,
+        base.both(out.opened, reached2),
+    )
 
 
 def _follow_eager(res, head, tail_state, rest, params, extra_args):
     """An eager gate followed by a gated chain: one combined gate, so that a
     step where the later gate stays closed (a non-closing micro-step after a
     loss scale) still skips its followers and keeps the fused fast path."""
-    updates, open_state, opened, follower_args = base.emitted(res)
+    updates, open_state, opened, follower_args, _ = base.emitted(res)
     passed = base.both(res.may_open, opened)
     gate_state = base.select(res.may_open, open_state, res.state)
     # A call this gate refused does not count for the later gate (``passed``).
@@ -303,16 +328,15 @@ def _follow_eager(res, head, tail_state, rest, params, extra_args):
     )
 
     def emit():
-        updates2, tail, opened2, args2 = base.emitted(res2)
-        return base.Emitted(
-            updates2, (*head, gate_state, *cast(tuple, tail)), opened2, args2
-        )
+        e = base.emitted(res2)
+        return e._replace(state=(*head, gate_state, *cast(tuple, e.state)))
 
     return base.GateResult(
         (*head, gate_state, *cast(tuple, res2.state)),
         base.both(passed, res2.may_open),
         emit,
         res2.eager,
+        base.both(passed, res2.empty),
     )
 
 
@@ -394,7 +418,7 @@ def fused_step(
 
 def _apply(res: base.GateResult, params, with_updates: bool):
     def opened():
-        updates, state, flag, _ = base.emitted(res)
+        updates, state, flag, *_ = base.emitted(res)
         new_params = optax.apply_updates(params, updates)
         updates = base.mask(flag, updates) if with_updates else None
         return base.select(flag, new_params, params), state, updates

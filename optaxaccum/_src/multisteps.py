@@ -331,11 +331,11 @@ class _Views:
 
     def result(self, res: base.GateResult) -> base.GateResult:
         def emit():
-            updates, state, opened, follower_args = base.emitted(res)
-            return updates, self.outer(state), opened, follower_args
+            out = base.emitted(res)
+            return out._replace(state=self.outer(out.state))
 
         return base.GateResult(
-            self.outer(res.state), res.may_open, emit, res.eager
+            self.outer(res.state), res.may_open, emit, res.eager, res.empty
         )
 
 
