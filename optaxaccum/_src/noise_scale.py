@@ -122,9 +122,7 @@ def _loaded(state: NoiseScaleState) -> NoiseScaleState:
     if not jnp.ndim(state.sq_sum) or not isinstance(named, NamedSharding):
         return state
     every = tuple(named.mesh.axis_names)
-    return state._replace(
-        sq_sum=sharding.unstack_partials(state.sq_sum, every)
-    )
+    return state._replace(sq_sum=sharding.unstack_partials(state.sq_sum, every))
 
 
 def micro_step(
