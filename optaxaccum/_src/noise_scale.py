@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optaxaccum._src import base, sharding, utils
@@ -105,7 +106,23 @@ def init(
         return state
     every = frozenset(jax.sharding.get_abstract_mesh().axis_names)
     sq_sum = jax.reshard(state.sq_sum, P(unreduced=every))
-    return state._replace(sq_sum=sq_sum)
+    return _stored(state._replace(sq_sum=sq_sum))
+
+
+def _stored(state: NoiseScaleState) -> NoiseScaleState:
+    """``state`` as it is kept: an unreduced ``sq_sum`` (``jit`` meshes) in
+    the stacked form of the accumulator, one entry per device's partial sum
+    (an ordinary, checkpointable array; :func:`sharding.stack_partials`)."""
+    return state._replace(sq_sum=sharding.stack_partials(state.sq_sum))
+
+
+def _loaded(state: NoiseScaleState) -> NoiseScaleState:
+    """The inverse of :func:`_stored` (a local cast, no communication)."""
+    named = getattr(jax.typeof(state.sq_sum), "sharding", None)
+    if not jnp.ndim(state.sq_sum) or not isinstance(named, NamedSharding):
+        return state
+    every = tuple(named.mesh.axis_names)
+    return state._replace(sq_sum=sharding.unstack_partials(state.sq_sum, every))
 
 
 def micro_step(
@@ -126,6 +143,7 @@ def micro_step(
     """
     if state is None:
         return None
+    state = _loaded(state)
     if any(sharding.unreduced_axes(g) for g in jax.tree.leaves(grads)):
         sq, n = _device_sq(grads, acc)
         state = state._replace(sq_sum=_like(state.sq_sum, sq))
@@ -144,7 +162,7 @@ def micro_step(
             fresh, positive, state.micro_batches + positive
         ),
     )
-    return base.select(counted, new, state)
+    return _stored(base.select(counted, new, state))
 
 
 def map_window(state: NoiseScaleState | None, fn: Any) -> Any:
@@ -237,6 +255,7 @@ def close(
     """
     if state is None or decay is None:
         return state
+    state = _loaded(state)
     mapped = _is_mapped(acc, axis_name)
     sq_sum, count = _reduce(state, axis_name, mapped)
     dtype = weight.dtype
@@ -256,10 +275,12 @@ def close(
     def ema(old, new):
         return jnp.where(valid, keep * old + (1 - keep) * new, old)
 
-    return state._replace(
-        trace_cov=ema(state.trace_cov, trace_cov),
-        grad_sq=ema(state.grad_sq, grad_sq),
-        norm=ema(state.norm, jnp.ones_like(state.norm)),
+    return _stored(
+        state._replace(
+            trace_cov=ema(state.trace_cov, trace_cov),
+            grad_sq=ema(state.grad_sq, grad_sq),
+            norm=ema(state.norm, jnp.ones_like(state.norm)),
+        )
     )
 
 
