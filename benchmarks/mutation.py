@@ -36,9 +36,9 @@ MUTANTS = {
     ),
     "closed_params_plus_zeros": (  # issue 10 (b)
         "chain.py",
-        "lambda: (params, res.state))",
-        "lambda: (jax.tree.map(lambda p: p + jnp.zeros_like(p), params), "
-        "res.state))",
+        "return params, res.state, base.zeros_of(shapes)",
+        "return (jax.tree.map(lambda p: p + jnp.zeros_like(p), params), "
+        "res.state, base.zeros_of(shapes))",
         CORE_TESTS,
     ),
     "zero_weight_not_masked": (
@@ -49,8 +49,8 @@ MUTANTS = {
     ),
     "nested_weight_not_passed": (
         "accumulate.py",
-        'weight if cfg.reduction == "mean" else jnp.ones_like(weight)',
-        "jnp.ones_like(weight)",
+        "weight\n            if cfg.reduction",
+        "jnp.ones_like(weight)\n            if cfg.reduction",
         CORE_TESTS,
     ),
     "invalid_weight_counts_as_finite": (
@@ -67,7 +67,7 @@ MUTANTS = {
     ),
     "zero_weight_window_opens": (
         "accumulate.py",
-        "closing & (weight != 0),",
+        "closing & nonzero,",
         "closing,",
         CORE_TESTS,
     ),
