@@ -28,8 +28,8 @@ def chain(
     that contains a gate is itself a gate, so chains nest.
 
     Extra keyword arguments of ``update`` (e.g. ``accum_weight``) reach every
-    element; elements that do not take extra arguments are wrapped with
-    :func:`optax.with_extra_args_support`.
+    element as the call gave them (after an accumulate, ``accum_weight`` is
+    its window's total).
 
     Args:
       *transforms: optax gradient transformations, gates among them.
@@ -48,9 +48,7 @@ def chain(
       >>> tx = oa.chain(oa.accumulate(2), optax.sgd(0.1, momentum=0.9))
       >>> params = jnp.zeros(3)
       >>> state = tx.init(params)
-      >>> u, state = tx.update(jnp.ones(3), state, params)  # sgd not run
-      >>> u
-      Array([0., 0., 0.], dtype=float32)
+      >>> _, state = tx.update(jnp.ones(3), state, params)  # sgd not run
       >>> u, state = tx.update(jnp.ones(3), state, params)  # window closes
       >>> u
       Array([-0.1, -0.1, -0.1], dtype=float32)
@@ -363,11 +361,10 @@ def apply_gradients(
     the plain protocol's up to float rounding (XLA may fuse the update into
     the parameter add).
 
-    JAX pairs donated input buffers with outputs of the same shape in order,
-    so give the jitted step its donated arguments in the order it returns
+    Give the jitted step its donated arguments in the order it returns
     them, ``step(params, opt_state, grads) -> (params, opt_state)`` with
-    ``donate_argnums=(0, 1)``; another order makes XLA copy the buffers the
-    closed gate passes through.
+    ``donate_argnums=(0, 1)`` (docs/concepts.md, "The fused step and
+    donation").
 
     Args:
       tx: any optax transformation; the fast path needs a gate.

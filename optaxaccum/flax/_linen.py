@@ -14,38 +14,17 @@ from optaxaccum.flax import _stats
 class AccumBatchNorm(nn.BatchNorm):
     """``flax.linen.BatchNorm`` whose running statistics see the whole window.
 
-    A drop-in for :class:`flax.linen.BatchNorm`: the same constructor
-    arguments in the same order (``use_running_average``, ``axis``,
-    ``momentum``, ``epsilon``, ``dtype``, ``param_dtype``, ``use_bias``,
-    ``use_scale``, ``bias_init``, ``scale_init``, ``axis_name``,
-    ``axis_index_groups``, ``use_fast_variance``, ...) plus ``accum_steps``,
-    and the same variables (``params``: ``scale``, ``bias``; ``batch_stats``:
-    ``mean``, ``var``), so pretrained ``nn.BatchNorm`` variables load
-    unchanged.
-
-    In training mode each micro-batch is normalized with its own statistics,
-    exactly as ``nn.BatchNorm`` does. The running ``mean``/``var`` are updated
-    once per ``accum_steps`` micro-batches, with the *pooled* statistics of the
-    whole window: per-feature counts, means and sums of squared deviations,
-    merged in float32 with the parallel-variance formula (Chan et al.), so
-    they equal the statistics of ``nn.BatchNorm`` run once on the
-    concatenated window, also when micro-batches differ in size.
-
-    With ``accum_steps > 1`` the window lives in four extra ``batch_stats``
-    entries, ``window_count``, ``window_mean``, ``window_m2`` (float32, one
-    value per feature) and ``window_step`` (int32), and a fifth,
-    ``momentum`` (float32 scalar), records the layer's momentum for
-    :meth:`TrainState.flush` and :func:`flush_batch_stats`. They are created
-    by ``init``; for variables of a plain ``nn.BatchNorm`` use
-    :func:`convert_batch_stats` (else the first training call, with
-    ``mutable=["batch_stats"]``, adds them). They are part of the state to
-    checkpoint. With ``accum_steps=1`` the module *is* ``nn.BatchNorm``
-    (bit-identical, no extra entries).
-
-    .. math::
-      \\bar x = \\frac{\\sum_b n_b \\bar x_b}{\\sum_b n_b},\\qquad
-      \\sigma^2 = \\frac{\\sum_b \\left(n_b \\sigma_b^2
-        + n_b (\\bar x_b - \\bar x)^2\\right)}{\\sum_b n_b}
+    A drop-in for :class:`flax.linen.BatchNorm` (the same constructor
+    arguments in the same order, plus ``accum_steps``; the same variables,
+    so pretrained ``nn.BatchNorm`` variables load unchanged). Each
+    micro-batch is normalized with its own statistics, as ``nn.BatchNorm``
+    does; the running ``mean``/``var`` are updated once per ``accum_steps``
+    micro-batches with the pooled statistics of the window (exact
+    parallel-variance merge in float32), so they equal those of
+    ``nn.BatchNorm`` on the concatenated window. The window lives in extra
+    ``batch_stats`` entries; ``accum_steps=1`` is exactly ``nn.BatchNorm``.
+    Details (the entries, ``axis_name``, dtypes, costs): docs/concepts.md,
+    "BatchNorm: what accumulation can and cannot give".
 
     Args:
       use_running_average: as in ``nn.BatchNorm``.
@@ -70,19 +49,6 @@ class AccumBatchNorm(nn.BatchNorm):
       ...   stats = upd["batch_stats"]
       >>> stats["mean"], stats["var"]  # of all four rows
       (Array([3., 4.], dtype=float32), Array([5., 5.], dtype=float32))
-
-    .. note::
-      Two deliberate differences from ``nn.BatchNorm`` when
-      ``accum_steps > 1``: the window is always reduced in float32 (also with
-      ``force_float32_reductions=False``), and under ``axis_name`` devices are
-      weighted by their number of (unmasked) elements -- the exact pooled
-      statistics -- where ``nn.BatchNorm`` averages per-device means. With
-      equal counts per device the two agree.
-
-    .. note::
-      The extra work over ``nn.BatchNorm`` in training mode is one more
-      reduction over the micro-batch (sums for the window) and, with
-      ``axis_name``, one more ``psum`` of three per-feature vectors.
     """
 
     accum_steps: int = 1
