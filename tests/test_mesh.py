@@ -551,21 +551,11 @@ def test_dynamic_loss_scale_axis_name_agrees_across_devices():
         oa.accumulate(K, axis_name="data"),
         optax.sgd(0.3),
     )
-    loss = _loss(_batch_axes(mesh))
-
-    def step(params, state, x, y, mask):
-        scale = oa.loss_scale(state)
-        _, grads = oa.unreduced_value_and_grad(
-            lambda p, *a: loss(p, *a) * scale, "data"
-        )(params, x, y, mask)
-        return oa.apply_gradients(
-            tx, grads, state, params, accum_weight=mask.sum()
-        )
 
     with jax.set_mesh(mesh):
         params = _put_params(mesh, _init_params())
         state = jax.jit(tx.init)(params)
-        jstep = jax.jit(step)
+        jstep = _scaled_step(tx, mesh)
         for t in range(len(data[0])):
             params, state = jstep(
                 params, state, *_put_batch(mesh, *(a[t] for a in data))

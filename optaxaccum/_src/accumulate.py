@@ -81,11 +81,10 @@ def accumulate(
         ``gradient_step -> int`` (cast to int32; a length below 1 closes the
         window on every call), or :func:`critical_batch_every_k`.
       reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
-      accumulator_dtype: floating (or complex) dtype of the running sum; by
-        default float32 or the leaf's own dtype if wider. It gives the
-        precision: complex leaves accumulate in the complex dtype of that
-        precision, real ones in the real; updates are emitted in the
-        gradients' dtypes.
+      accumulator_dtype: the precision of the running sum (float or
+        complex; complex leaves use the complex dtype of it, real ones the
+        real); default float32, or the leaf's dtype if wider. Updates are
+        emitted in the gradients' dtypes.
       axis_name: the device axis (or axes) over which the window is
         reduced once, when it closes: the mapped axis of ``pmap`` /
         ``shard_map``, or the mesh axes over which
@@ -94,9 +93,8 @@ def accumulate(
       skip_nonfinite: drop a micro-batch whose weighted gradient holds a
         NaN/Inf as if never seen (all devices agree under ``axis_name``).
       noise_scale_decay: ``None`` (off: no state, no work), or a decay in
-        ``[0, 1)`` turning on the gradient noise scale estimate, averaged
-        over windows with that decay (:func:`noise_scale`,
-        docs/noise_scale.md).
+        ``[0, 1)``: the gradient noise scale estimate, averaged over windows
+        with it (:func:`noise_scale`, docs/noise_scale.md).
 
     Returns:
       A :class:`GatedTransformation` with an :class:`AccumulateState`.
