@@ -46,9 +46,10 @@ test-floors: $(VENV)/.installed-dev
 	$(FLOORS_PY) -m pip install -q --upgrade pip
 	$(FLOORS_PY) -m pip install -q -c .ci/floors.txt \
 		"$$(ls $(DIST)/optaxaccum-*.whl)[test]"
-	mkdir -p $(FLOORS_DIR)/run/.ci
+	mkdir -p $(FLOORS_DIR)/run/.ci $(FLOORS_DIR)/run/docs
 	cp -R tests examples benchmarks pyproject.toml CHANGELOG.md LICENSE \
 		$(FLOORS_DIR)/run/
+	cp docs/*.md $(FLOORS_DIR)/run/docs/
 	cp .ci/floors.txt $(FLOORS_DIR)/run/.ci/
 	cd $(FLOORS_DIR)/run && OPTAXACCUM_TEST_INSTALLED=1 \
 		OPTAXACCUM_DIST=$(abspath $(DIST)) $(abspath $(FLOORS_PY)) \
