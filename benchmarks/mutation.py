@@ -30,15 +30,15 @@ _HARD = ["tests/test_hardening.py"]
 MUTANTS = {
     "nested_tail": (  # issue 10 (a): followers' state from the inner branch
         "chain.py",
-        "tail = base.select(out.opened, inner, tail_state)",
+        "tail = utils.select(out.opened, inner, tail_state)",
         "tail = inner",
         CORE_TESTS,
     ),
     "closed_params_plus_zeros": (  # issue 10 (b)
         "chain.py",
-        "return params, res.state, base.zeros_of(shapes)",
+        "return params, res.state, utils.zeros_of(shapes)",
         "return (jax.tree.map(lambda p: p + jnp.zeros_like(p), params), "
-        "res.state, base.zeros_of(shapes))",
+        "res.state, utils.zeros_of(shapes))",
         CORE_TESTS,
     ),
     "zero_weight_not_masked": (
@@ -55,8 +55,8 @@ MUTANTS = {
     ),
     "invalid_weight_counts_as_finite": (
         "accumulate.py",
-        "finite = valid & (zero | sharding.all_finite(updates))",
-        "finite = zero | sharding.all_finite(updates)",
+        "finite = valid & (zero | sharding.globally_finite(updates))",
+        "finite = zero | sharding.globally_finite(updates)",
         CORE_TESTS,
     ),
     "stale_accumulator_not_reset": (
@@ -73,7 +73,7 @@ MUTANTS = {
     ),
     "dropped_micro_batch_advances": (
         "accumulate.py",
-        "mini_step = base.select(counted, state.mini_step + 1, "
+        "mini_step = utils.select(counted, state.mini_step + 1, "
         "state.mini_step)",
         "mini_step = state.mini_step + 1",
         CORE_TESTS,
@@ -100,7 +100,7 @@ MUTANTS = {
     ),
     "zero_weight_call_overflows": (  # item 4
         "loss_scale.py",
-        "new_state = base.select(empty, state, _adjust(state, finite))",
+        "new_state = utils.select(empty, state, _adjust(state, finite))",
         "new_state = _adjust(state, finite)",
         _HARD + ["-k", "zero_weight_call"],
     ),
@@ -149,14 +149,14 @@ MUTANTS = {
     ),
     "opened_false_zeros_grads_dtype": (  # zeros of an all-weight-0 window
         "chain.py",
-        "        return base.zeros_of(jax.eval_shape(run)[0]), tail_state",
+        "        return utils.zeros_of(jax.eval_shape(run)[0]), tail_state",
         "        return jax.tree.map(jnp.zeros_like, out.updates), tail_state",
         _HARD + ["-k", "followers_output_dtype"],
     ),
     "closed_gate_zeros_grads_dtype": (  # a nested gate that stays closed
         "chain.py",
-        "        zeros, args2 = base.zeros_of(shapes)\n",
-        "        zeros, args2 = base.zeros_of(shapes)\n"
+        "        zeros, weight2 = utils.zeros_of(shapes)\n",
+        "        zeros, weight2 = utils.zeros_of(shapes)\n"
         "        zeros = jax.tree.map(jnp.zeros_like, out.updates)\n",
         _HARD + ["-k", "nested_closed_gate"],
     ),

@@ -4,9 +4,21 @@ Users import :mod:`optaxaccum` (and :mod:`optaxaccum.flax` for the Flax
 integration); everything under ``optaxaccum._src`` is private.
 """
 
-from optaxaccum._src.accumulate import AccumulateState, accumulate, has_updated
+from optaxaccum._src.accumulate import (
+    AccumulateState,
+    accumulate,
+    map_accumulators,
+)
 from optaxaccum._src.agc import agc, unitwise_norm
-from optaxaccum._src.base import GatedTransformation, GateResult, is_gate
+from optaxaccum._src.base import (
+    Emitted,
+    GateContext,
+    GatedTransformation,
+    GateFlushFn,
+    GateResult,
+    GateUpdateFn,
+    is_gate,
+)
 from optaxaccum._src.chain import apply_gradients, chain, flush
 from optaxaccum._src.collectives import collective_census
 from optaxaccum._src.loss_scale import (
@@ -31,17 +43,21 @@ from optaxaccum._src.noise_scale import (
 )
 from optaxaccum._src.sharding import (
     fsdp_gather,
-    map_accumulators,
     state_shardings,
     unreduced_value_and_grad,
 )
+from optaxaccum._src.windows import has_updated
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccumulateState",
     "DynamicLossScaleState",
+    "Emitted",
+    "GateContext",
+    "GateFlushFn",
     "GateResult",
+    "GateUpdateFn",
     "GatedTransformation",
     "MultiSteps",
     "MultiStepsState",

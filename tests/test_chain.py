@@ -18,9 +18,10 @@ def _only_positive_gate():
         del params
         return jnp.zeros([], jnp.int32)  # how many times it opened
 
-    def gate_update(updates, state, params=None, **extra_args):
+    def gate_update(updates, state, params, ctx, **extra_args):
         del params, extra_args
         ok = sum(jnp.sum(x) for x in jax.tree.leaves(updates)) > 0
+        ok = ok & ctx.passed  # a call an earlier gate refused does not count
         new = jnp.where(ok, state + 1, state)
         return oa.GateResult(new, ok, lambda: (updates, new, True))
 
@@ -287,7 +288,7 @@ def test_closed_opened_flag_gives_zeros_everywhere():
     """A gate whose emit says opened=False emits zeros, alone, last in a
     chain, and through apply_gradients (params untouched)."""
 
-    def gate_update(updates, state, params=None, **extra_args):
+    def gate_update(updates, state, params, ctx, **extra_args):
         return oa.GateResult(
             state,
             jnp.asarray(True),

@@ -341,8 +341,8 @@ def _opens_only_on_positive_gate():
     """May open on every call; lets the followers run only when the sum of
     the updates is > 0 (``opened`` decided inside emit)."""
 
-    def gate_update(updates, state, params=None, **extra_args):
-        del params, extra_args
+    def gate_update(updates, state, params, ctx, **extra_args):
+        del params, ctx, extra_args  # first in its chain: ctx.passed is True
         ok = jnp.sum(updates) > 0
         return oa.GateResult(
             state, jnp.array(True), lambda: (updates, state, ok)
@@ -413,16 +413,19 @@ def test_other_counting_wrappers_around_a_gated_chain_warn(wrap):
         oa.apply_gradients(tx, grads, state, params)
 
 
-def test_protocol_keyword_passed_cannot_be_given_by_users():
-    """'passed' belongs to the gate protocol: a user's passed=False would
-    silently drop the micro-batch, so it is refused."""
+def test_user_keyword_passed_cannot_drop_a_micro_batch():
+    """'passed' used to be a keyword of the gate protocol inside the user's
+    own extra arguments, where a user's passed=False would have silently
+    dropped the micro-batch. The protocol's flag now travels in
+    ``oa.GateContext`` (issue 25): a user's ``passed`` is an ordinary
+    keyword that no gate reads, and the micro-batch counts."""
     tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
     params = jnp.zeros(1)
     state = tx.init(params)
-    with pytest.raises(TypeError, match="passed"):
-        tx.update(jnp.ones(1), state, params, passed=jnp.array(False))
-    with pytest.raises(TypeError, match="passed"):
-        oa.apply_gradients(tx, jnp.ones(1), state, params, passed=False)
+    _, s = tx.update(jnp.ones(1), state, params, passed=jnp.array(False))
+    assert int(s[0].mini_step) == 1
+    _, s = oa.apply_gradients(tx, jnp.ones(1), state, params, passed=False)
+    assert int(s[0].mini_step) == 1
 
 
 def test_follower_keyword_close_to_accum_weight_is_not_a_near_miss():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -14,7 +13,7 @@ import optax
 
 from optaxaccum._src import base, noise_scale, sharding, utils
 
-__all__ = ["AccumulateState", "accumulate", "has_updated"]
+__all__ = ["AccumulateState", "accumulate", "map_accumulators"]
 
 
 class AccumulateState(NamedTuple):
@@ -46,6 +45,8 @@ class AccumulateState(NamedTuple):
     weight: jax.Array  # shape=(), widest accumulator precision, >= float32
     updated: jax.Array  # shape=(), bool
     noise_scale: Any = None  # noise_scale.NoiseScaleState, or None (off)
+
+    holds_window = True  # found by oa.has_updated (windows.py); not a field
 
 
 class _Config(NamedTuple):
@@ -200,14 +201,13 @@ def _gate_update(
     cfg: _Config,
     updates: optax.Updates,
     state: AccumulateState,
-    params: optax.Params | None = None,
+    params: optax.Params | None,
+    ctx: base.GateContext,
     *,
     accum_weight: Any = 1.0,
-    passed: Any = True,
-    window_weight: Any = None,
     **extra_args: Any,
 ) -> base.GateResult:
-    """Adds one micro-batch (of weight ``window_weight``, an earlier
+    """Adds one micro-batch (of weight ``ctx.window_weight``, an earlier
     window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
     if not isinstance(state, AccumulateState):
@@ -219,15 +219,15 @@ def _gate_update(
     acc = sharding.unstack_partials(state.acc, cfg.axis_name)
     _check_gradients(updates, acc)
     state = state._replace(acc=sharding.match_grads(acc, updates))
-    if window_weight is not None:
-        accum_weight = window_weight
+    if ctx.window_weight is not None:
+        accum_weight = ctx.window_weight
     utils.check_weight("accum_weight", accum_weight)
     acc, weight, noise, counted = _add(
-        cfg, state, updates, accum_weight, passed
+        cfg, state, updates, accum_weight, ctx.passed
     )
-    mini_step = base.select(counted, state.mini_step + 1, state.mini_step)
+    mini_step = utils.select(counted, state.mini_step + 1, state.mini_step)
     window = jnp.asarray(cfg.window(state), jnp.int32)
-    closing = base.both(counted, mini_step >= window)
+    closing = utils.both(counted, mini_step >= window)
     new_state = AccumulateState(
         mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
         gradient_step=jnp.where(
@@ -239,7 +239,7 @@ def _gate_update(
         acc=sharding.stack_partials(acc),
         weight=weight,
         # A call that does not count leaves the state as it was.
-        updated=base.select(
+        updated=utils.select(
             counted, jnp.zeros_like(state.updated), state.updated
         ),
         noise_scale=noise,
@@ -283,23 +283,23 @@ def _add(
     fresh = state.mini_step == 0  # the accumulator is stale: overwrite it
     counted = passed
     if cfg.skip_nonfinite:
-        finite = valid & (zero | sharding.all_finite(updates))
+        finite = valid & (zero | sharding.globally_finite(updates))
         if cfg.axis_name is not None:
             finite = sharding.agree(finite, cfg.axis_name)
-        counted = base.both(counted, finite)
+        counted = utils.both(counted, finite)
 
     def add(a, g):
         g = jnp.asarray(g).astype(a.dtype)
         wg = sharding.times(w.astype(a.dtype), g, a)
         wg = jnp.where(zero, jnp.zeros_like(wg), wg)
-        return base.select(counted, jnp.where(fresh, wg, a + wg), a)
+        return utils.select(counted, jnp.where(fresh, wg, a + wg), a)
 
     acc = jax.tree.map(add, state.acc, updates)
     total = jnp.where(fresh, w, state.weight + w)
     noise = noise_scale.micro_step(
         state.noise_scale, updates, state.acc, w, fresh, counted
     )
-    return acc, base.select(counted, total, state.weight), noise, counted
+    return acc, utils.select(counted, total, state.weight), noise, counted
 
 
 def _emitter(
@@ -348,7 +348,7 @@ def _emitter(
             updates,
             state._replace(updated=updated, noise_scale=noise),
             opened,
-            {"accum_weight": follower_weight},
+            follower_weight,
         )
 
     return emit
@@ -373,97 +373,6 @@ def _gate_flush(
     out_dtypes = jax.tree.map(jnp.result_type, params)
     return base.GateResult(
         state, state.mini_step > 0, _emitter(cfg, closed_state, out_dtypes)
-    )
-
-
-def has_updated(state: optax.OptState) -> jax.Array:
-    """Whether the last call that reached the accumulation closed a window.
-
-    Args:
-      state: the state of an :func:`accumulate`, or of any (nested) chain
-        containing one (the first one found is used).
-
-    Returns:
-      A boolean scalar array: true if the most recent call that reached the
-      :func:`accumulate` closed a window and stepped the elements after it.
-
-    Raises:
-      ValueError: if ``state`` holds no :class:`AccumulateState`.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> import optaxaccum as oa
-      >>> tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
-      >>> state = tx.init(jnp.zeros(1))
-      >>> _, state = tx.update(jnp.ones(1), state)
-      >>> bool(oa.has_updated(state))
-      False
-    """
-    warn_if_wrapped(state)
-    found = utils.find_state(state, tuple(WINDOW_STATES), "oa.has_updated")
-    if found.updated is None:  # e.g. converted from optax's MultiStepsState
-        return (found.mini_step == 0) & (found.gradient_step > 0)
-    return found.updated
-
-
-# States holding a window's position (mini_step, gradient_step) and the
-# ``updated`` flag; has_updated and counted use the first one found.
-# oa.MultiSteps registers its state here.
-WINDOW_STATES: list[type] = [AccumulateState]
-
-
-# optax wrappers that count their own calls: around a gated chain they count
-# micro-batches, not windows.
-_COUNTING_WRAPPERS = (
-    optax.InjectHyperparamsState,
-    optax.InjectStatefulHyperparamsState,
-    optax.LookaheadState,
-    optax.MultiStepsState,
-)
-
-
-def warn_if_wrapped(state: Any) -> None:
-    """Warns when an :class:`AccumulateState` sits inside the state of an
-    optax wrapper that counts every call (``inject_hyperparams``,
-    ``lookahead``, ``MultiSteps``): its schedule, sync or count advances once
-    per micro-batch instead of once per window."""
-
-    def wrapper(x):
-        return isinstance(x, _COUNTING_WRAPPERS)
-
-    def window(x):
-        return isinstance(x, tuple(WINDOW_STATES))
-
-    for outer in jax.tree.leaves(state, is_leaf=wrapper):
-        if not wrapper(outer):
-            continue
-        if any(map(window, jax.tree.leaves(tuple(outer), is_leaf=window))):
-            warnings.warn(
-                f"an optax wrapper ({type(outer).__name__}) holds an "
-                "oa.accumulate: the wrapper counts every call (every "
-                "micro-batch), not every window, so its schedule, sync or "
-                "step count runs k times too fast. Put the wrapper inside "
-                "the oa.chain, after the accumulate: oa.chain(oa.accumulate"
-                "(k), optax.inject_hyperparams(optax.sgd)(learning_rate="
-                "schedule)). See docs/concepts.md, 'Where wrappers go'.",
-                UserWarning,
-                stacklevel=3,
-            )
-            return
-
-
-def counted(old_state: optax.OptState, new_state: optax.OptState) -> Any:
-    """Whether the outermost accumulate of a chain took the call that turned
-    ``old_state`` into ``new_state`` into its window (``True`` when the state
-    holds no :class:`AccumulateState`: every call counts)."""
-    classes = tuple(WINDOW_STATES)
-    try:
-        old = utils.find_state(old_state, classes, "counted")
-    except ValueError:
-        return True
-    new = utils.find_state(new_state, classes, "counted")
-    return (new.mini_step != old.mini_step) | (
-        new.gradient_step != old.gradient_step
     )
 
 
@@ -496,3 +405,48 @@ def _check_gradients(updates: Any, acc: Any) -> None:
                 f"{where} is complex ({dtype}) but its param is real "
                 f"({a.dtype}): the accumulator would drop the imaginary part"
             )
+
+
+def map_accumulators(state: Any, fn: Callable[[Any], Any]) -> Any:
+    """Applies ``fn`` to the leaves of ``state`` that differ by device.
+
+    Inside ``pmap``/``shard_map`` with ``oa.accumulate(k, axis_name=...)``,
+    each device's accumulator (``acc`` and ``weight`` of every
+    :class:`optaxaccum.AccumulateState`, and the window sums of its
+    ``noise_scale``) holds its own running sum; every
+    other leaf is the same on all devices. With ``shard_map`` store those
+    leaves with a leading device axis: ``fn`` adds it (outside:
+    ``lambda a: jnp.broadcast_to(a, (n, *a.shape))``; specs:
+    ``lambda _: P("data")``) or takes it away (inside: ``lambda a: a[0]``,
+    back with ``lambda a: a[None]``).
+
+    Args:
+      state: an optimizer state (or a tree of specs like it).
+      fn: applied to each per-device leaf.
+
+    Returns:
+      ``state`` with ``fn`` applied to its per-device leaves.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> tx = oa.chain(oa.accumulate(2, axis_name="d"), optax.sgd(0.1))
+      >>> state = tx.init(jnp.zeros(3))
+      >>> stacked = oa.map_accumulators(
+      ...     state, lambda a: jnp.broadcast_to(a, (4, *a.shape)))
+      >>> stacked[0].acc.shape, stacked[0].mini_step.shape
+      ((4, 3), ())
+    """
+
+    def fix(s):
+        if isinstance(s, AccumulateState):
+            return s._replace(
+                acc=jax.tree.map(fn, s.acc),
+                weight=fn(s.weight),
+                noise_scale=noise_scale.map_window(s.noise_scale, fn),
+            )
+        return s
+
+    return jax.tree.map(
+        fix, state, is_leaf=lambda s: isinstance(s, AccumulateState)
+    )

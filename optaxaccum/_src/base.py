@@ -1,77 +1,79 @@
-"""The gate protocol of :func:`optaxaccum.chain`: decide, emit, flush.
+"""The gate protocol of :func:`optaxaccum.chain`: its types, nothing else.
 
-A *gate* is an optax transformation that decides, on each call, whether the
-transformations after it in an :func:`optaxaccum.chain` run. It is an
-ordinary :class:`optax.GradientTransformationExtraArgs` (usable alone or in
-``optax.chain``) that also has a ``gate_update`` function. Every gate
-receives the same arguments as ``update`` and returns a :class:`GateResult`:
-
-* **decide**: ``GateResult.may_open``, a boolean scalar, and
-  ``GateResult.state``, the gate's state if it stays closed.
-* **emit**: ``GateResult.emit()``, called only inside the branch of a
-  ``lax.cond`` taken when ``may_open`` is true, returns an :class:`Emitted`:
-  the updates to pass on, the gate's state then, whether the followers run
-  after all (``opened``: a decision that needs the branch's work, e.g. a
-  total weight summed across devices) and extra arguments for the followers.
-  Work that matters only when the gate opens (dividing by the window's
-  weight, an all-reduce) belongs here.
-* **flush** (optional): ``gate_flush(state, params, **extra_args)`` returns a
-  :class:`GateResult` that closes a partial window without a new gradient.
-
-A gate whose ``emit`` costs nothing (it returns values computed anyway, as a
-loss scale's unscaled gradients) sets ``GateResult.eager``: the chain then
-calls ``emit`` on every step and merges the gate's decision with the next
-gate's, so the fused step keeps its fast path. The next gate learns whether
-the eager one let the call pass from the keyword ``passed`` (a flag) of its
-``gate_update``: where it is false the call must not count (closed state as
-it was, ``may_open`` false). A gate that does not take ``passed`` gets the
-same effect from the chain (:func:`call_gate`), at the cost of holding its
-new state next to the old.
-
-A ``flag`` below is a boolean scalar array or the literal ``True`` (known
-open: no conditional or select is built for it).
+A *gate* decides, on each call, whether the transformations after it in an
+:func:`optaxaccum.chain` run. It is an ordinary
+:class:`optax.GradientTransformationExtraArgs` with one more function,
+``gate_update(updates, state, params, ctx, **extra_args) -> GateResult``
+(and optionally ``gate_flush``); docs/gates.md shows how to write one. The
+chain's machinery (conditionals, zeros, followers) lives in ``chain.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, TypeAlias, TypeGuard
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, TypeGuard
 
 import jax
-import jax.numpy as jnp
 import optax
-from jax import lax
 
 from optaxaccum._src import utils
 
 __all__ = [
     "Emitted",
+    "GateContext",
+    "GateFlushFn",
     "GateResult",
+    "GateUpdateFn",
     "GatedTransformation",
+    "as_update",
+    "emitted",
     "is_gate",
-    "resolve",
+    "map_emit",
 ]
 
 
+class GateContext(NamedTuple):
+    """What the chain tells a gate about the call (frozen).
+
+    A plain ``update`` call, :func:`apply_gradients` and the first gate of a
+    chain get ``GateContext()``: an ordinary call that counts.
+
+    Attributes:
+      passed: a flag (a boolean scalar array, or the literal ``True``):
+        whether the gates before this one let the call through. Where it is
+        false the call must not count: return the state as it was and
+        ``may_open`` false.
+      window_weight: ``None`` for an ordinary call; else the total weight of
+        the window that an earlier :func:`accumulate` just closed, which this
+        call stands for (a gate that weighs calls uses it instead of
+        ``accum_weight``).
+    """
+
+    passed: Any = True
+    window_weight: Any = None
+
+
 class Emitted(NamedTuple):
-    """What a gate's ``emit`` returns (a plain 3-tuple is accepted too).
+    """What a gate emits when it opens (a plain 3-tuple is accepted too).
 
     Attributes:
       updates: the updates passed on to the followers.
       state: the gate's state when it opens.
-      opened: a flag: whether the followers run; when false the updates are
-        replaced by zeros and ``state`` is kept.
-      follower_args: extra arguments replacing the call's own for the
-        followers (a closing accumulate passes its total ``accum_weight``).
-      reached: a flag: whether the call reached the last gate of a chain
-        (false where a later gate of the chain did not open).
+      opened: a flag: whether the followers run after all (a decision that
+        needs the emit's work, e.g. a weight summed across devices); where
+        false the chain emits zeros and the followers' states stay.
+      window_weight: the total weight of the window this call closed (an
+        :func:`accumulate`), or ``None``: the followers get it as
+        ``accum_weight``, a later gate as ``ctx.window_weight``.
+      passed: a flag: whether the call got through every gate inside this
+        one (a chain); a later gate gets it as ``ctx.passed``.
     """
 
     updates: optax.Updates
     state: Any  # the gate's state (a pytree)
     opened: Any = True
-    follower_args: Mapping[str, Any] = {}
-    reached: Any = True
+    window_weight: Any = None
+    passed: Any = True
 
 
 class GateResult(NamedTuple):
@@ -79,52 +81,103 @@ class GateResult(NamedTuple):
 
     Attributes:
       state: the gate's state to keep when it stays closed (a pytree).
-      may_open: a flag: whether ``emit`` is to be called.
-      emit: a function of no arguments returning an :class:`Emitted` (or
-        ``(updates, state, opened)``); called only inside the ``lax.cond``
-        branch taken when ``may_open`` is true, unless ``eager``.
-      eager: ``True`` when ``emit`` costs nothing and may be called on every
-        step; default ``False``.
+      may_open: a flag: whether the gate opens (then ``emit`` is used).
+      emit: a function of no arguments returning the :class:`Emitted`; the
+        chain calls it only inside the branch taken where ``may_open`` is
+        true, so work that matters only then (dividing by the window's
+        weight, an all-reduce) belongs in it. A gate whose emission costs
+        nothing (values it computed anyway) gives the :class:`Emitted`
+        itself: an *eager* gate, which the chain merges with the next gate
+        so that the fused step still branches once.
       empty: a flag: the call closed a window of weight 0 (``may_open`` is
-        false): the followers do not step, but a later gate counts the
-        window as one call of weight 0 (``emit`` is called for it).
+        false): the followers do not step, but a later gate counts it as
+        one call of weight 0 (``emit`` is used for it).
     """
 
     state: Any  # the gate's state (a pytree)
     may_open: Any
-    emit: Callable[[], tuple]
-    eager: bool = False
+    emit: Callable[[], Emitted | tuple] | Emitted | tuple
     empty: Any = False
 
 
-# ``gate_update(updates, state, params=None, *, passed=True, **extra_args)``
-GateUpdateFn: TypeAlias = Callable[..., GateResult]
-# ``gate_flush(state, params, **extra_args)``
-GateFlushFn: TypeAlias = Callable[..., GateResult]
+class GateUpdateFn(Protocol):
+    """``gate_update(updates, state, params, ctx, **extra_args)``: a gate's
+    decision on one call (the arguments of ``update``, and the chain's
+    :class:`GateContext`)."""
+
+    def __call__(
+        self,
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None,
+        ctx: GateContext,
+        /,
+        **extra_args: Any,
+    ) -> GateResult: ...
+
+
+class GateFlushFn(Protocol):
+    """``gate_flush(state, params, **extra_args)``: closes a partial window
+    now, without a new gradient (:func:`flush`)."""
+
+    def __call__(
+        self, state: optax.OptState, params: optax.Params, /, **extra_args: Any
+    ) -> GateResult: ...
+
+
+def emitted(res: GateResult) -> Emitted:
+    """The :class:`Emitted` of ``res`` (calling ``res.emit`` if lazy)."""
+    emit = res.emit
+    return Emitted(*(emit() if callable(emit) else emit))
+
+
+def map_emit(emit: Any, fn: Callable[[Emitted], Emitted]) -> Any:
+    """``emit`` followed by ``fn``: a value if ``emit`` is one (an eager
+    gate stays eager), else a function of no arguments."""
+    if callable(emit):
+        return lambda: fn(Emitted(*emit()))
+    return fn(Emitted(*emit))
+
+
+def as_update(res: GateResult) -> tuple[optax.Updates, optax.OptState]:
+    """A gate's result as the plain ``(updates, state)`` of ``update``: zeros
+    with the structure, shapes and dtypes of the emitted updates where the
+    gate stays closed (or opens but does not let the followers run)."""
+
+    def opened():
+        out = emitted(res)
+        return utils.mask(out.opened, out.updates), out.state
+
+    def closed():
+        return utils.zeros_of(jax.eval_shape(opened)[0]), res.state
+
+    return utils.cond_or_call(res.may_open, opened, closed)
 
 
 class GatedTransformation(optax.GradientTransformationExtraArgs):
     """An optax transformation that is also a gate of :func:`chain`.
 
     A :class:`optax.GradientTransformationExtraArgs` (``init``, ``update``)
-    with two more attributes, ``gate_update`` and ``gate_flush`` (see the
-    protocol above). Its plain ``update`` is derived from ``gate_update``:
-    zeros when the gate stays closed.
+    with ``gate_update`` and ``gate_flush``. Its plain ``update`` calls
+    ``gate_update`` with ``GateContext()`` and emits zeros where the gate
+    stays closed. Writing a gate: docs/gates.md.
 
     Args:
       init: the usual ``init(params) -> state``.
-      gate_update: ``(updates, state, params=None, **extra_args) ->
-        GateResult``.
-      gate_flush: optional ``(state, params, **extra_args) -> GateResult``.
+      gate_update: a :class:`GateUpdateFn`, ``(updates, state, params, ctx,
+        **extra_args) -> GateResult``. Keywords it declares by name (e.g.
+        ``accum_weight``) are the ones the chain checks near-misses against.
+      gate_flush: optional :class:`GateFlushFn`, ``(state, params,
+        **extra_args) -> GateResult``.
 
     Example:
       A gate that lets only finite gradients through:
 
-      >>> import jax, jax.numpy as jnp, optax
+      >>> import jax.numpy as jnp, optax
       >>> import optaxaccum as oa
-      >>> def gate_update(updates, state, params=None, **extra_args):
-      ...   finite = jnp.all(jnp.isfinite(updates))
-      ...   return oa.GateResult(state, finite, lambda: (updates, state, True))
+      >>> def gate_update(updates, state, params, ctx, **extra_args):
+      ...   finite = jnp.all(jnp.isfinite(updates)) & ctx.passed
+      ...   return oa.GateResult(state, finite, oa.Emitted(updates, state))
       >>> only_finite = oa.GatedTransformation(
       ...     lambda params: optax.EmptyState(), gate_update)
       >>> tx = oa.chain(only_finite, optax.sgd(1.0))
@@ -144,11 +197,14 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
     ):
         # The plain update declares what gate_update takes by name, so that
         # chains can tell a near-miss keyword (``acum_weight``) from others.
-        names = utils.declared_extra_args(gate_update, skip=3)
+        names = utils.declared_extra_args(gate_update, skip=4)
 
         def update_fn(updates, state, params=None, **extra_args):
             utils.check_extra_args(extra_args, names)
-            return resolve(gate_update(updates, state, params, **extra_args))
+            ctx = GateContext()
+            return as_update(
+                gate_update(updates, state, params, ctx, **extra_args)
+            )
 
         self = super().__new__(
             cls, init, utils.with_signature(update_fn, names)
@@ -179,147 +235,18 @@ jax.tree_util.register_pytree_node(
 
 
 def is_gate(tx: Any) -> TypeGuard[GatedTransformation]:
-    """Whether ``tx`` is a gate (a :class:`GatedTransformation`)."""
-    return isinstance(tx, GatedTransformation)
-
-
-def zeros_of(shapes: Any) -> Any:
-    """Zeros with the shapes and dtypes of a tree of ``ShapeDtypeStruct``."""
-    # zeros_like keeps the sharding and the device-varying type of each
-    # ShapeDtypeStruct, so both branches of a lax.cond agree on them.
-    return jax.tree.map(jnp.zeros_like, shapes)
-
-
-def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
-    """``lax.cond(pred, true_fn, false_fn)``, or a plain call when ``pred`` is
-    known now (the literal ``True``, or a concrete array outside any trace):
-    then no conditional is built, which spares eager callers a compilation of
-    both branches on every call."""
-    if pred is True:
-        return true_fn()
-    try:
-        concrete = bool(pred)
-    except jax.errors.ConcretizationTypeError:  # traced: decide at run time
-        return lax.cond(pred, true_fn, false_fn)
-    return true_fn() if concrete else false_fn()
-
-
-def replaced(extra_args: dict[str, Any], window: Any) -> dict[str, Any]:
-    """The call's keywords with ``accum_weight`` replaced by an earlier
-    window's total weight ``window`` where the call passed one."""
-    if window is None or "accum_weight" not in extra_args:
-        return extra_args
-    return {**extra_args, "accum_weight": window}
-
-
-def follower_args(
-    tx: Any, extra_args: dict[str, Any], window: Any
-) -> dict[str, Any]:
-    """The keywords a follower ``tx`` sees: exactly the call's (already
-    :func:`replaced`), plus the window's total as ``accum_weight`` if ``tx``
-    declares ``accum_weight`` by name (a nested accumulate). No other
-    keyword reaches it: optax's linesearches hand unknown keywords to
-    ``value_fn``."""
-    if window is None or "accum_weight" not in utils.declared_extra_args(tx):
-        return extra_args
-    return {**extra_args, "accum_weight": window}
-
-
-def call_gate(
-    gate: GatedTransformation,
-    passed: Any,
-    window: Any,
-    updates: optax.Updates,
-    state: optax.OptState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-) -> GateResult:
-    """``gate.gate_update`` for a call that earlier gates let ``passed``.
-
-    Where ``passed`` is false the call must not count: the gate's closed
-    state is its state as it was, and it does not open. A gate whose
-    ``gate_update`` takes the keyword ``passed`` does this itself (inside
-    its own update, so no tree is held twice); for any other gate the
-    state is selected here. ``window`` is the total weight of an earlier
-    accumulate's window (or ``None``), given as ``window_weight`` to a gate
-    that takes it, else as in :func:`follower_args`.
-    """
-    if window is not None:
-        if "window_weight" in utils.keywords(gate.gate_update):
-            extra_args = {**extra_args, "window_weight": window}
-        else:
-            extra_args = follower_args(gate, extra_args, window)
-    if passed is True:
-        return gate.gate_update(updates, state, params, **extra_args)
-    if "passed" in utils.keywords(gate.gate_update):
-        return gate.gate_update(
-            updates, state, params, passed=passed, **extra_args
-        )
-    res = gate.gate_update(updates, state, params, **extra_args)
-    return res._replace(
-        state=select(passed, res.state, state),
-        may_open=both(passed, res.may_open),
-    )
-
-
-def resolve(res: GateResult) -> tuple[optax.Updates, optax.OptState]:
-    """Turns a :class:`GateResult` into the plain ``(updates, state)``.
-
-    When the gate stays closed (or opens but does not let the followers run)
-    the updates are zeros with the structure, shapes and dtypes of those it
-    would have emitted.
+    """Whether ``tx`` is a gate (a :class:`GatedTransformation`).
 
     Args:
-      res: a gate's result for one call.
+      tx: anything.
 
     Returns:
-      ``(updates, state)`` as an ordinary ``update`` returns them.
+      ``True`` for a :class:`GatedTransformation` (an :func:`accumulate`, a
+      loss scale, an :func:`chain` holding a gate).
+
+    Example:
+      >>> import optax, optaxaccum as oa
+      >>> oa.is_gate(oa.accumulate(2)), oa.is_gate(optax.sgd(0.1))
+      (True, False)
     """
-
-    def opened():
-        updates, state, flag, *_ = emitted(res)
-        return mask(flag, updates), state
-
-    def closed():
-        return zeros_of(jax.eval_shape(opened)[0]), res.state
-
-    return cond_or_call(res.may_open, opened, closed)
-
-
-def emitted(res: GateResult) -> Emitted:
-    """Calls ``res.emit()`` and returns its result as an :class:`Emitted`."""
-    return Emitted(*res.emit())
-
-
-def mask(flag: Any, updates: optax.Updates) -> optax.Updates:
-    """``updates`` where ``flag``, else zeros (no-op for the literal True)."""
-    if flag is True:  # no zeros to build (eager callers would allocate them)
-        return updates
-    return select(flag, updates, jax.tree.map(jnp.zeros_like, updates))
-
-
-def either(a: Any, b: Any) -> Any:
-    """``a | b`` for boolean scalars, keeping the literals ``True`` and
-    ``False``."""
-    if a is True or b is False:
-        return a
-    if a is False:
-        return b
-    return a | b
-
-
-def both(a: Any, b: Any) -> Any:
-    """``a & b`` for boolean scalars, keeping the literal ``True``."""
-    if a is True:
-        return b
-    if b is True:
-        return a
-    return a & b
-
-
-def select(pred: Any, on_true: Any, on_false: Any) -> Any:
-    """``optax.tree.where(pred, on_true, on_false)``; ``on_true`` for the
-    literal ``True``."""
-    if pred is True:
-        return on_true
-    return optax.tree.where(pred, on_true, on_false)
+    return isinstance(tx, GatedTransformation)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxaccum._src import base, utils
-from optaxaccum._src.accumulate import warn_if_wrapped
+from optaxaccum._src.windows import warn_if_wrapped
 
 __all__ = ["chain", "apply_gradients", "flush"]
 
@@ -59,13 +59,7 @@ def chain(
       gate and its followers in an ``oa.chain`` (which may itself sit inside
       ``optax.chain``).
     """
-    for i, tx in enumerate(transforms):
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(
-                "Every element of oa.chain must be an optax "
-                f"GradientTransformation; element {i} is {tx!r} of type "
-                f"{type(tx).__name__}"
-            )
+    _check_elements(transforms)
     declared = frozenset().union(
         *(utils.declared_extra_args(tx) for tx in transforms)
     )
@@ -74,48 +68,47 @@ def chain(
     )
     if gate_at is None:  # a chain without gates is optax.chain
         return _checked(optax.chain(*transforms), declared, len(transforms))
-    head = _plain(transforms[:gate_at]) if gate_at else None
-    first, rest = transforms[gate_at], _followers(transforms, gate_at)
-    assert base.is_gate(first)  # for the type checker: found as a gate
-    init = optax.chain(*transforms).init
+    n, gate = len(transforms), transforms[gate_at]
+    assert base.is_gate(gate)  # for the type checker: found as a gate
+    head, rest = _plain(transforms[:gate_at]), _followers(transforms, gate_at)
 
-    def gate_update_fn(
-        updates,
-        state,
-        params=None,
-        *,
-        passed=True,
-        window_weight=None,
-        **extra_args,
-    ):
-        _check_state(state, len(transforms))
-        head_state = ()
-        if head is not None:
-            updates, head_state = head.update(
-                updates,
-                state[:gate_at],
-                params,
-                window_weight=window_weight,
-                **extra_args,
+    def gate_update_fn(updates, state, params, ctx, **extra_args):
+        _check_chain_state(state, n)
+        # Before the gate, as optax.chain: on every call that counts (not
+        # where an earlier gate refused it, nor for a window of weight 0).
+        updates, new_head = head(
+            updates, state[:gate_at], params, ctx.window_weight, extra_args
+        )
+        counts = utils.both(ctx.passed, _nonzero(ctx.window_weight))
+        new_head = utils.select(counts, new_head, state[:gate_at])
+        # The gate decides; the elements after it run where it opens.
+        res = gate.gate_update(
+            updates, state[gate_at], params, ctx, **extra_args
+        )
+        tail = state[gate_at + 1 :]
+        return _follow(res, new_head, tail, rest, params, extra_args)
+
+    return base.GatedTransformation(
+        optax.chain(*transforms).init,
+        utils.with_signature(gate_update_fn, declared, gate=True),
+        _flush_fn(transforms),
+    )
+
+
+def _check_elements(transforms):
+    for i, tx in enumerate(transforms):
+        if not isinstance(tx, optax.GradientTransformation):
+            raise TypeError(
+                "Every element of oa.chain must be an optax "
+                f"GradientTransformation; element {i} is {tx!r} of type "
+                f"{type(tx).__name__}"
             )
-            # An earlier window of weight 0 does not step them.
-            stepped = base.both(passed, _nonzero(window_weight))
-            head_state = base.select(stepped, head_state, state[:gate_at])
-        res = base.call_gate(
-            first,
-            passed,
-            window_weight,
-            updates,
-            state[gate_at],
-            params,
-            **extra_args,
-        )
-        return _follow(
-            res, head_state, state[gate_at + 1 :], rest, params, extra_args
-        )
 
-    # The first element that can close a window early (``flush``); the
-    # elements before it have no gradient to process and are left alone.
+
+def _flush_fn(transforms) -> base.GateFlushFn | None:
+    """The chain's ``gate_flush``: that of its first element that can close
+    a window early (``flush``), then the elements after it; those before it
+    have no gradient to process and are left alone. ``None`` if none can."""
     flush_at = next(
         (
             i
@@ -125,28 +118,18 @@ def chain(
         None,
     )
     if flush_at is None:
-        return base.GatedTransformation(
-            init, utils.with_signature(gate_update_fn, declared)
-        )
-    flusher, flush_rest = transforms[flush_at], _followers(transforms, flush_at)
+        return None
+    flusher, rest = transforms[flush_at], _followers(transforms, flush_at)
     assert base.is_gate(flusher) and flusher.gate_flush is not None
-    flush_fn = flusher.gate_flush
+    flush_fn, n = flusher.gate_flush, len(transforms)
 
     def gate_flush_fn(state, params, **extra_args):
-        _check_state(state, len(transforms))
+        _check_chain_state(state, n)
         res = flush_fn(state[flush_at], params, **extra_args)
-        return _follow(
-            res,
-            state[:flush_at],
-            state[flush_at + 1 :],
-            flush_rest,
-            params,
-            extra_args,
-        )
+        head, tail = state[:flush_at], state[flush_at + 1 :]
+        return _follow(res, head, tail, rest, params, extra_args)
 
-    return base.GatedTransformation(
-        init, utils.with_signature(gate_update_fn, declared), gate_flush_fn
-    )
+    return gate_flush_fn
 
 
 def _checked(tx, declared, n):
@@ -154,7 +137,7 @@ def _checked(tx, declared, n):
     checks."""
 
     def update_fn(updates, state, params=None, **extra_args):
-        _check_state(state, n)
+        _check_chain_state(state, n)
         utils.check_extra_args(extra_args, declared)
         return tx.update(updates, state, params, **extra_args)
 
@@ -163,7 +146,8 @@ def _checked(tx, declared, n):
     )
 
 
-def _check_state(state, n):
+def _check_chain_state(state, n):
+    """Raises if ``state`` is not the tuple of ``n`` states of a chain."""
     if not isinstance(state, tuple) or len(state) != n:
         raise ValueError(
             f"oa.chain of {n} transformations expects a tuple of "
@@ -173,9 +157,10 @@ def _check_state(state, n):
 
 
 def _followers(transforms, i):
-    """The chain of the elements after position ``i`` (built once). Extra
-    arguments are checked where the call enters (``update``,
-    :func:`apply_gradients`, :func:`flush`), not again here."""
+    """The elements after position ``i``: ``None``, one gated chain, or the
+    plain run of :func:`_plain` (built once). Extra arguments are checked
+    where the call enters (``update``, :func:`apply_gradients`,
+    :func:`flush`), not again here."""
     rest = transforms[i + 1 :]
     if not rest:
         return None
@@ -188,121 +173,129 @@ def _nonzero(window: Any) -> Any:
     return True if window is None else window != 0
 
 
+def _replaced(extra_args: dict[str, Any], window: Any) -> dict[str, Any]:
+    """The call's keywords with ``accum_weight`` replaced by an earlier
+    window's total weight ``window`` where the call passed one."""
+    if window is None or "accum_weight" not in extra_args:
+        return extra_args
+    return {**extra_args, "accum_weight": window}
+
+
+def _follower_args(
+    tx: Any, extra_args: dict[str, Any], window: Any
+) -> dict[str, Any]:
+    """The keywords a plain follower ``tx`` sees (API.md 2): exactly the
+    call's (already :func:`_replaced`), plus the window's total as
+    ``accum_weight`` if ``tx`` declares ``accum_weight`` by name. No other
+    keyword reaches it: optax's linesearches hand unknown keywords to
+    ``value_fn``."""
+    if window is None or "accum_weight" not in utils.declared_extra_args(tx):
+        return extra_args
+    return {**extra_args, "accum_weight": window}
+
+
 def _plain(transforms):
-    """``optax.chain(*transforms)`` (no gates among them) whose ``update``
-    also takes the ``window_weight`` of an accumulate before them and gives
-    each element the keywords :func:`base.follower_args` says it sees."""
+    """``optax.chain(*transforms)``'s update (no gates among them) as
+    ``run(updates, state, params, window, extra_args)``, where ``window`` is
+    the total weight of an accumulate's window before them (or ``None``)."""
     txs = [optax.with_extra_args_support(t) for t in transforms]
 
-    def update_fn(
-        updates, state, params=None, *, window_weight=None, **extra_args
-    ):
+    def run(updates, state, params, window, extra_args):
         new_state = []
         for tx, s in zip(txs, state, strict=True):
-            args = base.follower_args(tx, extra_args, window_weight)
+            args = _follower_args(tx, extra_args, window)
             updates, s = tx.update(updates, s, params, **args)
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return optax.GradientTransformationExtraArgs(
-        optax.chain(*transforms).init, update_fn
-    )
+    return run
 
 
 def _follow(
     res: base.GateResult,
     head: tuple,
     tail_state: tuple,
-    rest: optax.GradientTransformationExtraArgs | None,
+    rest: Any,
     params: optax.Params | None,
     extra_args: dict[str, Any],
 ) -> base.GateResult:
     """Extends a gate's result with the elements that follow it (``rest``,
-    one chain) and the states of those before it (``head``)."""
+    see :func:`_followers`) and the states of those before it (``head``)."""
     if rest is None:  # emit adds only the head: an eager gate stays eager
 
-        def emit_alone():
-            out = base.emitted(res)
+        def alone(out: base.Emitted) -> base.Emitted:
             return out._replace(state=(*head, out.state))
 
+        emit = base.map_emit(res.emit, alone)
         return base.GateResult(
-            (*head, res.state), res.may_open, emit_alone, res.eager, res.empty
+            (*head, res.state), res.may_open, emit, res.empty
         )
-    if base.is_gate(rest) and res.eager:
-        return _follow_eager(res, head, tail_state, rest, params, extra_args)
     gated = base.is_gate(rest)
+    if gated and not callable(res.emit):  # an eager gate, then a gate
+        return _follow_eager(res, head, tail_state, rest, params, extra_args)
     into = _emit_into_gate if gated else _emit_into
 
     def emit():
         out = base.emitted(res)
-        window = out.follower_args.get("accum_weight")
-        args = base.replaced(extra_args, window)
-        e = into(out, tail_state, rest, params, args, window)
+        args = _replaced(extra_args, out.window_weight)
+        e = into(out, tail_state, rest, params, args)
         return e._replace(state=(*head, out.state, *e.state))
 
     # A later gate counts an empty window (weight 0) as one call.
-    may_open = base.either(res.may_open, res.empty) if gated else res.may_open
+    may_open = utils.either(res.may_open, res.empty) if gated else res.may_open
     return base.GateResult((*head, res.state, *tail_state), may_open, emit)
 
 
-def _emit_into(out, tail_state, rest, params, args, window) -> base.Emitted:
+def _emit_into(out, tail_state, rest, params, args) -> base.Emitted:
     """The plain followers run where the gate ``opened`` after all."""
 
     def run():
-        return rest.update(
-            out.updates, tail_state, params, window_weight=window, **args
-        )
+        return rest(out.updates, tail_state, params, out.window_weight, args)
 
     def skip():
-        return base.zeros_of(jax.eval_shape(run)[0]), tail_state
+        return utils.zeros_of(jax.eval_shape(run)[0]), tail_state
 
-    updates, tail = base.cond_or_call(out.opened, run, skip)
+    updates, tail = utils.cond_or_call(out.opened, run, skip)
     return base.Emitted(updates, tail, out.opened)
 
 
-def _emit_into_gate(
-    out, tail_state, rest, params, args, window
-) -> base.Emitted:
+def _emit_into_gate(out, tail_state, rest, params, args) -> base.Emitted:
     """A later gate decides in turn (only where this one opened, e.g. once
     per window); its emit runs only where it opens too."""
     # An accumulate's window reaches the later gate as one call of the
-    # window's weight (0 for an empty window), where it reached this gate.
-    res2 = rest.gate_update(
-        out.updates,
-        tail_state,
-        params,
-        passed=True if window is None else out.reached,
-        window_weight=window,
-        **args,
-    )
-    pred = base.either(res2.may_open, res2.empty)
+    # window's weight (0 for an empty window), where it passed this gate.
+    window = out.window_weight
+    passed = True if window is None else out.passed
+    ctx = base.GateContext(passed, window)
+    res2 = rest.gate_update(out.updates, tail_state, params, ctx, **args)
+    pred = utils.either(res2.may_open, res2.empty)
 
     def opened():
         out2 = base.emitted(res2)
-        flag = base.both(res2.may_open, out2.opened)
-        reached = jnp.logical_or(pred, True) & out2.reached
-        return out2.updates, out2.state, flag, out2.follower_args, reached
+        flag = utils.both(res2.may_open, out2.opened)
+        passed2 = jnp.logical_or(pred, True) & out2.passed
+        return out2.updates, out2.state, flag, out2.window_weight, passed2
 
     def closed():
         shapes = jax.eval_shape(
-            lambda: (lambda e: (e.updates, e.follower_args))(base.emitted(res2))
+            lambda: (lambda e: (e.updates, e.window_weight))(base.emitted(res2))
         )
-        zeros, args2 = base.zeros_of(shapes)
+        zeros, weight2 = utils.zeros_of(shapes)
         false = jnp.logical_and(pred, False)
-        return zeros, res2.state, false, args2, false
+        return zeros, res2.state, false, weight2, false
 
-    updates, inner, opened2, args2, reached2 = base.cond_or_call(
+    updates, inner, opened2, weight2, passed2 = utils.cond_or_call(
         pred, opened, closed
     )
     if window is not None:
-        return base.Emitted(updates, inner, opened2, args2, reached2)
-    tail = base.select(out.opened, inner, tail_state)
+        return base.Emitted(updates, inner, opened2, weight2, passed2)
+    tail = utils.select(out.opened, inner, tail_state)
     return base.Emitted(
         updates,
         tail,
-        base.both(out.opened, opened2),
-        args2,
-        base.both(out.opened, reached2),
+        utils.both(out.opened, opened2),
+        weight2,
+        utils.both(out.opened, passed2),
     )
 
 
@@ -310,31 +303,23 @@ def _follow_eager(res, head, tail_state, rest, params, extra_args):
     """An eager gate followed by a gated chain: one combined gate, so that a
     step where the later gate stays closed (a non-closing micro-step after a
     loss scale) still skips its followers and keeps the fused fast path."""
-    updates, open_state, opened, follower_args, _ = base.emitted(res)
-    passed = base.both(res.may_open, opened)
-    gate_state = base.select(res.may_open, open_state, res.state)
+    out = base.emitted(res)
+    passed = utils.both(res.may_open, out.opened)
+    gate_state = utils.select(res.may_open, out.state, res.state)
     # A call this gate refused does not count for the later gate (``passed``).
-    window = follower_args.get("accum_weight")
-    res2 = base.call_gate(
-        rest,
-        passed,
-        window,
-        updates,
-        tail_state,
-        params,
-        **base.replaced(extra_args, window),
-    )
+    window = out.window_weight
+    ctx = base.GateContext(passed, window)
+    args = _replaced(extra_args, window)
+    res2 = rest.gate_update(out.updates, tail_state, params, ctx, **args)
 
-    def emit():
-        e = base.emitted(res2)
+    def prepend(e: base.Emitted) -> base.Emitted:
         return e._replace(state=(*head, gate_state, *cast(tuple, e.state)))
 
     return base.GateResult(
         (*head, gate_state, *cast(tuple, res2.state)),
-        base.both(passed, res2.may_open),
-        emit,
-        res2.eager,
-        base.both(passed, res2.empty),
+        utils.both(passed, res2.may_open),
+        base.map_emit(res2.emit, prepend),
+        utils.both(passed, res2.empty),
     )
 
 
@@ -409,7 +394,8 @@ def fused_step(
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         return optax.apply_updates(params, updates), opt_state, updates
     utils.check_extra_args(extra_args, utils.declared_extra_args(tx))
-    result = tx.gate_update(grads, opt_state, params, **extra_args)
+    ctx = base.GateContext()
+    result = tx.gate_update(grads, opt_state, params, ctx, **extra_args)
     return _apply(result, params, with_updates)
 
 
@@ -417,14 +403,14 @@ def _apply(res: base.GateResult, params, with_updates: bool):
     def opened():
         updates, state, flag, *_ = base.emitted(res)
         new_params = optax.apply_updates(params, updates)
-        updates = base.mask(flag, updates) if with_updates else None
-        return base.select(flag, new_params, params), state, updates
+        updates = utils.mask(flag, updates) if with_updates else None
+        return utils.select(flag, new_params, params), state, updates
 
     def closed():
         shapes = jax.eval_shape(opened)[2]  # None without with_updates
-        return params, res.state, base.zeros_of(shapes)
+        return params, res.state, utils.zeros_of(shapes)
 
-    return base.cond_or_call(res.may_open, opened, closed)
+    return utils.cond_or_call(res.may_open, opened, closed)
 
 
 def flush(
@@ -480,4 +466,4 @@ def flush(
             f"one; got {tx!r}"
         )
     utils.check_extra_args(extra_args, utils.declared_extra_args(tx))
-    return base.resolve(gate_flush(opt_state, params, **extra_args))
+    return base.as_update(gate_flush(opt_state, params, **extra_args))

@@ -178,7 +178,7 @@ def dynamic_loss_scale(
         )
 
     def gate_update_fn(
-        updates, state, params=None, *, accum_weight=1.0, **extra_args
+        updates, state, params, ctx, *, accum_weight=1.0, **extra_args
     ):
         del params, extra_args
         if not isinstance(state, DynamicLossScaleState):
@@ -188,20 +188,27 @@ def dynamic_loss_scale(
             )
         sharding.check_mesh_axes(axis_name, "oa.dynamic_loss_scale", updates)
         unscaled = _unscale(updates, state.scale)
-        finite = sharding.all_finite(
+        finite = sharding.globally_finite(
             unscaled, lambda _: _unscaled_all_finite(updates, state.scale)
         )
         # A call of weight 0 carries no data (API.md 4): not an overflow.
-        empty = _carries_no_data(accum_weight)
+        weight = (
+            accum_weight if ctx.window_weight is None else ctx.window_weight
+        )
+        empty = _carries_no_data(weight)
         if empty is not False:
             finite = finite | empty
         if axis_name is not None:
             finite = sharding.agree(finite, axis_name)
             if empty is not False:  # the scale moves unless all are empty
                 empty = sharding.agree(jnp.asarray(empty), axis_name)
-        new_state = base.select(empty, state, _adjust(state, finite))
+        new_state = utils.select(empty, state, _adjust(state, finite))
+        # A call an earlier gate refused (ctx.passed false) leaves it as is.
+        new_state = utils.select(ctx.passed, new_state, state)
+        # Eager: the Emitted itself (the unscaled gradients cost nothing).
+        emitted = base.Emitted(unscaled, new_state)
         return base.GateResult(
-            new_state, finite, lambda: (unscaled, new_state, True), eager=True
+            new_state, utils.both(ctx.passed, finite), emitted
         )
 
     return base.GatedTransformation(init_fn, gate_update_fn, None)

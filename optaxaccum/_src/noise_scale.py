@@ -22,7 +22,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import base, sharding, utils
+from optaxaccum._src import sharding, utils
 
 __all__ = [
     "NoiseScale",
@@ -162,7 +162,7 @@ def micro_step(
             fresh, positive, state.micro_batches + positive
         ),
     )
-    return _stored(base.select(counted, new, state))
+    return _stored(utils.select(counted, new, state))
 
 
 def map_window(state: NoiseScaleState | None, fn: Any) -> Any:

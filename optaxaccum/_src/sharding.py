@@ -30,7 +30,6 @@ from optaxaccum._src import utils
 
 __all__ = [
     "fsdp_gather",
-    "map_accumulators",
     "state_shardings",
     "unreduced_value_and_grad",
 ]
@@ -507,7 +506,7 @@ def times(s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
     return s * x
 
 
-def all_finite(
+def globally_finite(
     tree: Any, local: Callable[[Any], jax.Array] | None = None
 ) -> jax.Array:
     """Whether every value of ``tree`` is finite.
@@ -639,51 +638,4 @@ def state_shardings(
         jax.eval_shape(tx.init, params),
         params,
         transform_non_params=lambda s: typed(s) or replicated,
-    )
-
-
-def map_accumulators(state: Any, fn: Callable[[Any], Any]) -> Any:
-    """Applies ``fn`` to the leaves of ``state`` that differ by device.
-
-    Inside ``pmap``/``shard_map`` with ``oa.accumulate(k, axis_name=...)``,
-    each device's accumulator (``acc`` and ``weight`` of every
-    :class:`optaxaccum.AccumulateState`, and the window sums of its
-    ``noise_scale``) holds its own running sum; every
-    other leaf is the same on all devices. With ``shard_map`` store those
-    leaves with a leading device axis: ``fn`` adds it (outside:
-    ``lambda a: jnp.broadcast_to(a, (n, *a.shape))``; specs:
-    ``lambda _: P("data")``) or takes it away (inside: ``lambda a: a[0]``,
-    back with ``lambda a: a[None]``).
-
-    Args:
-      state: an optimizer state (or a tree of specs like it).
-      fn: applied to each per-device leaf.
-
-    Returns:
-      ``state`` with ``fn`` applied to its per-device leaves.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax
-      >>> import optaxaccum as oa
-      >>> tx = oa.chain(oa.accumulate(2, axis_name="d"), optax.sgd(0.1))
-      >>> state = tx.init(jnp.zeros(3))
-      >>> stacked = oa.map_accumulators(
-      ...     state, lambda a: jnp.broadcast_to(a, (4, *a.shape)))
-      >>> stacked[0].acc.shape, stacked[0].mini_step.shape
-      ((4, 3), ())
-    """
-    from optaxaccum._src import noise_scale
-    from optaxaccum._src.accumulate import AccumulateState
-
-    def fix(s):
-        if isinstance(s, AccumulateState):
-            return s._replace(
-                acc=jax.tree.map(fn, s.acc),
-                weight=fn(s.weight),
-                noise_scale=noise_scale.map_window(s.noise_scale, fn),
-            )
-        return s
-
-    return jax.tree.map(
-        fix, state, is_leaf=lambda s: isinstance(s, AccumulateState)
     )

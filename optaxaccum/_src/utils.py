@@ -11,6 +11,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax import lax
 
 __all__ = [
     "NO_PARAMS_MSG",
@@ -24,7 +26,13 @@ __all__ = [
     "check_real",
     "check_same_structure",
     "check_weight",
+    "cond_or_call",
     "declared_extra_args",
+    "either",
+    "both",
+    "mask",
+    "select",
+    "zeros_of",
     "find_state",
     "widen",
 ]
@@ -108,11 +116,6 @@ def check_weight(name: str, value: Any) -> None:
         )
 
 
-# Keywords of the gate protocol itself (see base.py), not extra arguments a
-# user may pass.
-PROTOCOL_KEYWORDS = frozenset({"passed", "window_weight"})
-
-
 def keywords(fn: Any, skip: int = 3) -> frozenset[str]:
     """The keyword parameters of ``fn`` (or of a transformation's
     ``update``) after the first ``skip``, ``**`` catch-alls and
@@ -142,10 +145,9 @@ def declared_extra_args(fn: Any, skip: int = 3) -> frozenset[str]:
     Returns:
       The names of its keyword parameters after the first ``skip``
       (``accum_weight``, ``value``, ...); ``**extra_args`` catch-alls,
-      private (``_``-prefixed) names and the protocol's own ``passed``
-      excluded.
+      and private (``_``-prefixed) names excluded.
     """
-    return keywords(fn, skip) - PROTOCOL_KEYWORDS
+    return keywords(fn, skip)
 
 
 def check_extra_args(
@@ -164,11 +166,6 @@ def check_extra_args(
     """
     declared = sorted(declared)
     for key in extra_args:
-        if key in PROTOCOL_KEYWORDS:
-            raise TypeError(
-                f"{key!r} is an argument of the gate protocol, set by "
-                "oa.chain; it cannot be passed to update"
-            )
         if key in declared or key.startswith("_"):
             continue
         # A misspelling, or a declared name's last word (``weight`` for
@@ -182,16 +179,26 @@ def check_extra_args(
             )
 
 
-def with_signature(fn: Callable, names: Iterable[str]) -> Callable:
+def with_signature(
+    fn: Callable, names: Iterable[str], gate: bool = False
+) -> Callable:
     """Gives an ``update(updates, state, params=None, **extra_args)`` function
-    a signature that declares ``names`` as keyword-only arguments, so that
-    :func:`declared_extra_args` (and ``inspect``) see them."""
-    names = set(names) | keywords(fn)  # and its own keywords
+    (with ``gate``: a ``gate_update(updates, state, params, ctx,
+    **extra_args)``) a signature that declares ``names`` as keyword-only
+    arguments, so that :func:`declared_extra_args` (and ``inspect``) see
+    them."""
     p = inspect.Parameter
-    params = [
+    leading = [
         p("updates", p.POSITIONAL_OR_KEYWORD),
         p("state", p.POSITIONAL_OR_KEYWORD),
         p("params", p.POSITIONAL_OR_KEYWORD, default=None),
+    ]
+    if gate:
+        leading[2] = p("params", p.POSITIONAL_OR_KEYWORD)
+        leading.append(p("ctx", p.POSITIONAL_OR_KEYWORD))
+    names = set(names) | keywords(fn, len(leading))  # and its own keywords
+    params = [
+        *leading,
         *(p(n, p.KEYWORD_ONLY, default=None) for n in sorted(names)),
         p("extra_args", p.VAR_KEYWORD),
     ]
@@ -348,3 +355,62 @@ def find_state(state: Any, cls: type | tuple[type, ...], caller: str) -> Any:
             f"({jax.tree.structure(state)})"
         )
     return found[0]
+
+
+# ------------------------------------------------------------ flags
+# A *flag* is a boolean scalar array or the literal ``True`` (known: no
+# conditional or select is built for it).
+
+
+def either(a: Any, b: Any) -> Any:
+    """``a | b`` for flags, keeping the literals ``True`` and ``False``."""
+    if a is True or b is False:
+        return a
+    if a is False:
+        return b
+    return a | b
+
+
+def both(a: Any, b: Any) -> Any:
+    """``a & b`` for flags, keeping the literal ``True``."""
+    if a is True:
+        return b
+    if b is True:
+        return a
+    return a & b
+
+
+def select(pred: Any, on_true: Any, on_false: Any) -> Any:
+    """``optax.tree.where(pred, on_true, on_false)``; ``on_true`` for the
+    literal ``True``."""
+    if pred is True:
+        return on_true
+    return optax.tree.where(pred, on_true, on_false)
+
+
+def mask(flag: Any, updates: Any) -> Any:
+    """``updates`` where ``flag``, else zeros (no-op for the literal True)."""
+    if flag is True:  # no zeros to build (un-jitted callers would pay)
+        return updates
+    return select(flag, updates, jax.tree.map(jnp.zeros_like, updates))
+
+
+def zeros_of(shapes: Any) -> Any:
+    """Zeros with the shapes and dtypes of a tree of ``ShapeDtypeStruct``."""
+    # zeros_like keeps the sharding and the device-varying type of each
+    # ShapeDtypeStruct, so both branches of a lax.cond agree on them.
+    return jax.tree.map(jnp.zeros_like, shapes)
+
+
+def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
+    """``lax.cond(pred, true_fn, false_fn)``, or a plain call when ``pred`` is
+    known now (the literal ``True``, or a concrete array outside any trace):
+    then no conditional is built, which spares un-jitted callers a
+    compilation of both branches on every call."""
+    if pred is True:
+        return true_fn()
+    try:
+        concrete = bool(pred)
+    except jax.errors.ConcretizationTypeError:  # traced: decide at run time
+        return lax.cond(pred, true_fn, false_fn)
+    return true_fn() if concrete else false_fn()

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optaxaccum._src import accumulate, utils
+from optaxaccum._src import utils, windows
 
 # Names of the extra ``batch_stats`` entries (linen) / attributes (nnx).
 WINDOW_KEYS = ("window_count", "window_mean", "window_m2", "window_step")
@@ -243,7 +243,7 @@ def keep_counted(old_opt_state: Any, new_opt_state: Any, new: Any, old: Any):
     were before its forward pass): the BatchNorm windows stay aligned with
     the optimizer's (API.md 6). Used by linen's ``TrainState`` and nnx's
     ``Optimizer`` alike."""
-    counted = accumulate.counted(old_opt_state, new_opt_state)
+    counted = windows.counted(old_opt_state, new_opt_state)
     if counted is True:  # no accumulate: every call counts
         return new
     return jax.tree.map(lambda n, o: jnp.where(counted, n, o), new, old)

@@ -1,0 +1,122 @@
+"""Questions about an accumulation window, asked of a (nested) chain state.
+
+A *window state* is a state class with ``mini_step``, ``gradient_step``
+and ``updated`` that sets the class attribute ``holds_window = True``
+(:class:`AccumulateState`, :class:`MultiStepsState`): this module finds
+them without importing the modules that define them, so the combinator
+(``chain.py``) and the layers above (``optaxaccum.flax``) depend on it and
+not on a gate module.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import optax
+
+__all__ = ["counted", "has_updated", "warn_if_wrapped"]
+
+
+def _is_window(x: Any) -> bool:
+    return getattr(type(x), "holds_window", False) is True
+
+
+def _find_window(state: Any, caller: str) -> Any:
+    """The first (outermost, leftmost) window state inside ``state``."""
+    for s in jax.tree.leaves(state, is_leaf=_is_window):
+        if _is_window(s):
+            return s
+    raise ValueError(
+        f"{caller} found no AccumulateState or MultiStepsState in the state "
+        f"given ({jax.tree.structure(state)})"
+    )
+
+
+def has_updated(state: optax.OptState) -> jax.Array:
+    """Whether the last call that reached the accumulation closed a window.
+
+    Args:
+      state: the state of an :func:`accumulate`, or of any (nested) chain
+        containing one (the first one found is used).
+
+    Returns:
+      A boolean scalar array: true if the most recent call that reached the
+      :func:`accumulate` closed a window and stepped the elements after it.
+
+    Raises:
+      ValueError: if ``state`` holds no :class:`AccumulateState`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+      >>> state = tx.init(jnp.zeros(1))
+      >>> _, state = tx.update(jnp.ones(1), state)
+      >>> bool(oa.has_updated(state))
+      False
+    """
+    warn_if_wrapped(state)
+    found = _find_window(state, "oa.has_updated")
+    if found.updated is None:  # e.g. converted from optax's MultiStepsState
+        return (found.mini_step == 0) & (found.gradient_step > 0)
+    return found.updated
+
+
+def counted(old_state: optax.OptState, new_state: optax.OptState) -> Any:
+    """Whether the outermost accumulate of a chain took the call that turned
+    ``old_state`` into ``new_state`` into its window (``True`` when the state
+    holds no window: every call counts).
+
+    The core's one answer to "did this micro-batch count" (the Flax layers
+    keep their BatchNorm windows aligned with it). :func:`has_updated` cannot
+    tell: a dropped call leaves its flag as it was, like a counted call that
+    does not close the window.
+    """
+    try:
+        old = _find_window(old_state, "counted")
+    except ValueError:
+        return True
+    new = _find_window(new_state, "counted")
+    return (new.mini_step != old.mini_step) | (
+        new.gradient_step != old.gradient_step
+    )
+
+
+# optax wrappers that count their own calls: around a gated chain they count
+# micro-batches, not windows.
+_COUNTING_WRAPPERS = (
+    optax.InjectHyperparamsState,
+    optax.InjectStatefulHyperparamsState,
+    optax.LookaheadState,
+    optax.MultiStepsState,
+)
+
+
+def warn_if_wrapped(state: Any) -> None:
+    """Warns when a window state sits inside the state of an optax wrapper
+    that counts every call (``inject_hyperparams``, ``lookahead``,
+    ``MultiSteps``): its schedule, sync or count advances once per
+    micro-batch instead of once per window."""
+
+    def wrapper(x):
+        return isinstance(x, _COUNTING_WRAPPERS)
+
+    for outer in jax.tree.leaves(state, is_leaf=wrapper):
+        if not wrapper(outer):
+            continue
+        inside = jax.tree.leaves(tuple(outer), is_leaf=_is_window)
+        if any(map(_is_window, inside)):
+            warnings.warn(
+                f"an optax wrapper ({type(outer).__name__}) holds an "
+                "oa.accumulate: the wrapper counts every call (every "
+                "micro-batch), not every window, so its schedule, sync or "
+                "step count runs k times too fast. Put the wrapper inside "
+                "the oa.chain, after the accumulate: oa.chain(oa.accumulate"
+                "(k), optax.inject_hyperparams(optax.sgd)(learning_rate="
+                "schedule)). See docs/concepts.md, 'Where wrappers go'.",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
