@@ -136,7 +136,7 @@ def hlo_counts(text: str) -> dict[str, int]:
     comps, _ = hlo.parse_hlo(text)
     lines = [line for body in comps.values() for line in body]
     return {
-        "ops": sum(hlo._split_instruction(ln) is not None for ln in lines),
+        "ops": sum(hlo.split_instruction(ln) is not None for ln in lines),
         "fusions": hlo.count(lines, "fusion"),
         "conditionals": hlo.count(lines, "conditional"),
     }

@@ -176,7 +176,7 @@ def _max_fusion_operands(text):
     most = 0
     for lines in comps.values():
         for line in lines:
-            parsed = hlo._split_instruction(line)
+            parsed = hlo.split_instruction(line)
             if parsed is None or parsed[1] != "fusion":
                 continue
             args = line.split(" fusion(", 1)[1].split("), kind=", 1)[0]

@@ -46,7 +46,7 @@ class AccumulateState(NamedTuple):
     updated: jax.Array  # shape=(), bool
     noise_scale: Any = None  # noise_scale.NoiseScaleState, or None (off)
 
-    holds_window = True  # found by oa.has_updated (windows.py); not a field
+    _holds_window = True  # found by oa.has_updated (windows.py); no field
 
 
 class _Config(NamedTuple):

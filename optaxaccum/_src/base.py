@@ -108,7 +108,7 @@ class GateUpdateFn(Protocol):
     def __call__(
         self,
         updates: optax.Updates,
-        state: optax.OptState,
+        state: Any,
         params: optax.Params | None,
         ctx: GateContext,
         /,
@@ -121,21 +121,23 @@ class GateFlushFn(Protocol):
     now, without a new gradient (:func:`flush`)."""
 
     def __call__(
-        self, state: optax.OptState, params: optax.Params, /, **extra_args: Any
+        self, state: Any, params: optax.Params, /, **extra_args: Any
     ) -> GateResult: ...
 
 
 def emitted(res: GateResult) -> Emitted:
     """The :class:`Emitted` of ``res`` (calling ``res.emit`` if lazy)."""
     emit = res.emit
-    return Emitted(*(emit() if callable(emit) else emit))
+    value: Any = emit() if callable(emit) else emit
+    return Emitted(*value)
 
 
 def map_emit(emit: Any, fn: Callable[[Emitted], Emitted]) -> Any:
     """``emit`` followed by ``fn``: a value if ``emit`` is one (an eager
     gate stays eager), else a function of no arguments."""
     if callable(emit):
-        return lambda: fn(Emitted(*emit()))
+        lazy: Callable[[], Any] = emit
+        return lambda: fn(Emitted(*lazy()))
     return fn(Emitted(*emit))
 
 

@@ -128,7 +128,7 @@ def collective_census(compiled: Any, mesh: Any) -> list[dict]:
             return
         seen.add((name, branches))
         for line in comps[name]:
-            parsed = hlo._split_instruction(line)
+            parsed = hlo.split_instruction(line)
             if parsed is None:
                 continue
             shape, opcode = parsed
@@ -143,7 +143,7 @@ def collective_census(compiled: Any, mesh: Any) -> list[dict]:
                         branches=branches,
                     )
                 )
-            for callee, index in hlo._callees(line):
+            for callee, index in hlo.callees(line):
                 visit(callee, branches if index is None else (*branches, index))
 
     visit(entry, ())

@@ -55,7 +55,7 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
-def _split_instruction(line: str) -> tuple[str, str] | None:
+def split_instruction(line: str) -> tuple[str, str] | None:
     """``(shape, opcode)`` of an HLO instruction line, else None."""
     head, sep, rest = line.partition(" = ")
     if not sep or not head.split() or not head.split()[-1].startswith("%"):
@@ -100,7 +100,7 @@ def parse_hlo(text: str) -> tuple[dict[str, list[str]], str]:
     return comps, entry
 
 
-def _callees(line: str) -> Iterator[tuple[str, int | None]]:
+def callees(line: str) -> Iterator[tuple[str, int | None]]:
     """Computations called by an instruction: ``(name, branch index)``;
     the index is None for calls that always run (fusions, reductions...)."""
     tf = _TRUE_FALSE_RE.search(line)
@@ -136,7 +136,7 @@ def all_reduces(text: str) -> list[dict]:
             return
         seen.add((name, branches))
         for line in comps[name]:
-            parsed = _split_instruction(line)
+            parsed = split_instruction(line)
             if parsed is None:
                 continue
             shape, opcode = parsed
@@ -148,7 +148,7 @@ def all_reduces(text: str) -> list[dict]:
                         branches=branches,
                     )
                 )
-            for callee, index in _callees(line):
+            for callee, index in callees(line):
                 visit(callee, branches if index is None else (*branches, index))
 
     visit(entry, ())
@@ -182,7 +182,7 @@ def _reachable(
         for line in comps[name]:
             todo.extend(
                 callee
-                for callee, index in _callees(line)
+                for callee, index in callees(line)
                 if into_branches or index is None
             )
     return seen
@@ -207,7 +207,7 @@ def count(lines: list[str], op: str) -> int:
     asynchronous ``op-start``)."""
     n = 0
     for line in lines:
-        parsed = _split_instruction(line)
+        parsed = split_instruction(line)
         if parsed is not None and parsed[1] in (op, f"{op}-start"):
             n += 1
     return n

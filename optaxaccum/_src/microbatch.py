@@ -181,7 +181,7 @@ def _check_weight_varies_with_grads(w: jax.Array, grads: Any) -> None:
             )
 
 
-def _check_state(new_state: Any, state: Any) -> Any:
+def _check_carry(new_state: Any, state: Any) -> Any:
     """Returns ``new_state`` (without weak types) after checking that it has
     the structure, shapes and dtypes of ``state``: a scan carry must not
     change type."""
@@ -206,7 +206,9 @@ def _check_state(new_state: Any, state: Any) -> Any:
     return jax.tree.map_with_path(check, new_state, state)
 
 
-def _resolve(nargs: int, named: dict[str, _Argnums]) -> list[tuple[int, ...]]:
+def _argnum_indices(
+    nargs: int, named: dict[str, _Argnums]
+) -> list[tuple[int, ...]]:
     """Each argnums' indices in ``range(nargs)``, checked to be disjoint."""
     out = {k: _normalize(a.indices, nargs, k) for k, a in named.items()}
     _check_disjoint(out)
@@ -366,7 +368,7 @@ def microbatched_value_and_grad(
     )
 
     def f(*args):
-        d_idx, b_idx, s_idx = _resolve(len(args), named)
+        d_idx, b_idx, s_idx = _argnum_indices(len(args), named)
         batches = tuple(args[i] for i in b_idx)
         batch_size = _batch_size(batch.pick(batches))
         _check_divisible(batch_size, n)
@@ -401,7 +403,7 @@ def microbatched_value_and_grad(
                 w = _microbatch_weight(weight_fn, batch.pick(mb), grads)
             acc = _add_grads(acc, grads, w)
             if has_state:
-                state = _check_state(state_nums.wrap(new_state), state)
+                state = _check_carry(state_nums.wrap(new_state), state)
             return (acc, state), (loss, w, aux)
 
         (acc, state), (losses, ws, auxs) = lax.scan(

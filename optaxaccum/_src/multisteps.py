@@ -53,7 +53,7 @@ class MultiStepsState(NamedTuple):
     acc_weight: jax.Array | None = None  # shape=(), float32 or wider
     updated: jax.Array | None = None  # shape=(), bool
 
-    holds_window = True  # found by oa.has_updated (windows.py); not a field
+    _holds_window = True  # found by oa.has_updated (windows.py); no field
 
 
 class _SkipGateState(NamedTuple):

@@ -1,7 +1,7 @@
 """Questions about an accumulation window, asked of a (nested) chain state.
 
 A *window state* is a state class with ``mini_step``, ``gradient_step``
-and ``updated`` that sets the class attribute ``holds_window = True``
+and ``updated`` that sets the class attribute ``_holds_window = True``
 (:class:`AccumulateState`, :class:`MultiStepsState`): this module finds
 them without importing the modules that define them, so the combinator
 (``chain.py``) and the layers above (``optaxaccum.flax``) depend on it and
@@ -20,7 +20,7 @@ __all__ = ["counted", "has_updated", "warn_if_wrapped"]
 
 
 def _is_window(x: Any) -> bool:
-    return getattr(type(x), "holds_window", False) is True
+    return getattr(type(x), "_holds_window", False) is True
 
 
 def _find_window(state: Any, caller: str) -> Any:

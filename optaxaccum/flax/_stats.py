@@ -179,11 +179,13 @@ def step(
     stats: tuple[jax.Array, jax.Array, jax.Array],
     *,
     momentum: float,
-    accum_steps: int,
+    every_k: int,
 ) -> tuple[jax.Array, jax.Array, Window]:
-    """One training micro-batch: merge its ``stats``, close a full window."""
+    """One training micro-batch: merge its ``stats``, close a full window of
+    ``every_k`` micro-batches (the core's name for the window length; the
+    layers' public argument is ``accum_steps``, fixed by API.md 6)."""
     window = merge(window, *stats)
-    return close(window, ra_mean, ra_var, momentum, window.step >= accum_steps)
+    return close(window, ra_mean, ra_var, momentum, window.step >= every_k)
 
 
 def canonical_axes(ndim: int, axis: Any) -> tuple[int, ...]:
@@ -226,7 +228,7 @@ def train_step(
         ra_var,
         stats,
         momentum=module.momentum,
-        accum_steps=module.accum_steps,
+        every_k=module.accum_steps,
     )
 
 

@@ -1,0 +1,148 @@
+"""The package's layering, read from its source (issue 25).
+
+* The modules of ``optaxaccum/`` import each other without a circle, lazy
+  imports inside functions included.
+* The combinator (``chain.py``) imports no gate module; the public
+  ``collective_census`` calls no private function of ``hlo.py``.
+* The size rule of the style guide (``shared/tools/function_sizes.py``): a
+  function has at most 60 lines of logic (docstring and nested definitions
+  excluded), and a function's or a class's docstring at most 45 lines.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+import optaxaccum
+
+PACKAGE = pathlib.Path(optaxaccum.__file__).resolve().parent
+MAX_LOGIC_LINES = 60
+MAX_DOCSTRING_LINES = 45
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """``{dotted name: path}`` of every module of the package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
+    """The package's modules that ``name`` imports, anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package up
+                up = package.split(".")[
+                    : len(package.split(".")) - node.level + 1
+                ]
+                base = ".".join(up + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {n: _imports(n, p, modules) for n, p in modules.items()}
+
+
+def test_no_import_circle_inside_the_package():
+    graph = _graph()
+    state: dict[str, str] = {}  # "open" while on the path, then "done"
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circle = path[path.index(nxt) :] + [nxt]
+                pytest.fail("import circle: " + " -> ".join(circle))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_the_combinator_imports_no_gate_module():
+    gates = {
+        f"optaxaccum._src.{m}"
+        for m in ("accumulate", "loss_scale", "multisteps", "noise_scale")
+    }
+    imported = _graph()["optaxaccum._src.chain"]
+    assert not imported & gates, imported & gates
+
+
+def test_the_protocol_module_imports_only_utils():
+    assert _graph()["optaxaccum._src.base"] <= {"optaxaccum._src.utils"}
+
+
+def test_collective_census_calls_no_private_hlo_function():
+    tree = ast.parse((PACKAGE / "_src" / "collectives.py").read_text())
+    private = [
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "hlo"
+        and n.attr.startswith("_")
+    ]
+    assert not private, private
+
+
+def _sizes():
+    """``(where, logic lines, docstring lines)`` of every function and
+    class of the package, counted as ``shared/tools/function_sizes.py``."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(
+                node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+            ):
+                continue
+            where = (
+                f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}"
+            )
+            body = node.body
+            doc = 0
+            if ast.get_docstring(node, clean=False) is not None:
+                doc = body[0].end_lineno - body[0].lineno + 1
+            if isinstance(node, ast.ClassDef):
+                yield where, 0, doc
+                continue
+            nested = sum(
+                n.end_lineno - n.lineno + 1
+                for n in body
+                if isinstance(
+                    n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+                )
+            )
+            total = node.end_lineno - node.lineno + 1
+            yield where, total - doc - nested, doc
+
+
+def test_functions_and_docstrings_stay_within_the_size_rule():
+    too_long = [
+        f"{where}: {logic} lines of logic, docstring {doc} lines"
+        for where, logic, doc in _sizes()
+        if logic > MAX_LOGIC_LINES or doc > MAX_DOCSTRING_LINES
+    ]
+    assert not too_long, "\n".join(too_long)
+
+
+def test_the_size_rule_sees_class_docstrings():
+    """The rule measures class docstrings too (the linen AccumBatchNorm's
+    once ran to 72 lines)."""
+    docs = {where.rsplit(" ", 1)[1]: doc for where, _, doc in _sizes()}
+    assert docs["AccumulateState"] > 5
