@@ -520,3 +520,14 @@ def test_nested_window_of_weight_0_counts_as_one_micro_batch(fused):
     np.testing.assert_allclose(
         params["nested"], params["flat"], rtol=1e-6, atol=1e-7
     )
+
+
+def test_gate_without_ctx_is_refused_when_built():
+    """A gate_update written without the context (the protocol before issue
+    25) is named when the gate is built, not deep inside a chain."""
+
+    def gate_update(updates, state, params=None, **extra_args):
+        return oa.GateResult(state, True, oa.Emitted(updates, state))
+
+    with pytest.raises(TypeError, match="ctx"):
+        oa.GatedTransformation(lambda p: optax.EmptyState(), gate_update)

@@ -10,6 +10,7 @@ chain's machinery (conditionals, zeros, followers) lives in ``chain.py``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, TypeGuard
 
@@ -197,6 +198,7 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         gate_update: GateUpdateFn,
         gate_flush: GateFlushFn | None = None,
     ):
+        _check_takes_ctx(gate_update)
         # The plain update declares what gate_update takes by name, so that
         # chains can tell a near-miss keyword (``acum_weight``) from others.
         names = utils.declared_extra_args(gate_update, skip=4)
@@ -218,6 +220,24 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
     def __getnewargs__(self):
         # copy/deepcopy/pickle rebuild through __new__ with these arguments.
         return (self.init, self.gate_update, self.gate_flush)
+
+
+def _check_takes_ctx(gate_update: Any) -> None:
+    """Raises ``TypeError`` at construction if ``gate_update`` cannot be
+    called as ``(updates, state, params, ctx)`` (e.g. written for the
+    protocol before the context existed), rather than deep inside a chain."""
+    try:
+        signature = inspect.signature(gate_update)
+    except (TypeError, ValueError):  # no signature to read: trust it
+        return
+    try:
+        signature.bind(None, None, None, GateContext())
+    except TypeError as e:
+        raise TypeError(
+            "gate_update must take (updates, state, params, ctx, "
+            f"**extra_args), ctx an oa.GateContext; {gate_update!r} has "
+            f"the signature {signature} ({e}). See docs/gates.md."
+        ) from None
 
 
 def _flatten_gate(tx: GatedTransformation):
