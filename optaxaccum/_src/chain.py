@@ -281,7 +281,6 @@ def _emit_into_gate(out, tail_state, rest, params, args) -> base.Emitted:
             lambda: (lambda e: (e.updates, e.window_weight))(base.emitted(res2))
         )
         zeros, weight2 = utils.zeros_of(shapes)
-        zeros = jax.tree.map(jnp.zeros_like, out.updates)
         false = jnp.logical_and(pred, False)
         return zeros, res2.state, false, weight2, false
 
