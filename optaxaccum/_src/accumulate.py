@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, noise_scale, sharding, utils
+from optaxaccum._src import base, noise_scale, sharding, utils, zero
 
 __all__ = ["AccumulateState", "accumulate", "has_updated"]
 
@@ -57,6 +57,7 @@ class _Config(NamedTuple):
     axis_name: Hashable | None
     skip_nonfinite: bool
     noise_scale_decay: float | None
+    shard_update: bool = False
 
 
 def accumulate(
@@ -67,6 +68,7 @@ def accumulate(
     axis_name: Hashable | None = None,
     skip_nonfinite: bool = False,
     noise_scale_decay: float | None = None,
+    shard_update: bool = False,
 ) -> base.GatedTransformation:
     r"""Accumulates gradients over windows of ``every_k`` micro-batches.
 
@@ -95,6 +97,10 @@ def accumulate(
       noise_scale_decay: ``None`` (off: no state, no work), or a decay in
         ``[0, 1)``: the gradient noise scale estimate, averaged over windows
         with it (:func:`noise_scale`, docs/noise_scale.md).
+      shard_update: under ``jax.jit`` on an explicit mesh, reduce-scatter
+        the window over ``axis_name`` and run the followers on each
+        device's shard, their state sharded over it too (ZeRO-1, once per
+        window; docs/scaling.md). Needs ``axis_name``.
 
     Returns:
       A :class:`GatedTransformation` with an :class:`AccumulateState`.
@@ -129,12 +135,27 @@ def accumulate(
         utils.check_axis_name(axis_name),
         utils.check_bool("skip_nonfinite", skip_nonfinite),
         decay,
+        _check_shard_update(shard_update, axis_name),
     )
-    return base.GatedTransformation(
+    gate = base.GatedTransformation(
         functools.partial(_init, cfg),
         functools.partial(_gate_update, cfg),
         functools.partial(_gate_flush, cfg),
     )
+    return zero.gathered(gate, axis_name) if shard_update else gate
+
+
+def _check_shard_update(shard_update: Any, axis_name: Any) -> bool:
+    """``shard_update`` if it is a bool, and ``True`` only with an
+    ``axis_name``."""
+    utils.check_bool("shard_update", shard_update)
+    if shard_update and axis_name is None:
+        raise ValueError(
+            "shard_update=True shards the window's reduction over the data "
+            "axes: it needs axis_name (e.g. axis_name='data'), got "
+            f"{axis_name=}"
+        )
+    return shard_update
 
 
 def _window_fn(
@@ -216,6 +237,8 @@ def _gate_update(
             f"{type(state).__name__}"
         )
     sharding.check_gradients(updates, cfg.axis_name)  # mesh mistakes
+    if cfg.shard_update:
+        zero.check_explicit(updates, cfg.axis_name)
     acc = sharding.unstack_partials(state.acc, cfg.axis_name)
     _check_gradients(updates, acc)
     state = state._replace(acc=sharding.match_grads(acc, updates))
@@ -318,7 +341,7 @@ def _emitter(
         acc, weight = state.acc, state.weight
         if cfg.axis_name is not None:
             acc, weight = sharding.reduce_window(
-                acc, weight, cfg.axis_name, cfg.reduction
+                acc, weight, cfg.axis_name, cfg.reduction, cfg.shard_update
             )
         noise = noise_scale.close(
             cfg.noise_scale_decay,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base, utils
+from optaxaccum._src import base, utils, zero
 from optaxaccum._src.accumulate import warn_if_wrapped
 
 __all__ = ["chain", "apply_gradients", "flush"]
@@ -75,9 +75,11 @@ def chain(
     if gate_at is None:  # a chain without gates is optax.chain
         return _checked(optax.chain(*transforms), declared, len(transforms))
     head = _plain(transforms[:gate_at]) if gate_at else None
-    first, rest = transforms[gate_at], _followers(transforms, gate_at)
+    first, rest = zero.split(
+        transforms[gate_at], _followers(transforms, gate_at)
+    )
     assert base.is_gate(first)  # for the type checker: found as a gate
-    init = optax.chain(*transforms).init
+    init = _init(transforms[: gate_at + 1], rest)
 
     def gate_update_fn(
         updates,
@@ -128,7 +130,9 @@ def chain(
         return base.GatedTransformation(
             init, utils.with_signature(gate_update_fn, declared)
         )
-    flusher, flush_rest = transforms[flush_at], _followers(transforms, flush_at)
+    flusher, flush_rest = zero.split(
+        transforms[flush_at], _followers(transforms, flush_at)
+    )
     assert base.is_gate(flusher) and flusher.gate_flush is not None
     flush_fn = flusher.gate_flush
 
@@ -147,6 +151,17 @@ def chain(
     return base.GatedTransformation(
         init, utils.with_signature(gate_update_fn, declared), gate_flush_fn
     )
+
+
+def _init(gated, rest):
+    """``optax.chain``'s ``init``: the states of ``gated`` (the elements up
+    to the gate), then those of ``rest`` (its followers, one chain)."""
+
+    def init(params):
+        tail = () if rest is None else tuple(rest.init(params))
+        return (*(tx.init(params) for tx in gated), *tail)
+
+    return init
 
 
 def _checked(tx, declared, n):
