@@ -689,11 +689,15 @@ def test_example_fsdp_runs_on_8_cpu_devices():
 
 
 @pytest.mark.slow
-def test_two_processes_one_mesh_match_single_process(tmp_path):
+@pytest.mark.parametrize(
+    "script", ["_mesh_worker.py", "_mesh_worker_shard_update.py"]
+)
+def test_two_processes_one_mesh_match_single_process(tmp_path, script):
     """Two jax.distributed processes x 4 CPU devices, one explicit
     data=2 x fsdp=4 mesh spanning both, unreduced gradients weighted by
     token counts, several windows: the params equal a single-process
-    big-batch run on the same global batches."""
+    big-batch run on the same global batches; also with
+    ``shard_update=True`` (Adam's state sharded over data and fsdp)."""
     import importlib.util
     import pathlib
 
@@ -704,7 +708,7 @@ def test_two_processes_one_mesh_match_single_process(tmp_path):
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
 
-    out = run_two_processes(tmp_path, "_mesh_worker.py")
+    out = run_two_processes(tmp_path, script)
     x, y, mask = worker.make_data(worker.WINDOWS * worker.K)
     opt = optax.adam(worker.LEARNING_RATE)
     params = worker.init_params()

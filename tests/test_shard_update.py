@@ -65,8 +65,10 @@ def _opt(name):
     [
         ("data2xfsdp4", "adam", True),
         ("data2xfsdp4", "clip_adamw", False),
+        ("data2xfsdp4", "sgd", False),
         ("data8", "sgd", True),
         ("dcn2xdata2xfsdp2", "adam", True),
+        ("dcn2xdata2xfsdp2", "sgd", True),
         ("dcn2xdata2xfsdp2", "clip_adamw", True),
     ],
 )
