@@ -17,6 +17,8 @@ from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -152,7 +154,7 @@ def check_explicit(grads: Any, axis_name: Any) -> None:
     leaves = [
         g
         for g in jax.tree.leaves(grads)
-        if jax.numpy.issubdtype(jax.numpy.result_type(g), jax.numpy.inexact)
+        if jnp.issubdtype(jnp.result_type(g), jnp.inexact)
     ]
     if leaves and not all(sharding.is_explicit(g, axis_name) for g in leaves):
         raise ValueError(
