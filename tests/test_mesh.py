@@ -639,18 +639,23 @@ def _run_from_root(script, *args):
     )
 
 
+OURS_B4 = "oa.unreduced_value_and_grad"
+
+
 @pytest.mark.slow
 def test_bench_mesh_tiny():
     """B4 on toy sizes, in its own process: per window, one call reduces
     the gradient over 'data' (one op) against K for the naive jit step, on
-    both meshes; the accumulator is tree / fsdp per device."""
+    both meshes; the accumulator is tree / fsdp per device; with
+    shard_update a reduce-scatter and an all-gather instead of the
+    all-reduce, and Adam's state divided by the data size."""
     import json
 
     proc = _run_from_root("benchmarks/bench_mesh.py", "--tiny", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for mesh_name, r in res["results"].items():
-        ours = r["census"]["oa.unreduced_value_and_grad"]
+        ours = r["census"][OURS_B4]
         naive = r["census"]["naive jit"]
         assert ours["data_grad_calls"] == 1 and ours["data_grad_ops"] == 1
         assert ours["top_data_grad_ops"] == 0
@@ -667,7 +672,14 @@ def test_bench_mesh_tiny():
         'unreduced over ("data", "fsdp")'
     ]
     assert both["top_grad_reductions"] == 0 and both["data_grad_calls"] == 1
-    assert len(res["rows"]) == 5
+    for mesh_name, data in (("data=2 x fsdp=4", 2), ("data=8", 8)):
+        r = res["results"][mesh_name]
+        kinds = r["census"]["shard_update=True"]["data_grad_kinds"]
+        shard = r["tree_bytes"] // (4 if "fsdp" in mesh_name else 1)
+        assert kinds == {"reduce-scatter": shard // data, "all-gather": shard}
+        opt = r["opt_bytes"]
+        assert opt["shard_update=True"] * data <= opt[OURS_B4] + 64, opt
+    assert len(res["rows"]) == 7
 
 
 @pytest.mark.slow
