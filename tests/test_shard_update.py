@@ -294,3 +294,20 @@ def test_shard_update_bad_input_is_named():
     f = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="shard_update"):
         jax.jit(f)(jax.device_put(grads, P("d")))
+
+
+def test_docs_scaling_shard_update_runs_as_written(capsys):
+    """The block of docs/scaling.md's shard_update section, exactly as
+    written: Adam's moment of w1 is sharded over fsdp and data (1/8 of it
+    per device), the params keep their sharding, two windows close."""
+    import pathlib
+
+    text = (
+        pathlib.Path(__file__).resolve().parent.parent / "docs" / "scaling.md"
+    ).read_text()
+    section = text[text.index("## Sharding the optimizer state over") :]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "shard_update=True" in block
+    exec(compile(block, "docs/scaling.md", "exec"), {})  # noqa: S102
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == ["P('fsdp', 'data') (2, 16)", "P('fsdp', None) 2"]

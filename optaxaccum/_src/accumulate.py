@@ -75,8 +75,7 @@ def accumulate(
     Each call adds ``w * grads`` (``update(..., accum_weight=w)``, default
     1) to a running sum; the call that completes the window emits the
     weighted mean :math:`\sum_i w_i g_i / \sum_i w_i` (or the sum), and in
-    :func:`chain` only then do the elements after it run. Weights, nesting,
-    dtypes: docs/concepts.md.
+    :func:`chain` only then do the elements after it run (docs/concepts.md).
 
     Args:
       every_k: window length, a positive int, or a jit-traceable callable
@@ -97,10 +96,8 @@ def accumulate(
       noise_scale_decay: ``None`` (off: no state, no work), or a decay in
         ``[0, 1)``: the gradient noise scale estimate, averaged over windows
         with it (:func:`noise_scale`, docs/noise_scale.md).
-      shard_update: under ``jax.jit`` on an explicit mesh, reduce-scatter
-        the window over ``axis_name`` and run the followers on each
-        device's shard, their state sharded over it too (ZeRO-1, once per
-        window; docs/scaling.md). Needs ``axis_name``.
+      shard_update: reduce-scatter the window over ``axis_name`` (``jit``,
+        explicit mesh), the followers' state sharded over it (ZeRO-1).
 
     Returns:
       A :class:`GatedTransformation` with an :class:`AccumulateState`.
