@@ -311,3 +311,91 @@ def test_docs_scaling_shard_update_runs_as_written(capsys):
     exec(compile(block, "docs/scaling.md", "exec"), {})  # noqa: S102
     out = capsys.readouterr().out.splitlines()
     assert out[-2:] == ["P('fsdp', 'data') (2, 16)", "P('fsdp', None) 2"]
+
+
+def test_nested_accumulate_after_shard_update_runs_on_the_piece():
+    """A second accumulate after a shard_update one (its window of windows)
+    accumulates each device's piece: its accumulator is sharded over data
+    and fsdp, and the result equals one window of 2K micro-batches."""
+    mesh, axis = _mesh("data2xfsdp4")
+    data = tm._make_data(K * 4)
+    tx = oa.chain(
+        oa.accumulate(K, axis_name=axis, shard_update=True),
+        oa.accumulate(2),
+        optax.sgd(0.3),
+    )
+    params, state = tm._run(tx, mesh, data)
+    want = tm._reference(optax.sgd(0.3), tm._init_params(), *data, k=2 * K)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, **tm.TOL
+    )
+    assert state[1].acc["w1"].sharding.spec == P("fsdp", "data")
+
+
+def test_noise_scale_with_shard_update_equals_default():
+    """The gradient noise scale, estimated from the window, is the same
+    with the window's mean reduce-scattered."""
+    mesh, axis = _mesh("data2xfsdp4")
+    data = tm._make_data(K * 2)
+    found = []
+    for shard_update in (True, False):
+        acc = oa.accumulate(
+            K,
+            axis_name=axis,
+            shard_update=shard_update,
+            noise_scale_decay=0.5,
+        )
+        _, state = tm._run(oa.chain(acc, optax.sgd(0.3)), mesh, data)
+        found.append(oa.noise_scale(state))
+    chex.assert_trees_all_close(found[0], found[1], rtol=1e-5)
+
+
+def test_alone_in_optax_chain_emits_gathered_updates():
+    """Used without oa.chain's followers (inside stock optax.chain, with a
+    stateless optimizer) the window's mean comes back with the params'
+    sharding: the params equal the reference and keep their sharding."""
+    mesh, axis = _mesh("data2xfsdp4")
+    data = tm._make_data(K * tm.WINDOWS)
+    tx = optax.chain(
+        oa.accumulate(K, axis_name=axis, shard_update=True), optax.sgd(0.3)
+    )
+    params, _ = tm._run(tx, mesh, data, fused=False)
+    want = tm._reference(optax.sgd(0.3), tm._init_params(), *data)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, **tm.TOL
+    )
+    tm._same_sharding(params, tm._put_params(mesh, tm._init_params()))
+
+
+@pytest.mark.parametrize(
+    "mesh_name,spec,shape,want",
+    [
+        ("data2xfsdp4", P("fsdp", None), (8, 16), P("fsdp", "data")),
+        ("data2xfsdp4", P("fsdp"), (16,), P(("fsdp", "data"))),
+        ("data2xfsdp4", P("fsdp"), (12,), P("fsdp")),  # 12 % 8: default
+        ("data2xfsdp4", P(), (), P()),
+        ("data8", P(None, None), (16, 24), P(None, "data")),  # the largest
+        ("data8", P(None, None), (16, 16), P("data", None)),  # the first
+        ("data8", P(None, None), (6, 4), P(None, None)),  # none divides
+        (
+            "dcn2xdata2xfsdp2",
+            P("fsdp", None),
+            (4, 8),
+            P("fsdp", ("dcn", "data")),
+        ),
+        (
+            "dcn2xdata2xfsdp2",
+            P("fsdp", "data"),
+            (4, 8),
+            P("fsdp", ("dcn", "data")),
+        ),
+    ],
+)
+def test_placement_rule(mesh_name, spec, shape, want):
+    """The rule of docs/scaling.md (private helper, on purpose): the
+    largest unsharded dimension the data size divides, else a sharded one
+    with room, else the default; the data axes in the mesh's order."""
+    from optaxaccum._src import zero
+
+    mesh, axis = _mesh(mesh_name)
+    assert zero.zero_spec(spec, shape, mesh, oa_axes(axis)) == want
