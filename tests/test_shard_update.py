@@ -61,27 +61,29 @@ def _opt(name):
 
 
 @pytest.mark.parametrize(
-    "mesh_name,opt_name,fused",
+    "mesh_name,opt_name,fused,eager_init",
     [
-        ("data2xfsdp4", "adam", True),
-        ("data2xfsdp4", "clip_adamw", False),
-        ("data2xfsdp4", "sgd", False),
-        ("data8", "sgd", True),
-        ("dcn2xdata2xfsdp2", "adam", True),
-        ("dcn2xdata2xfsdp2", "sgd", True),
-        ("dcn2xdata2xfsdp2", "clip_adamw", True),
+        ("data2xfsdp4", "adam", True, False),
+        ("data2xfsdp4", "clip_adamw", False, False),
+        ("data2xfsdp4", "sgd", False, True),
+        ("data8", "sgd", True, False),
+        ("dcn2xdata2xfsdp2", "adam", True, False),
+        ("dcn2xdata2xfsdp2", "sgd", True, False),
+        ("dcn2xdata2xfsdp2", "clip_adamw", True, False),
     ],
 )
 def test_shard_update_equals_big_batch_and_default_mode(
-    mesh_name, opt_name, fused
+    mesh_name, opt_name, fused, eager_init
 ):
     """Several windows of token-weighted micro-batches: the params equal one
     optax step per window on the window's whole batch (single device) and
-    the default mode's; they keep their sharding."""
+    the default mode's; they keep their sharding. ``eager_init``: the state
+    from ``tx.init`` outside any mesh context (the followers' state placed
+    on the concrete mesh)."""
     mesh, axis = _mesh(mesh_name)
     data = tm._make_data(K * tm.WINDOWS)
     tx = _tx(_opt(opt_name), axis)
-    params, state = tm._run(tx, mesh, data, fused=fused, axis=axis)
+    params, state = tm._run(tx, mesh, data, eager_init, fused=fused, axis=axis)
     want = tm._reference(_opt(opt_name), tm._init_params(), *data)
     chex.assert_trees_all_close(
         jax.tree.map(np.asarray, params), want, **tm.TOL
