@@ -13,6 +13,11 @@ variants on each, side by side in one run:
 * ``oa.unreduced_value_and_grad``: ``+ oa.chain(oa.accumulate(K,
   axis_name="data"), adam)``: the gradients stay unreduced over ``data``,
   the accumulator adds them locally and reduces once, in the closing branch;
+* ``shard_update=True``: the same with ``oa.accumulate(K, axis_name="data",
+  shard_update=True)``: the window's reduction over ``data`` is a
+  reduce-scatter, Adam runs on each device's shard with its moments sharded
+  over ``data`` and ``fsdp``, and the updates are all-gathered (ZeRO-1 once
+  per window);
 * on the FSDP mesh also ``unreduced over ("data", "fsdp")``: both axes
   named, so no gradient reduction at all on micro-steps, at the cost of an
   accumulator as large as the unsharded tree.
@@ -21,9 +26,10 @@ Reported from the compiled step (the project's HLO reader, replica groups
 mapped to mesh axes): collectives over ``data`` executed per window (every
 call's times ``K`` plus the closing branch's), split into gradient
 reductions (larger than a few scalars) and scalar ones (the loss); their
-bytes; collectives over ``fsdp`` only; the accumulator's bytes per device;
-and the wall time of a whole window (``K`` calls), median of interleaved
-rounds, as a ratio to ours.
+bytes (result shapes) and kinds; collectives over ``fsdp`` only; the
+accumulator's and the optimizer state's bytes per device; and the wall
+time of a whole window (``K`` calls), median of interleaved rounds, as a
+ratio to ours.
 
 Run: ``python benchmarks/bench_mesh.py [--tiny]``. ``main()`` returns the
 results as a dict (see ``run_all.py``); with fewer than 8 devices it
@@ -67,7 +73,8 @@ TINY = dict(widths=(16, 32, 16), batch=16, rounds=2, warmup=0)
 OURS = "oa.unreduced_value_and_grad"
 NAIVE = "naive jit"
 BOTH = 'unreduced over ("data", "fsdp")'
-AXES = {NAIVE: None, OURS: "data", BOTH: ("data", "fsdp")}
+SHARD = "shard_update=True"
+AXES = {NAIVE: None, OURS: "data", BOTH: ("data", "fsdp"), SHARD: "data"}
 
 # ------------------------------------------------------------- the model
 
@@ -108,11 +115,12 @@ def _mesh(shape):
     )
 
 
-def _variant(mesh, axis):
+def _variant(mesh, axis, shard_update=False):
     loss = make_loss(tuple(mesh.axis_names))
     adam = optax.adam(LEARNING_RATE)
     if axis is not None:
-        tx = oa.chain(oa.accumulate(K, axis_name=axis), adam)
+        acc = oa.accumulate(K, axis_name=axis, shard_update=shard_update)
+        tx = oa.chain(acc, adam)
         value_and_grad = oa.unreduced_value_and_grad(loss, axis)
     else:
         tx = oa.chain(oa.accumulate(K), adam)
@@ -131,17 +139,24 @@ def _per_window(ops):
     return [o for o in ops for _ in range(K if not o["branches"] else 1)]
 
 
+def _scalar(o):
+    """Whether ``o`` reduces scalars (the loss, counts): a small
+    all-reduce (a shard_update reduce-scatter of a bias can be as small)."""
+    return o["op"] == "all-reduce" and o["bytes"] <= SCALAR_BYTES
+
+
 def _census_row(ops, tree_bytes):
-    top = [
-        o
-        for o in collectives.over(ops, "data", top=True)
-        if o["bytes"] > SCALAR_BYTES
-    ]
+    top = [o for o in collectives.over(ops, "data", top=True) if not _scalar(o)]
     data = collectives.over(_per_window(ops), "data")
-    grads = [o for o in data if o["bytes"] > SCALAR_BYTES]
+    grads = [o for o in data if not _scalar(o)]
     fsdp = [o for o in _per_window(ops) if o["axes"] == {"fsdp"}]
     micro = [o for o in ops if not o["branches"]]
+    kinds = {}
+    for o in grads:
+        kinds[o["op"]] = kinds.get(o["op"], 0) + o["bytes"]
     return {
+        # Result bytes per window over data, by kind of collective.
+        "data_grad_kinds": kinds,
         # Collective output of a micro-step (outside the closing branch),
         # in parameter trees.
         "micro_step_trees": sum(o["bytes"] for o in micro) / tree_bytes,
@@ -167,7 +182,7 @@ def _census_row(ops, tree_bytes):
             [
                 o
                 for o in collectives.over(ops, "data", top=False)
-                if o["bytes"] > SCALAR_BYTES
+                if not _scalar(o)
             ]
         ),
     }
@@ -211,11 +226,11 @@ def _measure_mesh(shape, cfg):
     tree_bytes = 4 * sum(
         int(np.prod(a.shape)) for a in jax.tree.leaves(_common.init_mlp(widths))
     )
-    names = [NAIVE, OURS] + [BOTH] * ("fsdp" in mesh.axis_names)
-    compiled, census, loops, acc_bytes = {}, {}, {}, {}
+    names = [NAIVE, OURS, SHARD] + [BOTH] * ("fsdp" in mesh.axis_names)
+    compiled, census, loops, acc_bytes, opt_bytes = {}, {}, {}, {}, {}
     with jax.set_mesh(mesh):
         for name in names:
-            tx, step = _variant(mesh, AXES[name])
+            tx, step = _variant(mesh, AXES[name], name == SHARD)
             p = fresh_params()
             s = jax.jit(tx.init)(p)
             compiled[name] = step.lower(p, s, xs[0], ys[0]).compile()
@@ -226,6 +241,10 @@ def _measure_mesh(shape, cfg):
             acc_bytes[name] = sum(
                 a.addressable_shards[0].data.nbytes
                 for a in jax.tree.leaves(s[0].acc)
+            )
+            opt_bytes[name] = sum(
+                a.addressable_shards[0].data.nbytes
+                for a in jax.tree.leaves(s[1])
             )
             loops[name] = {"params": p, "state": s}
 
@@ -263,7 +282,7 @@ def _measure_mesh(shape, cfg):
         rounds=cfg["rounds"],
         warmup=cfg["warmup"],
     )
-    return census, seconds, acc_bytes, tree_bytes
+    return census, seconds, acc_bytes, opt_bytes, tree_bytes
 
 
 def _measure(tiny: bool) -> dict:
@@ -273,12 +292,15 @@ def _measure(tiny: bool) -> dict:
     rows, targets, results = [], [], {}
     target = _common.target
     for mesh_name, shape in MESHES.items():
-        census, seconds, acc_bytes, tree_bytes = _measure_mesh(shape, cfg)
+        census, seconds, acc_bytes, opt_bytes, tree_bytes = _measure_mesh(
+            shape, cfg
+        )
         fsdp = shape[1] if len(shape) > 1 else 1
         results[mesh_name] = dict(
             census=census,
             seconds=seconds,
             acc_bytes=acc_bytes,
+            opt_bytes=opt_bytes,
             tree_bytes=tree_bytes,
         )
         for name in census:
@@ -289,11 +311,16 @@ def _measure(tiny: bool) -> dict:
                     name,
                     f"{c['data_grad_calls']}: {c['data_grad_ops']} ops "
                     f"({fmt(c['data_grad_bytes'])})",
+                    ", ".join(
+                        f"{op} {fmt(b)}"
+                        for op, b in sorted(c["data_grad_kinds"].items())
+                    ),
                     str(c["data_scalar_ops"]),
                     f"{c['fsdp_ops']} ({fmt(c['fsdp_bytes'])})",
                     fmt(c["all_bytes"]),
                     f"{c['micro_step_trees']:.2f}",
                     fmt(acc_bytes[name]),
+                    fmt(opt_bytes[name]),
                     f"{1e3 * seconds[name]:.2f}",
                     f"{seconds[name] / seconds[OURS]:.2f}x",
                 ]
@@ -343,6 +370,9 @@ def _measure(tiny: bool) -> dict:
                 suffix="x faster",
             ),
         ]
+        targets += _shard_targets(
+            mesh_name, census, acc_bytes, opt_bytes, shape[0]
+        )
         if BOTH in census:
             both = census[BOTH]
             targets.append(
@@ -372,11 +402,13 @@ def _measure(tiny: bool) -> dict:
             "mesh",
             "variant",
             "calls reducing grads over data / window: ops (bytes)",
+            "over data / window, by op (result bytes)",
             "scalar reductions over data / window",
             "fsdp-only collectives / window (bytes)",
             "all collectives / window (bytes)",
             "collective output / micro-step (trees)",
             "accumulator / device",
+            "Adam state / device",
             "ms/window",
             f"vs {OURS}",
         ],
@@ -400,6 +432,34 @@ def _measure(tiny: bool) -> dict:
         "results": results,
         "k": K,
     }
+
+
+def _shard_targets(mesh_name, census, acc_bytes, opt_bytes, data):
+    """shard_update against the default (``OURS``) on one mesh."""
+    target, fmt = _common.target, _common.format_bytes
+    ours, shard = census[OURS], census[SHARD]
+    tree = ours["data_grad_kinds"].get("all-reduce", 0)
+    kinds = shard["data_grad_kinds"]
+    return [
+        target(
+            f"{mesh_name}, {SHARD}: one call per window reduce-scatters "
+            f"(1/{data} of the default's all-reduce) and all-gathers (the "
+            "same bytes) over data, no all-reduce of the tree",
+            ", ".join(f"{op} {fmt(b)}" for op, b in sorted(kinds.items())),
+            shard["data_grad_calls"] == 1
+            and shard["top_data_grad_ops"] == 0
+            and set(kinds) == {"reduce-scatter", "all-gather"}
+            and kinds["reduce-scatter"] * data == tree
+            and kinds["all-gather"] == tree,
+        ),
+        target(
+            f"{mesh_name}, {SHARD}: Adam state per device = the default's "
+            f"/ {data}, accumulator unchanged",
+            f"{fmt(opt_bytes[SHARD])} vs {fmt(opt_bytes[OURS])}",
+            opt_bytes[SHARD] * data <= opt_bytes[OURS] + 64
+            and acc_bytes[SHARD] == acc_bytes[OURS],
+        ),
+    ]
 
 
 def main(tiny: bool = False) -> dict:

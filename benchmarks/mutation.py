@@ -176,6 +176,32 @@ MUTANTS = {
         "        return acc, weight",
         ["tests/test_mesh.py", "-k", "emits_reduced"],
     ),
+    "shard_update_followers_unsharded": (  # issue 27: ZeRO-1 state
+        "zero.py",
+        "    if at is None:\n        return optax.chain(*transforms).init",
+        "    if True:\n        return optax.chain(*transforms).init",
+        ["tests/test_shard_update.py", "-k", "moments"],
+    ),
+    "shard_update_all_reduce": (  # issue 27: a reduce-scatter per window
+        "accumulate.py",
+        "scatter = zero.reduce_scatter if cfg.shard_update else None",
+        "scatter = None",
+        ["tests/test_shard_update.py", "-k", "hlo"],
+    ),
+    "shard_update_wrong_piece": (  # issue 27: each device's own piece
+        "zero.py",
+        "c = lax.psum_scatter(c, axes, scatter_dimension=i, tiled=True)",
+        "c = lax.psum_scatter(\n"
+        "                lax.rev(c, (i,)), axes, scatter_dimension=i, "
+        "tiled=True\n            )",
+        ["tests/test_shard_update.py", "-k", "equals"],
+    ),
+    "shard_update_not_gathered": (  # issue 27: updates back to params'
+        "zero.py",
+        "        if kept == dims:",
+        "        if True:",
+        ["tests/test_shard_update.py", "-k", "equals"],
+    ),
     "replicas_disagree_on_overflow": (
         "loss_scale.py",
         "            finite = sharding.agree(finite, axis_name)\n",

@@ -9,7 +9,8 @@ weights are sharded over ``fsdp`` trains with
 ``oa.chain(oa.accumulate(K, axis_name="data"), optax.adam)`` under
 ``jax.jit``, each micro-batch (sharded over both axes) weighted by its
 global token count. Before micro-step ``SAVE_AT`` (mid-window) the state
-is saved with orbax and restored. Process 0 saves the final params (``np.save`` of
+is saved with orbax and restored. ``_mesh_worker_shard_update.py`` runs
+the same with ``shard_update=True``. Process 0 saves the final params (``np.save`` of
 :func:`flatten`) to ``OUT``.
 
 Importing this module changes no jax configuration and starts no backend:
@@ -108,7 +109,13 @@ def _save_and_restore(tx, params, state, out: str):
         return ckpt.restore(path, target)
 
 
-def main(process_id: int, num_processes: int, port: int, out: str) -> None:
+def main(
+    process_id: int,
+    num_processes: int,
+    port: int,
+    out: str,
+    shard_update: bool = False,
+) -> None:
     import jax
 
     join(process_id, num_processes, port, LOCAL_DEVICES)
@@ -130,7 +137,10 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
             a.shape, sharding, lambda idx: a[idx]
         )
 
-    tx = oa.chain(oa.accumulate(K, axis_name="data"), optax.adam(LEARNING_RATE))
+    tx = oa.chain(
+        oa.accumulate(K, axis_name="data", shard_update=shard_update),
+        optax.adam(LEARNING_RATE),
+    )
 
     @jax.jit
     def step(params, state, x, y, mask):
@@ -163,6 +173,9 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
         )(params)
     steps = int(np.asarray(state[0].gradient_step.addressable_data(0)))
     assert steps == WINDOWS, steps
+    if shard_update:  # Adam's moments: 1/(fsdp * data) of w1 per device
+        mu = state[1][0].mu["w1"]
+        assert mu.addressable_shards[0].data.size * 8 == D_IN * HIDDEN, mu
     if process_id == 0:
         np.save(
             out,

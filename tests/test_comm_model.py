@@ -1,8 +1,8 @@
 """The communication model (``benchmarks/comm_model.py``, issue 27) against
 the HLO census of compiled steps on the 8 CPU devices of conftest.py.
 
-For the modes the library controls (``deferred``), every collective the
-model lists must be in the compiled step with exactly the model's result
+For the modes the library controls (``deferred``, ``shard_update``), every
+collective the model lists must be in the compiled step with exactly the model's result
 bytes per window, per op and per mesh axes, and nothing else of tree size.
 For the modes XLA partitions on its own (``naive``, ``fsdp_all``), the
 step moves at least the model's bytes over each set of mesh axes: XLA:CPU
@@ -30,7 +30,7 @@ BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 K = 4
 WIDTHS = (16, 32, 16)
 BATCH = 64
-SCALAR_BYTES = 8  # the loss and the window's weight: not the model's
+SCALAR_BYTES = 8  # all-reduces of the loss and the window's weight
 MESHES = {
     "data2xfsdp4": dict(data=2, fsdp=4),
     "dcn2xdata2xfsdp2": dict(dcn=2, data=2, fsdp=2),
@@ -68,9 +68,12 @@ def _census(sizes, mode):
     )
     data = tuple(n for n in names if n in ("dcn", "data"))
     loss = bench_mesh.make_loss(names)
-    if mode == "deferred":
+    if mode in ("deferred", "shard_update"):
         axis = data if len(data) > 1 else data[0]
-        tx = oa.chain(oa.accumulate(K, axis_name=axis), optax.adam(1e-3))
+        acc = oa.accumulate(
+            K, axis_name=axis, shard_update=mode == "shard_update"
+        )
+        tx = oa.chain(acc, optax.adam(1e-3))
         grad_fn = oa.unreduced_value_and_grad(loss, axis)
     else:
         tx = oa.chain(oa.accumulate(K), optax.adam(1e-3))
@@ -94,7 +97,8 @@ def _census(sizes, mode):
         compiled = jax.jit(step).lower(params, state, x, y).compile()
     total = Counter()
     for o in oa.collective_census(compiled, mesh):
-        if o["bytes"] > SCALAR_BYTES:
+        # (a reduce-scatter of a bias's shard can be as small as a scalar)
+        if o["op"] != "all-reduce" or o["bytes"] > SCALAR_BYTES:
             runs = 1 if o["branches"] else K
             total[o["op"], o["axes"]] += o["bytes"] * runs
     return total
@@ -110,10 +114,14 @@ def _model(sizes, mode):
     return total
 
 
+@pytest.mark.parametrize("mode", ["deferred", "shard_update"])
 @pytest.mark.parametrize("mesh", list(MESHES))
-def test_model_equals_hlo_census_deferred(mesh):
+def test_model_equals_hlo_census(mesh, mode):
+    """Op by op, over the same mesh axes, the same result bytes per window:
+    with ``shard_update`` one reduce-scatter and one all-gather of the
+    tree's fsdp shard over the data axes, and no tree-sized all-reduce."""
     sizes = MESHES[mesh]
-    assert _census(sizes, "deferred") == _model(sizes, "deferred")
+    assert _census(sizes, mode) == _model(sizes, mode)
 
 
 @pytest.mark.parametrize(

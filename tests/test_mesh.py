@@ -639,18 +639,23 @@ def _run_from_root(script, *args):
     )
 
 
+OURS_B4 = "oa.unreduced_value_and_grad"
+
+
 @pytest.mark.slow
 def test_bench_mesh_tiny():
     """B4 on toy sizes, in its own process: per window, one call reduces
     the gradient over 'data' (one op) against K for the naive jit step, on
-    both meshes; the accumulator is tree / fsdp per device."""
+    both meshes; the accumulator is tree / fsdp per device; with
+    shard_update a reduce-scatter and an all-gather instead of the
+    all-reduce, and Adam's state divided by the data size."""
     import json
 
     proc = _run_from_root("benchmarks/bench_mesh.py", "--tiny", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for mesh_name, r in res["results"].items():
-        ours = r["census"]["oa.unreduced_value_and_grad"]
+        ours = r["census"][OURS_B4]
         naive = r["census"]["naive jit"]
         assert ours["data_grad_calls"] == 1 and ours["data_grad_ops"] == 1
         assert ours["top_data_grad_ops"] == 0
@@ -667,7 +672,14 @@ def test_bench_mesh_tiny():
         'unreduced over ("data", "fsdp")'
     ]
     assert both["top_grad_reductions"] == 0 and both["data_grad_calls"] == 1
-    assert len(res["rows"]) == 5
+    for mesh_name, data in (("data=2 x fsdp=4", 2), ("data=8", 8)):
+        r = res["results"][mesh_name]
+        kinds = r["census"]["shard_update=True"]["data_grad_kinds"]
+        shard = r["tree_bytes"] // (4 if "fsdp" in mesh_name else 1)
+        assert kinds == {"reduce-scatter": shard // data, "all-gather": shard}
+        opt = r["opt_bytes"]
+        assert opt["shard_update=True"] * data <= opt[OURS_B4] + 64, opt
+    assert len(res["rows"]) == 7
 
 
 @pytest.mark.slow
@@ -689,11 +701,15 @@ def test_example_fsdp_runs_on_8_cpu_devices():
 
 
 @pytest.mark.slow
-def test_two_processes_one_mesh_match_single_process(tmp_path):
+@pytest.mark.parametrize(
+    "script", ["_mesh_worker.py", "_mesh_worker_shard_update.py"]
+)
+def test_two_processes_one_mesh_match_single_process(tmp_path, script):
     """Two jax.distributed processes x 4 CPU devices, one explicit
     data=2 x fsdp=4 mesh spanning both, unreduced gradients weighted by
     token counts, several windows: the params equal a single-process
-    big-batch run on the same global batches."""
+    big-batch run on the same global batches; also with
+    ``shard_update=True`` (Adam's state sharded over data and fsdp)."""
     import importlib.util
     import pathlib
 
@@ -704,7 +720,7 @@ def test_two_processes_one_mesh_match_single_process(tmp_path):
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
 
-    out = run_two_processes(tmp_path, "_mesh_worker.py")
+    out = run_two_processes(tmp_path, script)
     x, y, mask = worker.make_data(worker.WINDOWS * worker.K)
     opt = optax.adam(worker.LEARNING_RATE)
     params = worker.init_params()

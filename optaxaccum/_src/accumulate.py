@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, noise_scale, sharding, utils
+from optaxaccum._src import base, noise_scale, sharding, utils, zero
 
 __all__ = ["AccumulateState", "accumulate", "map_accumulators"]
 
@@ -58,6 +58,7 @@ class _Config(NamedTuple):
     axis_name: Hashable | None
     skip_nonfinite: bool
     noise_scale_decay: float | None
+    shard_update: bool = False
 
 
 def accumulate(
@@ -68,14 +69,14 @@ def accumulate(
     axis_name: Hashable | None = None,
     skip_nonfinite: bool = False,
     noise_scale_decay: float | None = None,
+    shard_update: bool = False,
 ) -> base.GatedTransformation:
     r"""Accumulates gradients over windows of ``every_k`` micro-batches.
 
     Each call adds ``w * grads`` (``update(..., accum_weight=w)``, default
     1) to a running sum; the call that completes the window emits the
     weighted mean :math:`\sum_i w_i g_i / \sum_i w_i` (or the sum), and in
-    :func:`chain` only then do the elements after it run. Weights, nesting,
-    dtypes: docs/concepts.md.
+    :func:`chain` only then do the elements after it run (docs/concepts.md).
 
     Args:
       every_k: window length, a positive int, or a jit-traceable callable
@@ -96,6 +97,8 @@ def accumulate(
       noise_scale_decay: ``None`` (off: no state, no work), or a decay in
         ``[0, 1)``: the gradient noise scale estimate, averaged over windows
         with it (:func:`noise_scale`, docs/noise_scale.md).
+      shard_update: reduce-scatter the window over ``axis_name`` (``jit``,
+        explicit mesh), the followers' state sharded over it (ZeRO-1).
 
     Returns:
       A :class:`GatedTransformation` with an :class:`AccumulateState`.
@@ -130,12 +133,27 @@ def accumulate(
         utils.check_axis_name(axis_name),
         utils.check_bool("skip_nonfinite", skip_nonfinite),
         decay,
+        _check_shard_update(shard_update, axis_name),
     )
-    return base.GatedTransformation(
+    gate = base.GatedTransformation(
         functools.partial(_init, cfg),
         functools.partial(_gate_update, cfg),
         functools.partial(_gate_flush, cfg),
     )
+    return zero.gathered(gate, axis_name) if shard_update else gate
+
+
+def _check_shard_update(shard_update: Any, axis_name: Any) -> bool:
+    """``shard_update`` if it is a bool, and ``True`` only with an
+    ``axis_name``."""
+    utils.check_bool("shard_update", shard_update)
+    if shard_update and axis_name is None:
+        raise ValueError(
+            "shard_update=True shards the window's reduction over the data "
+            "axes: it needs axis_name (e.g. axis_name='data'), got "
+            f"{axis_name=}"
+        )
+    return shard_update
 
 
 def _window_fn(
@@ -210,15 +228,7 @@ def _gate_update(
     """Adds one micro-batch (of weight ``ctx.window_weight``, an earlier
     window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
-    if not isinstance(state, AccumulateState):
-        raise TypeError(
-            "oa.accumulate expects an AccumulateState, got "
-            f"{type(state).__name__}"
-        )
-    sharding.check_gradients(updates, cfg.axis_name)  # mesh mistakes
-    acc = sharding.unstack_partials(state.acc, cfg.axis_name)
-    _check_gradients(updates, acc)
-    state = state._replace(acc=sharding.match_grads(acc, updates))
+    state = _checked_input(cfg, updates, state)
     if ctx.window_weight is not None:
         accum_weight = ctx.window_weight
     utils.check_weight("accum_weight", accum_weight)
@@ -258,6 +268,25 @@ def _gate_update(
     return base.GateResult(
         new_state, closing, _emitter(cfg, new_state, out_dtypes)
     )
+
+
+def _checked_input(
+    cfg: _Config, updates: optax.Updates, state: Any
+) -> AccumulateState:
+    """``state`` with its accumulator as the step adds to it (unstacked,
+    typed like ``updates``), after checking both: the state's type, the
+    mesh mistakes, ``shard_update``'s mesh, the gradients' structure."""
+    if not isinstance(state, AccumulateState):
+        raise TypeError(
+            "oa.accumulate expects an AccumulateState, got "
+            f"{type(state).__name__}"
+        )
+    sharding.check_gradients(updates, cfg.axis_name)  # mesh mistakes
+    if cfg.shard_update:
+        zero.check_explicit(updates, cfg.axis_name)
+    acc = sharding.unstack_partials(state.acc, cfg.axis_name)
+    _check_gradients(updates, acc)
+    return state._replace(acc=sharding.match_grads(acc, updates))
 
 
 def _add(
@@ -317,8 +346,9 @@ def _emitter(
     def emit():
         acc, weight = state.acc, state.weight
         if cfg.axis_name is not None:
+            scatter = zero.reduce_scatter if cfg.shard_update else None
             acc, weight = sharding.reduce_window(
-                acc, weight, cfg.axis_name, cfg.reduction
+                acc, weight, cfg.axis_name, cfg.reduction, scatter
             )
         noise = noise_scale.close(
             cfg.noise_scale_decay,

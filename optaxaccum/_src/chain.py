@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base, utils
+from optaxaccum._src import base, utils, zero
 from optaxaccum._src.windows import warn_if_wrapped
 
 __all__ = ["chain", "apply_gradients", "flush"]
@@ -68,9 +68,12 @@ def chain(
     )
     if gate_at is None:  # a chain without gates is optax.chain
         return _checked(optax.chain(*transforms), declared, len(transforms))
-    n, gate = len(transforms), transforms[gate_at]
+    n, head = len(transforms), _plain(transforms[:gate_at])
+    # shard_update: the followers run on each device's shard (zero.py).
+    gate, rest = zero.split(
+        transforms[gate_at], _followers(transforms, gate_at)
+    )
     assert base.is_gate(gate)  # for the type checker: found as a gate
-    head, rest = _plain(transforms[:gate_at]), _followers(transforms, gate_at)
 
     def gate_update_fn(updates, state, params, ctx, **extra_args):
         _check_chain_state(state, n)
@@ -89,7 +92,7 @@ def chain(
         return _follow(res, new_head, tail, rest, params, extra_args)
 
     return base.GatedTransformation(
-        optax.chain(*transforms).init,
+        zero.chain_init(transforms),
         utils.with_signature(gate_update_fn, declared, gate=True),
         _flush_fn(transforms),
     )
@@ -119,7 +122,9 @@ def _flush_fn(transforms) -> base.GateFlushFn | None:
     )
     if flush_at is None:
         return None
-    flusher, rest = transforms[flush_at], _followers(transforms, flush_at)
+    flusher, rest = zero.split(
+        transforms[flush_at], _followers(transforms, flush_at)
+    )
     assert base.is_gate(flusher) and flusher.gate_flush is not None
     flush_fn, n = flusher.gate_flush, len(transforms)
 

@@ -260,6 +260,11 @@ def _dim_axes(entry: Any) -> tuple[Hashable, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
+def _padded_dims(spec: P, ndim: int) -> tuple[Any, ...]:
+    """The entries of ``spec``, one per dimension of an ``ndim`` array."""
+    return tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
+
+
 def _scatter_back(
     ct: jax.Array, dims: tuple[Any, ...], spec: P, mesh: Any
 ) -> jax.Array:
@@ -542,7 +547,11 @@ def agree(flag: jax.Array, axis_name: Any) -> jax.Array:
 
 
 def reduce_window(
-    acc: Any, weight: jax.Array, axis_name: Any, reduction: str
+    acc: Any,
+    weight: jax.Array,
+    axis_name: Any,
+    reduction: str,
+    scatter: Callable[[Any, Any], Any] | None = None,
 ) -> tuple[Any, jax.Array]:
     """The window's sum and weight over ``axis_name``, once per window.
 
@@ -550,7 +559,9 @@ def reduce_window(
     both for ``"mean"``, ``pmean`` of the sum for ``"sum"``. Under an
     explicit mesh (``jit``'s global view) the weight is already global and an
     unreduced accumulator is resharded to its sharding without the unreduced
-    axes: the one all-reduce of the window (a plain one needs nothing).
+    axes: the one all-reduce of the window (a plain one needs nothing);
+    with ``scatter`` (``shard_update``: ``zero.reduce_scatter``), that
+    function of each unreduced leaf and ``axis_name`` instead.
     """
     acc = unstack_partials(acc, axis_name)
     leaves = jax.tree.leaves(acc)
@@ -560,8 +571,9 @@ def reduce_window(
             axes = unreduced_axes(a)
             if not axes:
                 return a
-            spec = _spec(a)
-            return jax.reshard(a, spec.update(unreduced=frozenset()))
+            if scatter is not None:
+                return scatter(a, axis_name)
+            return jax.reshard(a, _spec(a).update(unreduced=frozenset()))
 
         return jax.tree.map(reduce, acc), weight
     weight = lax.psum(weight, axis_name)

@@ -1,0 +1,276 @@
+"""``oa.accumulate(k, axis_name=..., shard_update=True)``: the optimizer's
+state sharded over the data axes (ZeRO-1), paid once per window.
+
+The window's one reduction over the data axes is a reduce-scatter
+(:func:`zero_spec` says where each leaf's shard lies), the elements after the
+accumulate (*followers*: the optimizer, weight decay, clipping) run on each
+device's shard with their state sharded the same way, and their updates are
+all-gathered back to the params' sharding. Only under ``jax.jit`` on a mesh
+whose data axes are Explicit; see docs/scaling.md, "Sharding the optimizer
+state over the data axes (shard_update)".
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
+import jax
+import jax.core
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optaxaccum._src import base, sharding
+
+__all__: list[str] = []
+
+
+def zero_spec(
+    spec: P, shape: tuple[int, ...], mesh: Any, axes: tuple[Hashable, ...]
+) -> P:
+    """Where one leaf of the params' spec ``spec`` lies under ZeRO-1.
+
+    The rule, applied to ``spec`` without the data ``axes``: they (in the
+    mesh's order) shard the largest dimension that no mesh axis shards and
+    whose size their size ``n`` divides (the first of equals); failing
+    that, the largest sharded dimension whose size ``n`` times its axes'
+    size divides, after its own axes. A leaf with no such dimension (a
+    scalar, a bias of odd size) keeps ``spec``: it is all-reduced as
+    without ``shard_update`` and its optimizer state is replicated over
+    the data axes. Placing a placed spec again changes nothing.
+    """
+    axes = sharding._ordered(mesh, axes)
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    dims = list(spec.partitions) + [None] * (len(shape) - len(spec.partitions))
+    dims = [
+        sharding._entry(kept) if kept else None
+        for kept in (
+            tuple(a for a in sharding._dim_axes(d) if a not in axes)
+            for d in dims
+        )
+    ]
+    if n == 1:
+        return spec
+
+    def size(d):
+        return int(np.prod([mesh.shape[a] for a in sharding._dim_axes(d)]))
+
+    free = [i for i, d in enumerate(dims) if d is None and shape[i] % n == 0]
+    split = [
+        i
+        for i, d in enumerate(dims)
+        if d is not None and shape[i] % (size(d) * n) == 0
+    ]
+    for found in (free, split):
+        if found:
+            i = max(found, key=lambda i: (shape[i], -i))
+            dims[i] = sharding._entry((*sharding._dim_axes(dims[i]), *axes))
+            return spec.update(partitions=tuple(dims))
+    return spec
+
+
+def reduce_scatter(a: jax.Array, axis_name: Any) -> jax.Array:
+    """An accumulator leaf unreduced over ``axis_name``, summed over it
+    and placed at its :func:`zero_spec`: inside a ``shard_map``, one
+    ``psum_scatter`` over the data axes along the placed dimension (a
+    ``psum`` for a leaf that keeps its spec). XLA's CPU pipeline does not
+    turn an unreduced-to-sharded ``jax.reshard`` into a reduce-scatter (it
+    all-reduces, then slices), hence the explicit collective."""
+    named = sharding._named(a)
+    mesh, spec = named.mesh, named.spec
+    axes = sharding._ordered(mesh, sharding.axis_names(axis_name))
+    plain = spec.update(unreduced=frozenset())
+    target = zero_spec(plain, a.shape, mesh, axes)
+    old = sharding._padded_dims(plain, a.ndim)
+    new = sharding._padded_dims(target, a.ndim)
+    placed = [i for i in range(a.ndim) if old[i] != new[i]]
+    rest = sharding._ordered(mesh, spec.unreduced - set(axes if placed else ()))
+
+    def body(c):
+        for i in placed:
+            c = lax.psum_scatter(c, axes, scatter_dimension=i, tiled=True)
+        return lax.psum(c, rest) if rest else c
+
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=spec, out_specs=target, check_vma=False
+    )(a)
+
+
+def _reshard(x: Any, spec: P) -> Any:
+    """``x`` resharded to ``spec`` on its own mesh (traced or concrete)."""
+    if spec == sharding._spec(x):
+        return x
+    if isinstance(x, jax.core.Tracer) or not isinstance(
+        getattr(x, "sharding", None), NamedSharding
+    ):
+        return jax.reshard(x, sharding._named(x).update(spec=spec))
+    return jax.device_put(x, x.sharding.update(spec=spec))
+
+
+def place(tree: Any, axis_name: Any) -> Any:
+    """Each leaf on an explicit mesh with the axes ``axis_name`` resharded
+    to its :func:`zero_spec`; an unreduced leaf is summed over the axes it
+    is unreduced over on the way (a reduce-scatter). Other leaves pass."""
+    axes = sharding.axis_names(axis_name)
+
+    def leaf(x):
+        if not sharding.is_explicit(x, axes):
+            return x
+        named = sharding._named(x)
+        spec = named.spec.update(unreduced=frozenset())
+        return _reshard(x, zero_spec(spec, x.shape, named.mesh, axes))
+
+    return jax.tree.map(leaf, tree)
+
+
+def gather(tree: Any, axis_name: Any) -> Any:
+    """Each leaf sharded over some of the axes ``axis_name`` resharded
+    without them: back to the params' sharding (an all-gather over them)."""
+    axes = set(sharding.axis_names(axis_name))
+
+    def leaf(x):
+        if not sharding.is_explicit(x, tuple(axes)):
+            return x
+        spec = sharding._spec(x)
+        dims = [sharding._dim_axes(d) if d is not None else () for d in spec]
+        kept = [tuple(a for a in d if a not in axes) for d in dims]
+        if kept == dims:
+            return x
+        entries = [sharding._entry(d) if d else None for d in kept]
+        return _reshard(x, spec.update(partitions=tuple(entries)))
+
+    return jax.tree.map(leaf, tree)
+
+
+def check_explicit(grads: Any, axis_name: Any) -> None:
+    """Raises ``ValueError`` naming ``shard_update`` when a floating
+    gradient is not on an explicit mesh with the axes ``axis_name``: inside
+    ``pmap``/``shard_map`` the mode is not supported."""
+    leaves = [
+        g
+        for g in jax.tree.leaves(grads)
+        if jnp.issubdtype(jnp.result_type(g), jnp.inexact)
+    ]
+    if leaves and not all(sharding.is_explicit(g, axis_name) for g in leaves):
+        raise ValueError(
+            f"oa.accumulate(axis_name={axis_name!r}, shard_update=True) "
+            "needs jax.jit on a mesh whose axes axis_name are Explicit "
+            "(jax.set_mesh, oa.unreduced_value_and_grad); inside pmap or "
+            "shard_map use shard_update=False (docs/scaling.md)"
+        )
+
+
+class ShardUpdate(NamedTuple):
+    """What :func:`optaxaccum.chain` needs of a ``shard_update`` gate."""
+
+    gate: base.GatedTransformation  # emits updates placed by zero_spec
+    axis_name: Any
+
+
+def gathered(
+    gate: base.GatedTransformation, axis_name: Any
+) -> base.GatedTransformation:
+    """``gate`` (whose emitted updates lie as :func:`place` puts them) with
+    its emitted updates gathered back to the params' sharding, for use
+    alone or in ``optax.chain``; ``.shard_update`` keeps ``gate`` for
+    :func:`split`."""
+    out = base.GatedTransformation(
+        gate.init,
+        _gathering(gate.gate_update, axis_name),
+        None
+        if gate.gate_flush is None
+        else _gathering(gate.gate_flush, axis_name),
+    )
+    out.shard_update = ShardUpdate(gate, axis_name)  # pyright: ignore
+    return out
+
+
+def _gathering(fn: Any, axis_name: Any) -> Any:
+    """A gate function whose result's emitted updates are :func:`gather`-ed."""
+
+    def gather_out(out: base.Emitted) -> base.Emitted:
+        return out._replace(updates=gather(out.updates, axis_name))
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        res = fn(*args, **kwargs)
+        return res._replace(emit=base.map_emit(res.emit, gather_out))
+
+    return wrapped
+
+
+def split(gate: Any, rest: Any) -> tuple[Any, Any]:
+    """The gate and followers an :func:`optaxaccum.chain` runs: for a
+    ``shard_update`` accumulate with followers, its variant emitting
+    sharded updates and the followers run on each device's shard (see
+    :func:`on_shard`). Otherwise as given."""
+    found = getattr(gate, "shard_update", None)
+    if not isinstance(found, ShardUpdate) or rest is None:
+        return gate, rest
+    return found.gate, on_shard(rest, found.axis_name)
+
+
+def chain_init(transforms: tuple) -> Any:
+    """``optax.chain(*transforms).init``, except that the elements after a
+    ``shard_update`` accumulate (the first, if any) are initialised on the
+    params :func:`place`-d over its axes: their state sharded like them."""
+    at = next(
+        (
+            i
+            for i, tx in enumerate(transforms)
+            if isinstance(getattr(tx, "shard_update", None), ShardUpdate)
+        ),
+        None,
+    )
+    if at is None:
+        return optax.chain(*transforms).init
+    axis_name = transforms[at].shard_update.axis_name
+
+    def init(params):
+        placed = place(params, axis_name)
+        return (
+            *(tx.init(params) for tx in transforms[: at + 1]),
+            *(tx.init(placed) for tx in transforms[at + 1 :]),
+        )
+
+    return init
+
+
+def on_shard(rest: Any, axis_name: Any) -> Any:
+    """The chain's followers ``rest`` (a gated chain, or the plain run
+    ``run(updates, state, params, window, extra_args)`` of ``chain.py``)
+    run on the updates and params :func:`place`-d over ``axis_name``, their
+    updates :func:`gather`-ed back."""
+    if not base.is_gate(rest):
+
+        def run(updates, state, params, window, extra_args):
+            updates, state = rest(
+                place(updates, axis_name),
+                state,
+                place(params, axis_name),
+                window,
+                extra_args,
+            )
+            return gather(updates, axis_name), state
+
+        return run
+
+    def gate_update(updates, state, params, ctx, **extra_args):
+        return rest.gate_update(
+            place(updates, axis_name),
+            state,
+            place(params, axis_name),
+            ctx,
+            **extra_args,
+        )
+
+    # The chain calls only a follower's gate_update (flush closes the first
+    # gate that can), so the wrapped gate needs no gate_flush.
+    return base.GatedTransformation(
+        rest.init, _gathering(gate_update, axis_name)
+    )

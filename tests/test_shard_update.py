@@ -1,0 +1,403 @@
+"""``oa.accumulate(k, axis_name=..., shard_update=True)`` (issue 27): the
+window's one reduction over the data axes is a reduce-scatter, the optimizer
+runs on each device's shard with its state sharded over the data axes too
+(ZeRO-1, once per window), and the updates are all-gathered back.
+
+On the 8 CPU devices of conftest.py (data=2 x fsdp=4, data=8 and
+dcn=2 x data=2 x fsdp=2), against the single-device big-batch reference of
+tests/test_mesh.py and the compiled HLO's collective census.
+"""
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import optaxaccum as oa
+from tests import test_mesh as tm
+
+K = tm.K
+MESHES = {
+    "data2xfsdp4": ((2, 4), ("data", "fsdp"), "data"),
+    "data8": ((8,), ("data",), "data"),
+    "dcn2xdata2xfsdp2": ((2, 2, 2), ("dcn", "data", "fsdp"), ("dcn", "data")),
+}
+
+
+def _mesh(name):
+    shape, names, axis = MESHES[name]
+    mesh = jax.make_mesh(
+        shape, names, axis_types=(AxisType.Explicit,) * len(shape)
+    )
+    return mesh, axis
+
+
+def _data_size(mesh, axis):
+    return int(np.prod([mesh.shape[a] for a in oa_axes(axis)]))
+
+
+def oa_axes(axis):
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
+def _tx(opt, axis, k=K, **kwargs):
+    return oa.chain(
+        oa.accumulate(k, axis_name=axis, shard_update=True, **kwargs), opt
+    )
+
+
+def _opt(name):
+    return {
+        "adam": optax.adam(0.05),
+        "sgd": optax.sgd(0.3, momentum=0.9),
+        "clip_adamw": optax.chain(
+            optax.clip_by_global_norm(0.5),
+            optax.adamw(0.05, weight_decay=0.1),
+        ),
+    }[name]
+
+
+@pytest.mark.parametrize(
+    "mesh_name,opt_name,fused,eager_init",
+    [
+        ("data2xfsdp4", "adam", True, False),
+        ("data2xfsdp4", "clip_adamw", False, False),
+        ("data2xfsdp4", "sgd", False, True),
+        ("data8", "sgd", True, False),
+        ("dcn2xdata2xfsdp2", "adam", True, False),
+        ("dcn2xdata2xfsdp2", "sgd", True, False),
+        ("dcn2xdata2xfsdp2", "clip_adamw", True, False),
+    ],
+)
+def test_shard_update_equals_big_batch_and_default_mode(
+    mesh_name, opt_name, fused, eager_init
+):
+    """Several windows of token-weighted micro-batches: the params equal one
+    optax step per window on the window's whole batch (single device) and
+    the default mode's; they keep their sharding. ``eager_init``: the state
+    from ``tx.init`` outside any mesh context (the followers' state placed
+    on the concrete mesh)."""
+    mesh, axis = _mesh(mesh_name)
+    data = tm._make_data(K * tm.WINDOWS)
+    tx = _tx(_opt(opt_name), axis)
+    params, state = tm._run(tx, mesh, data, eager_init, fused=fused, axis=axis)
+    want = tm._reference(_opt(opt_name), tm._init_params(), *data)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, **tm.TOL
+    )
+    default = oa.chain(oa.accumulate(K, axis_name=axis), _opt(opt_name))
+    other, _ = tm._run(default, mesh, data, fused=fused, axis=axis)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params),
+        jax.tree.map(np.asarray, other),
+        **tm.TOL,
+    )
+    assert int(state[0].gradient_step) == tm.WINDOWS
+    tm._same_sharding(params, tm._put_params(mesh, tm._init_params()))
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_adam_moments_hold_one_over_fsdp_times_data(mesh_name):
+    """Measured from the arrays' shards: each device holds 1/(fsdp*data) of
+    every leaf of Adam's moments sharded over fsdp in the params (1/data of
+    the replicated bias), and oa.state_shardings gives those shardings; the
+    accumulator stays the params' shard, stacked over the data axes."""
+    mesh, axis = _mesh(mesh_name)
+    tx = _tx(optax.adam(0.05), axis)
+    _, state = tm._run(tx, mesh, tm._make_data(K), axis=axis)
+    n = _data_size(mesh, axis)
+    with jax.set_mesh(mesh):
+        params = tm._put_params(mesh, tm._init_params())
+        shardings = oa.state_shardings(tx, params)
+    adam = state[1][0]
+    for moments, specs in ((adam.mu, shardings[1][0].mu), (adam.nu, None)):
+        for name, m in moments.items():
+            p = params[name]
+            per_param = p.addressable_shards[0].data.size
+            for shard in m.addressable_shards:
+                assert shard.data.size * n == per_param, (name, m.sharding)
+            if specs is not None:
+                assert specs[name].spec == m.sharding.spec, (name, specs)
+    for name, a in state[0].acc.items():
+        per_param = params[name].addressable_shards[0].data.size
+        assert a.addressable_shards[0].data.size == per_param, name
+
+
+def _census(mesh, axis, tx):
+    with jax.set_mesh(mesh):
+        params = tm._put_params(mesh, tm._init_params())
+        state = jax.jit(tx.init)(params)
+        batch = tm._put_batch(mesh, *(a[0] for a in tm._make_data(1)))
+        step = jax.jit(tm._step_fn(tx, mesh, axis=axis))
+        compiled = step.lower(params, state, *batch).compile()
+    return oa.collective_census(compiled, mesh), params
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "clip_adamw"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_hlo_one_reduce_scatter_and_one_all_gather_per_window(
+    mesh_name, opt_name
+):
+    """Compiled step: on every call only scalars cross the data axes; in
+    the closing branch the gradient tree's shard is reduce-scattered over
+    them once (result: 1/data of it) and the updates all-gathered once (the
+    shard), and no all-reduce over them is bigger than a scalar, also with
+    a global-norm clip after the gate (its norm is a scalar all-reduce; no
+    gathered tree)."""
+    mesh, axis = _mesh(mesh_name)
+    axes = frozenset(oa_axes(axis))
+    ops, params = _census(mesh, axis, _tx(_opt(opt_name), axis))
+    over = [o for o in ops if o["axes"] & axes]
+    top = [o for o in over if not o["branches"]]
+    assert sum(o["bytes"] for o in top) <= 16, top
+    branch = [o for o in over if o["branches"]]
+    tree = tm._shard_bytes(params)
+    by_op = {}
+    for o in branch:
+        assert o["axes"] == axes, o
+        by_op[o["op"]] = by_op.get(o["op"], 0) + o["bytes"]
+    n = _data_size(mesh, axis)
+    assert by_op.pop("reduce-scatter", 0) * n == tree, branch
+    assert by_op.pop("all-gather", 0) == tree, branch
+    # The clip's norm: at most one float32 per leaf, never a tree.
+    assert by_op.get("all-reduce", 0) <= 4 * len(params), branch
+    assert not set(by_op) - {"all-reduce"}, branch
+    # The default mode all-reduces the tree's shard instead.
+    ops, _ = _census(
+        mesh, axis, oa.chain(oa.accumulate(K, axis_name=axis), _opt(opt_name))
+    )
+    branch = [o for o in ops if o["axes"] & axes and o["branches"]]
+    assert [o["op"] for o in branch if o["bytes"] > 8] == ["all-reduce"]
+
+
+def test_flush_partial_window_with_shard_update():
+    """oa.flush after 2 of K micro-batches: the reduce-scatter and Adam on
+    the shards give the mean over those 2."""
+    mesh, axis = _mesh("data2xfsdp4")
+    tx = _tx(optax.adam(0.05), axis)
+    data = tm._make_data(2)
+    params, state = tm._run(tx, mesh, data)
+
+    def flush(params, state):
+        updates, state = oa.flush(tx, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+        params, state = jax.jit(flush)(params, state)
+    want = tm._reference(optax.adam(0.05), tm._init_params(), *data, k=2)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, **tm.TOL
+    )
+    assert int(state[0].gradient_step) == 1
+
+
+def test_skip_nonfinite_and_loss_scale_with_shard_update():
+    """A NaN on one device's micro-batch: dropped everywhere, the loss scale
+    halves once, the rest equals the reference (as without shard_update)."""
+    mesh, _ = _mesh("data2xfsdp4")
+    data = tm._nan_on_one_device(tm._make_data(K * tm.WINDOWS + 1), 1)
+    tx = oa.chain(
+        oa.dynamic_loss_scale(2.0**8, axis_name="data"),
+        oa.accumulate(
+            K, axis_name="data", skip_nonfinite=True, shard_update=True
+        ),
+        optax.adam(0.05),
+    )
+    with jax.set_mesh(mesh):
+        params = tm._put_params(mesh, tm._init_params())
+        state = jax.jit(tx.init)(params)
+        step = tm._scaled_step(tx, mesh)
+        for t in range(len(data[0])):
+            batch = tm._put_batch(mesh, *(a[t] for a in data))
+            params, state = step(params, state, *batch)
+    keep = [t for t in range(K * tm.WINDOWS + 1) if t != 1]
+    want = tm._reference(
+        optax.adam(0.05), tm._init_params(), *(a[keep] for a in data)
+    )
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, rtol=1e-4, atol=1e-5
+    )
+    assert float(oa.loss_scale(state)) == 2.0**7
+    assert int(state[1].gradient_step) == tm.WINDOWS
+    assert state[2][0].mu["w1"].sharding.spec == P("fsdp", "data")
+
+
+def test_checkpoint_round_trip_mid_window_with_shard_update(tmp_path):
+    """After 6 micro-steps of k=4 (mid-window) the state leaves the device,
+    saves with orbax and restores into jax.eval_shape(tx.init, params)
+    with oa.state_shardings (Adam's moments sharded over data and fsdp);
+    the restored run equals the uninterrupted one and the reference."""
+    import orbax.checkpoint as ocp
+
+    mesh, axis = _mesh("data2xfsdp4")
+    k, before, after = 4, 6, 2
+    tx = oa.chain(
+        oa.dynamic_loss_scale(2.0**8, axis_name=axis),
+        oa.accumulate(
+            k, axis_name=axis, skip_nonfinite=True, shard_update=True
+        ),
+        optax.adam(0.05),
+    )
+    data = tm._make_data(before + after)
+    step = tm._scaled_step(tx, mesh)
+
+    def feed(params, state, ts):
+        for t in ts:
+            params, state = step(
+                params, state, *tm._put_batch(mesh, *(a[t] for a in data))
+            )
+        return params, state
+
+    with jax.set_mesh(mesh):
+        params = tm._put_params(mesh, tm._init_params())
+        shardings = oa.state_shardings(tx, params)
+        assert shardings[2][0].mu["w1"].spec == P("fsdp", "data")
+        state = jax.device_put(tx.init(params), shardings)
+        params, state = feed(params, state, range(before))
+        host = jax.device_get(state)
+        target = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            jax.eval_shape(tx.init, params),
+            shardings,
+        )
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp_path / "state", state)
+            ckpt.wait_until_finished()
+            restored = ckpt.restore(tmp_path / "state", target)
+        chex.assert_trees_all_equal(jax.device_get(restored), host)
+        mu = restored[2][0].mu["w1"]
+        assert mu.addressable_shards[0].data.shape == (2, 8), mu.sharding
+        resumed, _ = feed(params, restored, range(before, before + after))
+        uninterrupted, _ = feed(params, state, range(before, before + after))
+    chex.assert_trees_all_close(
+        jax.device_get(resumed), jax.device_get(uninterrupted), **tm.TOL
+    )
+    want = tm._reference(optax.adam(0.05), tm._init_params(), *data, k=k)
+    chex.assert_trees_all_close(jax.device_get(resumed), want, **tm.TOL)
+
+
+def test_shard_update_bad_input_is_named():
+    with pytest.raises(TypeError, match="shard_update"):
+        oa.accumulate(2, axis_name="data", shard_update="yes")
+    with pytest.raises(ValueError, match="shard_update=True.*axis_name"):
+        oa.accumulate(2, shard_update=True)
+    # Inside shard_map (a mapped axis, no explicit mesh axis): named.
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    tx = _tx(optax.sgd(0.1), "d")
+    grads = np.ones((8, 3), np.float32)
+
+    def body(g):
+        state = tx.init(g[0])
+        return tx.update(g[0], state, g[0])[0][None]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="shard_update"):
+        jax.jit(f)(jax.device_put(grads, P("d")))
+
+
+def test_docs_scaling_shard_update_runs_as_written(capsys):
+    """The block of docs/scaling.md's shard_update section, exactly as
+    written: Adam's moment of w1 is sharded over fsdp and data (1/8 of it
+    per device), the params keep their sharding, two windows close."""
+    import pathlib
+
+    text = (
+        pathlib.Path(__file__).resolve().parent.parent / "docs" / "scaling.md"
+    ).read_text()
+    section = text[text.index("## Sharding the optimizer state over") :]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "shard_update=True" in block
+    exec(compile(block, "docs/scaling.md", "exec"), {})  # noqa: S102
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == ["P('fsdp', 'data') (2, 16)", "P('fsdp', None) 2"]
+
+
+def test_nested_accumulate_after_shard_update_runs_on_the_piece():
+    """A second accumulate after a shard_update one (its window of windows)
+    accumulates each device's piece: its accumulator is sharded over data
+    and fsdp, and the result equals one window of 2K micro-batches."""
+    mesh, axis = _mesh("data2xfsdp4")
+    data = tm._make_data(K * 4)
+    tx = oa.chain(
+        oa.accumulate(K, axis_name=axis, shard_update=True),
+        oa.accumulate(2),
+        optax.sgd(0.3),
+    )
+    params, state = tm._run(tx, mesh, data)
+    want = tm._reference(optax.sgd(0.3), tm._init_params(), *data, k=2 * K)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, **tm.TOL
+    )
+    assert state[1].acc["w1"].sharding.spec == P("fsdp", "data")
+
+
+def test_noise_scale_with_shard_update_equals_default():
+    """The gradient noise scale, estimated from the window, is the same
+    with the window's mean reduce-scattered."""
+    mesh, axis = _mesh("data2xfsdp4")
+    data = tm._make_data(K * 2)
+    found = []
+    for shard_update in (True, False):
+        acc = oa.accumulate(
+            K,
+            axis_name=axis,
+            shard_update=shard_update,
+            noise_scale_decay=0.5,
+        )
+        _, state = tm._run(oa.chain(acc, optax.sgd(0.3)), mesh, data)
+        found.append(oa.noise_scale(state))
+    chex.assert_trees_all_close(found[0], found[1], rtol=1e-5)
+
+
+def test_alone_in_optax_chain_emits_gathered_updates():
+    """Used without oa.chain's followers (inside stock optax.chain, with a
+    stateless optimizer) the window's mean comes back with the params'
+    sharding: the params equal the reference and keep their sharding."""
+    mesh, axis = _mesh("data2xfsdp4")
+    data = tm._make_data(K * tm.WINDOWS)
+    tx = optax.chain(
+        oa.accumulate(K, axis_name=axis, shard_update=True), optax.sgd(0.3)
+    )
+    params, _ = tm._run(tx, mesh, data, fused=False)
+    want = tm._reference(optax.sgd(0.3), tm._init_params(), *data)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, **tm.TOL
+    )
+    tm._same_sharding(params, tm._put_params(mesh, tm._init_params()))
+
+
+@pytest.mark.parametrize(
+    "mesh_name,spec,shape,want",
+    [
+        ("data2xfsdp4", P("fsdp", None), (8, 16), P("fsdp", "data")),
+        ("data2xfsdp4", P("fsdp"), (16,), P(("fsdp", "data"))),
+        ("data2xfsdp4", P("fsdp"), (12,), P("fsdp")),  # 12 % 8: default
+        ("data2xfsdp4", P(), (), P()),
+        ("data8", P(None, None), (16, 24), P(None, "data")),  # the largest
+        ("data8", P(None, None), (16, 16), P("data", None)),  # the first
+        ("data8", P(None, None), (6, 4), P(None, None)),  # none divides
+        (
+            "dcn2xdata2xfsdp2",
+            P("fsdp", None),
+            (4, 8),
+            P("fsdp", ("dcn", "data")),
+        ),
+        (
+            "dcn2xdata2xfsdp2",
+            P("fsdp", "data"),
+            (4, 8),
+            P("fsdp", ("dcn", "data")),
+        ),
+    ],
+)
+def test_placement_rule(mesh_name, spec, shape, want):
+    """The rule of docs/scaling.md (private helper, on purpose): the
+    largest unsharded dimension the data size divides, else a sharded one
+    with room, else the default; the data axes in the mesh's order."""
+    from optaxaccum._src import zero
+
+    mesh, axis = _mesh(mesh_name)
+    assert zero.zero_spec(spec, shape, mesh, oa_axes(axis)) == want
