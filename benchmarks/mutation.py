@@ -202,6 +202,12 @@ MUTANTS = {
         "        if True:",
         ["tests/test_shard_update.py", "-k", "born"],
     ),
+    "zeros_not_device_varying": (  # issue 23: zeros under shard_map
+        "utils.py",
+        "    return jax.tree.map(jnp.zeros_like, shapes)",
+        "    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)",
+        _HARD + ["-k", "device_varying"],
+    ),
     "replicas_disagree_on_overflow": (
         "loss_scale.py",
         "            finite = sharding.agree(finite, axis_name)\n",

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 
@@ -778,3 +780,31 @@ def test_nested_closed_gate_zeros_take_the_followers_output_dtype():
         dtypes.append(u.dtype)
     assert dtypes == [jnp.float32] * 2, dtypes
     np.testing.assert_array_equal(u, [-1.5, -1.5])
+
+
+def test_closed_gate_zeros_keep_the_device_varying_type_under_shard_map():
+    """Issue 23, tests the suite lacks (a kill that was only a crash): inside
+    ``shard_map`` the zeros a closed gate emits are built from the shapes of
+    what the open branch would emit, so they keep its device-varying type
+    (``vma``) and dtype; zeros typed as the incoming gradients, or built
+    without the varying type, make ``lax.cond``'s branches disagree. Checked
+    on the helper the chain builds its zeros with, before any branch."""
+    from optaxaccum._src import utils
+    from optaxaccum._src.microbatch import _vma as _varying
+
+    mesh = jax.make_mesh((4,), ("d",))
+    seen = {}
+
+    def body(g):
+        shapes = jax.eval_shape(lambda: g.astype(jnp.float32))
+        zeros = utils.zeros_of(shapes)
+        seen["want"] = (_varying(g), jnp.float32)
+        seen["got"] = (_varying(zeros), zeros.dtype)
+        return zeros
+
+    g = jax.device_put(jnp.ones(8, jnp.bfloat16), NamedSharding(mesh, P("d")))
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(
+        g
+    )
+    assert seen["want"][0] == frozenset({"d"}), seen
+    assert seen["got"] == seen["want"], seen
