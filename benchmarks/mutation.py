@@ -205,7 +205,8 @@ MUTANTS = {
     "zeros_not_device_varying": (  # issue 23: zeros under shard_map
         "utils.py",
         "    return jax.tree.map(jnp.zeros_like, shapes)",
-        "    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)",
+        "    return jax.tree.map(\n"
+        "        lambda s: jnp.zeros(s.shape, s.dtype), shapes)",
         _HARD + ["-k", "device_varying"],
     ),
     "replicas_disagree_on_overflow": (
