@@ -430,3 +430,18 @@ def test_followers_state_is_born_placed_and_updates_gather_back(mesh_name):
         back = round_trip[name].sharding
         assert back.is_equivalent_to(p.sharding, p.ndim), (name, back)
     assert placed_somewhere  # the check above is not vacuous
+
+
+def test_pytree_round_trip_of_the_gate_keeps_shard_update():
+    """jax.tree.map rebuilds a transformation from its pytree parts: the
+    rebuilt shard_update accumulate still shards the followers' state over
+    the data axes (the mode was silently lost before)."""
+    mesh, axis = _mesh("data2xfsdp4")
+    acc = oa.accumulate(K, axis_name=axis, shard_update=True)
+    specs = []
+    for a in (acc, jax.tree.map(lambda x: x, acc)):
+        with jax.set_mesh(mesh):
+            params = tm._put_params(mesh, tm._init_params())
+            state = jax.eval_shape(oa.chain(a, optax.adam(0.05)).init, params)
+        specs.append(state[1][0].mu["w1"].sharding.spec)
+    assert specs[0] == specs[1] == P("fsdp", "data"), specs

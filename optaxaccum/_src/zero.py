@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.core
@@ -177,17 +177,24 @@ def gathered(
 ) -> base.GatedTransformation:
     """``gate`` (whose emitted updates lie as :func:`place` puts them) with
     its emitted updates gathered back to the params' sharding, for use
-    alone or in ``optax.chain``; ``.shard_update`` keeps ``gate`` for
-    :func:`split`."""
-    out = base.GatedTransformation(
+    alone or in ``optax.chain``. Its ``gate_update`` carries ``gate`` for
+    :func:`split` (as ``.shard_update``: a function attribute survives
+    the pytree round trips that rebuild the transformation)."""
+    update = _gathering(gate.gate_update, axis_name)
+    update.shard_update = ShardUpdate(gate, axis_name)  # pyright: ignore
+    flush = gate.gate_flush
+    return base.GatedTransformation(
         gate.init,
-        _gathering(gate.gate_update, axis_name),
-        None
-        if gate.gate_flush is None
-        else _gathering(gate.gate_flush, axis_name),
+        update,
+        None if flush is None else _gathering(flush, axis_name),
     )
-    out.shard_update = ShardUpdate(gate, axis_name)  # pyright: ignore
-    return out
+
+
+def found(tx: Any) -> ShardUpdate | None:
+    """The :class:`ShardUpdate` of a ``shard_update`` accumulate, else
+    ``None``."""
+    found = getattr(getattr(tx, "gate_update", None), "shard_update", None)
+    return found if isinstance(found, ShardUpdate) else None
 
 
 def _gathering(fn: Any, axis_name: Any) -> Any:
@@ -196,7 +203,7 @@ def _gathering(fn: Any, axis_name: Any) -> Any:
     def gather_out(out: base.Emitted) -> base.Emitted:
         return out._replace(updates=gather(out.updates, axis_name))
 
-    @functools.wraps(fn)
+    @functools.wraps(fn, updated=())  # not fn's attributes (.shard_update)
     def wrapped(*args, **kwargs):
         res = fn(*args, **kwargs)
         return res._replace(emit=base.map_emit(res.emit, gather_out))
@@ -209,27 +216,20 @@ def split(gate: Any, rest: Any) -> tuple[Any, Any]:
     ``shard_update`` accumulate with followers, its variant emitting
     sharded updates and the followers run on each device's shard (see
     :func:`on_shard`). Otherwise as given."""
-    found = getattr(gate, "shard_update", None)
-    if not isinstance(found, ShardUpdate) or rest is None:
+    shard = found(gate)
+    if shard is None or rest is None:
         return gate, rest
-    return found.gate, on_shard(rest, found.axis_name)
+    return shard.gate, on_shard(rest, shard.axis_name)
 
 
 def chain_init(transforms: tuple) -> Any:
     """``optax.chain(*transforms).init``, except that the elements after a
     ``shard_update`` accumulate (the first, if any) are initialised on the
     params :func:`place`-d over its axes: their state sharded like them."""
-    at = next(
-        (
-            i
-            for i, tx in enumerate(transforms)
-            if isinstance(getattr(tx, "shard_update", None), ShardUpdate)
-        ),
-        None,
-    )
+    at = next((i for i, tx in enumerate(transforms) if found(tx)), None)
     if at is None:
         return optax.chain(*transforms).init
-    axis_name = transforms[at].shard_update.axis_name
+    axis_name = cast(ShardUpdate, found(transforms[at])).axis_name
 
     def init(params):
         placed = place(params, axis_name)
