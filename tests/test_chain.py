@@ -531,3 +531,74 @@ def test_gate_without_ctx_is_refused_when_built():
 
     with pytest.raises(TypeError, match="ctx"):
         oa.GatedTransformation(lambda p: optax.EmptyState(), gate_update)
+
+
+def _pass_through_gate():
+    """A user's gate written as docs/gates.md teaches: it opens on every
+    call that reached it and emits the updates it got."""
+
+    def gate_update(updates, state, params, ctx, **extra_args):
+        del params, extra_args
+        return oa.GateResult(
+            state, ctx.passed & True, lambda: oa.Emitted(updates, state)
+        )
+
+    return oa.GatedTransformation(lambda p: optax.EmptyState(), gate_update)
+
+
+_MIDDLE_GATES = {
+    "dynamic_loss_scale": lambda: oa.dynamic_loss_scale(1.0),
+    "static_loss_scale": lambda: oa.static_loss_scale(1.0),
+    "user_gate": _pass_through_gate,
+}
+
+
+@pytest.mark.parametrize("middle", list(_MIDDLE_GATES))
+def test_gate_between_accumulates_passes_the_window_weight_on(middle):
+    """API.md 2: a nested accumulate gets the window's total weight even
+    when the call passed none, also with another gate between the two
+    accumulates (it was weighted 1 per window: the mean of window means)."""
+    ref = oa.chain(oa.accumulate(2), oa.accumulate(3), optax.sgd(1.0))
+    tx = oa.chain(
+        oa.accumulate(2),
+        _MIDDLE_GATES[middle](),
+        oa.accumulate(3),
+        optax.sgd(1.0),
+    )
+    got = []
+    for t in (ref, tx):
+        p = jnp.zeros(1)
+        s = t.init(p)
+        for g in (1.0, 2.0, 3.0, 4.0, 5.0):
+            u, s = t.update(jnp.array([g]), s, p)
+            p = optax.apply_updates(p, u)
+        u, s = oa.flush(t, s, p)
+        got.append(optax.apply_updates(p, u))
+    np.testing.assert_allclose(got[0], [-3.0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], got[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("middle", list(_MIDDLE_GATES))
+def test_window_of_weight_0_does_not_step_followers_behind_a_gate(
+    middle, fused
+):
+    """API.md 2: a window of total weight 0 emits zeros and does not step
+    the followers, also with a gate between the accumulate and them (Adam
+    stepped on it before)."""
+    tx = oa.chain(oa.accumulate(2), _MIDDLE_GATES[middle](), optax.adam(0.1))
+    p = jnp.ones(2)
+    s = tx.init(p)
+    g = jnp.array([1.0, -1.0])
+    for w in (1.0, 1.0):
+        p, s = oa.apply_gradients(tx, g, s, p, accum_weight=w)
+    before = p
+    for w in (0.0, 0.0):
+        if fused:
+            p, s = oa.apply_gradients(tx, g, s, p, accum_weight=w)
+        else:
+            u, s = tx.update(g, s, p, accum_weight=w)
+            np.testing.assert_array_equal(u, jnp.zeros(2))
+            p = optax.apply_updates(p, u)
+    np.testing.assert_array_equal(p, before)
+    assert int(s[-1][0].count) == 1

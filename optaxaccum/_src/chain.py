@@ -88,6 +88,8 @@ def chain(
         res = gate.gate_update(
             updates, state[gate_at], params, ctx, **extra_args
         )
+        plain = rest is not None and not base.is_gate(rest)
+        res = _inherit_window(res, ctx.window_weight, plain)
         tail = state[gate_at + 1 :]
         return _follow(res, new_head, tail, rest, params, extra_args)
 
@@ -170,6 +172,29 @@ def _followers(transforms, i):
     if not rest:
         return None
     return chain(*rest) if any(map(base.is_gate, rest)) else _plain(rest)
+
+
+def _inherit_window(
+    res: base.GateResult, window: Any, plain: bool
+) -> base.GateResult:
+    """A gate that closes no window of its own (a loss scale, a user's gate)
+    passes an earlier accumulate's window weight on to its followers: a
+    later accumulate weighs the window by it (and counts one of weight 0),
+    and ``plain`` followers do not step on a window of weight 0 (API.md
+    2)."""
+    if window is None:
+        return res
+
+    def inherit(out: base.Emitted) -> base.Emitted:
+        if out.window_weight is not None:  # the gate closed its own window
+            return out
+        opened = utils.both(out.opened, _nonzero(window)) if plain else None
+        return out._replace(
+            window_weight=window,
+            opened=out.opened if opened is None else opened,
+        )
+
+    return res._replace(emit=base.map_emit(res.emit, inherit))
 
 
 def _nonzero(window: Any) -> Any:
