@@ -202,6 +202,18 @@ MUTANTS = {
         "        if True:",
         ["tests/test_shard_update.py", "-k", "born"],
     ),
+    "shard_update_not_gathered_like_params": (  # issue 27, review
+        "zero.py",
+        "    return _reshard(x, spec)\n",
+        "    return x\n",
+        ["tests/test_shard_update.py", "-k", "fsdp_is_named"],
+    ),
+    "gate_drops_window_weight": (  # review: a gate between accumulates
+        "chain.py",
+        "    if window is None:\n        return res\n",
+        "    if True:\n        return res\n",
+        CORE_TESTS + ["-k", "window_weight_on or behind_a_gate"],
+    ),
     "zeros_not_device_varying": (  # issue 23: zeros under shard_map
         "utils.py",
         "    return jax.tree.map(jnp.zeros_like, shapes)",

@@ -445,3 +445,35 @@ def test_pytree_round_trip_of_the_gate_keeps_shard_update():
             state = jax.eval_shape(oa.chain(a, optax.adam(0.05)).init, params)
         specs.append(state[1][0].mu["w1"].sharding.spec)
     assert specs[0] == specs[1] == P("fsdp", "data"), specs
+
+
+def test_updates_come_back_at_the_params_sharding_when_fsdp_is_named():
+    """API.md 7 allows naming the param-sharding axes in ``axis_name``; the
+    updates are then still all-gathered to the params' sharding (they came
+    back fully replicated before), and equal the default mode's."""
+    mesh, _ = _mesh("data2xfsdp4")
+    axis = ("data", "fsdp")
+    loss = tm._loss(tm._batch_axes(mesh))
+    vg = oa.unreduced_value_and_grad(loss, axis)
+    out = []
+    for mode in (False, True):
+        tx = oa.chain(
+            oa.accumulate(1, axis_name=axis, shard_update=mode),
+            optax.adam(0.05),
+        )
+
+        def f(params, state, x, y, mask, tx=tx):
+            _, g = vg(params, x, y, mask)
+            return tx.update(g, state, params, accum_weight=mask.sum())[0]
+
+        with jax.set_mesh(mesh):
+            params = tm._put_params(mesh, tm._init_params())
+            state = jax.jit(tx.init)(params)
+            batch = tm._put_batch(mesh, *(a[0] for a in tm._make_data(1)))
+            out.append(jax.jit(f)(params, state, *batch))
+    for name, p in params.items():
+        got = out[1][name].sharding
+        assert got.is_equivalent_to(p.sharding, p.ndim), (name, got)
+    chex.assert_trees_all_close(
+        jax.device_get(out[1]), jax.device_get(out[0]), **tm.TOL
+    )

@@ -128,10 +128,14 @@ def place(tree: Any, axis_name: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
-def gather(tree: Any, axis_name: Any) -> Any:
+def gather(tree: Any, axis_name: Any, like: Any = None) -> Any:
     """Each leaf sharded over some of the axes ``axis_name`` resharded
-    without them: back to the params' sharding (an all-gather over them)."""
+    back to the params' sharding (an all-gather over them): that of the
+    corresponding leaf of the params ``like`` where given (also when
+    ``axis_name`` names axes that shard the params), else without them."""
     axes = set(sharding.axis_names(axis_name))
+    if like is not None:
+        return jax.tree.map(lambda x, p: _like(x, p, tuple(axes)), tree, like)
 
     def leaf(x):
         if not sharding.is_explicit(x, tuple(axes)):
@@ -145,6 +149,15 @@ def gather(tree: Any, axis_name: Any) -> Any:
         return _reshard(x, spec.update(partitions=tuple(entries)))
 
     return jax.tree.map(leaf, tree)
+
+
+def _like(x: Any, p: Any, axes: tuple) -> Any:
+    """``x`` resharded to the sharding of the params' leaf ``p`` (plain: no
+    unreduced or reduced axes), where both lie on an explicit mesh."""
+    if not (sharding.is_explicit(x, axes) and sharding.is_explicit(p, axes)):
+        return gather(x, axes)
+    spec = sharding._spec(p).update(unreduced=frozenset(), reduced=frozenset())
+    return _reshard(x, spec)
 
 
 def check_explicit(grads: Any, axis_name: Any) -> None:
@@ -180,13 +193,13 @@ def gathered(
     alone or in ``optax.chain``. Its ``gate_update`` carries ``gate`` for
     :func:`split` (as ``.shard_update``: a function attribute survives
     the pytree round trips that rebuild the transformation)."""
-    update = _gathering(gate.gate_update, axis_name)
+    update = _gathering(gate.gate_update, axis_name, params_at=2)
     update.shard_update = ShardUpdate(gate, axis_name)  # pyright: ignore
     flush = gate.gate_flush
     return base.GatedTransformation(
         gate.init,
         update,
-        None if flush is None else _gathering(flush, axis_name),
+        None if flush is None else _gathering(flush, axis_name, params_at=1),
     )
 
 
@@ -197,15 +210,20 @@ def found(tx: Any) -> ShardUpdate | None:
     return found if isinstance(found, ShardUpdate) else None
 
 
-def _gathering(fn: Any, axis_name: Any) -> Any:
-    """A gate function whose result's emitted updates are :func:`gather`-ed."""
-
-    def gather_out(out: base.Emitted) -> base.Emitted:
-        return out._replace(updates=gather(out.updates, axis_name))
+def _gathering(fn: Any, axis_name: Any, params_at: int) -> Any:
+    """A gate function whose result's emitted updates are :func:`gather`-ed
+    to the sharding of its params (argument ``params_at``), if given."""
 
     @functools.wraps(fn, updated=())  # not fn's attributes (.shard_update)
     def wrapped(*args, **kwargs):
         res = fn(*args, **kwargs)
+        params = args[params_at] if len(args) > params_at else None
+        params = kwargs.get("params", params)
+
+        def gather_out(out: base.Emitted) -> base.Emitted:
+            updates = gather(out.updates, axis_name, like=params)
+            return out._replace(updates=updates)
+
         return res._replace(emit=base.map_emit(res.emit, gather_out))
 
     return wrapped
@@ -256,7 +274,7 @@ def on_shard(rest: Any, axis_name: Any) -> Any:
                 window,
                 extra_args,
             )
-            return gather(updates, axis_name), state
+            return gather(updates, axis_name, like=params), state
 
         return run
 
@@ -272,5 +290,5 @@ def on_shard(rest: Any, axis_name: Any) -> Any:
     # The chain calls only a follower's gate_update (flush closes the first
     # gate that can), so the wrapped gate needs no gate_flush.
     return base.GatedTransformation(
-        rest.init, _gathering(gate_update, axis_name)
+        rest.init, _gathering(gate_update, axis_name, params_at=2)
     )
