@@ -188,11 +188,10 @@ def _inherit_window(
     def inherit(out: base.Emitted) -> base.Emitted:
         if out.window_weight is not None:  # the gate closed its own window
             return out
-        opened = utils.both(out.opened, _nonzero(window)) if plain else None
-        return out._replace(
-            window_weight=window,
-            opened=out.opened if opened is None else opened,
-        )
+        out = out._replace(window_weight=window)
+        if plain:  # they do not step on a window of weight 0
+            out = out._replace(opened=utils.both(out.opened, _nonzero(window)))
+        return out
 
     return res._replace(emit=base.map_emit(res.emit, inherit))
 
