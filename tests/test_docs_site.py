@@ -1,0 +1,92 @@
+"""The checks of the built docs site (``tests/docs_site_check.py``), on
+small pages written here, and on the built site when there is one (``make
+docs`` runs the same checks on its build)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.docs_site_check import (
+    BUILT,
+    CODE_WIDTH,
+    MAX_TABLE_COLUMNS,
+    page_problems,
+    site_problems,
+)
+
+
+def _page(body: str, head: str = "") -> str:
+    return f"<html><head>{head}</head><body>{body}</body></html>"
+
+
+def test_a_clean_page_passes():
+    code = "x = 1  # " + "a" * 70
+    table = "<table><tr><th>name</th><th>meaning</th></tr>" + (
+        "<tr><td>k</td><td>" + "word " * 60 + "</td></tr></table>"
+    )
+    head = '<script src="_static/mathjax/tex-chtml.js"></script>'
+    assert page_problems(_page(f"<pre>{code}</pre>{table}", head), "p") == []
+
+
+def test_a_long_code_line_fails():
+    line = "y" * (CODE_WIDTH + 1)
+    problems = page_problems(_page(f"<pre><span>{line}</span>\nz</pre>"), "p")
+    assert len(problems) == 1 and "code line of 89" in problems[0]
+
+
+def test_a_table_of_many_columns_fails():
+    row = "<tr>" + "<td>1.0</td>" * (MAX_TABLE_COLUMNS + 1) + "</tr>"
+    problems = page_problems(_page(f"<table>{row}</table>"), "p")
+    assert len(problems) == 1 and "9 columns" in problems[0]
+
+
+def test_a_table_of_long_unbreakable_words_fails():
+    row = "<tr>" + f"<td>{'w' * 30}</td>" * 4 + "</tr>"
+    problems = page_problems(_page(f"<table>{row}</table>"), "p")
+    assert len(problems) == 1 and "4 columns" in problems[0]
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        '<script src="https://cdn.jsdelivr.net/npm/mathjax@4/tex-mml-chtml.js">'
+        "</script>",
+        '<link rel="stylesheet" href="https://fonts.example/x.css">',
+        '<script src="//cdn.example/x.js"></script>',
+    ],
+)
+def test_a_remote_asset_fails(tag):
+    problems = page_problems(_page("<p>text</p>", tag), "p")
+    assert len(problems) == 1 and "from the network" in problems[0]
+
+
+def test_a_link_to_another_site_is_fine():
+    body = '<a href="https://arxiv.org/abs/1812.06162">the paper</a>'
+    assert page_problems(_page(body), "p") == []
+
+
+@pytest.mark.parametrize(
+    "text", ["B5 (issue 12)", "this session", "other agents' jobs"]
+)
+def test_work_log_words_fail(text):
+    problems = page_problems(_page(f"<h2>{text}</h2>"), "p")
+    assert len(problems) == 1 and "work-log word" in problems[0]
+
+
+def test_a_private_type_fails():
+    body = "<dt>Type:</dt><dd><p>jax.jaxlib._jax.Array</p></dd>"
+    problems = page_problems(_page(body), "p")
+    assert len(problems) == 1 and "private type" in problems[0]
+
+
+def test_script_text_is_not_read_as_page_text():
+    body = '<script>var session = "agent";</script><p>fine</p>'
+    assert page_problems(_page(body), "p") == []
+
+
+@pytest.mark.skipif(
+    not (BUILT / "index.html").exists(),
+    reason="docs not built; make docs runs this check on the build",
+)
+def test_the_built_site():
+    assert site_problems(BUILT) == []
