@@ -15,7 +15,8 @@ fails when
   site is read offline);
 * its text names the private array class (``jaxlib._jax.Array``) where
   the public one (``jax.Array``) is meant, or shows a type alias as the
-  repr of Sphinx's forward reference;
+  repr of Sphinx's forward reference or expanded into its union
+  (``ArrayLike``'s lists ``bool`` twice);
 * its text speaks of the project's work log ("issue 12", "session",
   "agent") rather than of the library.
 
@@ -37,7 +38,9 @@ MAX_TABLE_COLUMNS = 8
 TABLE_CHARS = 90
 TABLE_CELL_PADDING = 3
 WORK_LOG = re.compile(r"\bissues? #?\d+|\bsessions?\b|\bagents?\b", re.I)
-PRIVATE_TYPE = re.compile(r"\bjaxlib\._jax\.\w+|TypeAliasForwardRef")
+PRIVATE_TYPE = re.compile(
+    r"\bjaxlib\._jax\.\w+|TypeAliasForwardRef|bool \| number \| bool"
+)
 REMOTE = re.compile(r"^\s*(https?:)?//", re.I)
 # Pages made by Sphinx itself (search, index of names), not by the project.
 SKIPPED = {"search.html", "genindex.html", "py-modindex.html"}
@@ -130,7 +133,7 @@ def page_problems(source: str, name: str) -> list[str]:
     problems += [f"{name}: loads {r} from the network" for r in page.remote]
     text = " ".join(" ".join(page.text).split())
     for m in PRIVATE_TYPE.finditer(text):
-        problems.append(f"{name}: private type {m.group()!r}")
+        problems.append(f"{name}: {m.group()!r} instead of a public type name")
     for m in WORK_LOG.finditer(text):
         context = text[max(0, m.start() - 40) : m.end() + 40]
         problems.append(f"{name}: work-log word {m.group()!r}: ...{context}...")

@@ -73,10 +73,18 @@ def test_work_log_words_fail(text):
     assert len(problems) == 1 and "work-log word" in problems[0]
 
 
-def test_a_private_type_fails():
-    body = "<dt>Type:</dt><dd><p>jax.jaxlib._jax.Array</p></dd>"
+@pytest.mark.parametrize(
+    "text",
+    [
+        "jax.jaxlib._jax.Array",
+        "tuple[TypeAliasForwardRef('optax.Params'), ...]",
+        "x: Array | ndarray | bool | number | bool | int | float | complex",
+    ],
+)
+def test_a_private_or_expanded_type_fails(text):
+    body = f"<dt>Type:</dt><dd><p>{text}</p></dd>"
     problems = page_problems(_page(body), "p")
-    assert len(problems) == 1 and "private type" in problems[0]
+    assert len(problems) == 1 and "public type name" in problems[0]
 
 
 def test_script_text_is_not_read_as_page_text():

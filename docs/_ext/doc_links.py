@@ -9,7 +9,9 @@ It also names ``jax.Array`` by its public name in the attribute types that
 napoleon reads from a class's annotations (the runtime class is private,
 ``jaxlib._jax.Array``), so it runs after napoleon; and it writes an alias of
 ``autodoc_type_aliases`` inside a generic (``tuple[optax.Params, ...]``) by
-its name, where Sphinx shows the repr of its forward reference.
+its name, where Sphinx shows the repr of its forward reference, and the
+aliases that a class built at import time (flax's ``TrainState`` fields)
+carries expanded into their unions by their names again.
 """
 
 from __future__ import annotations
@@ -29,13 +31,46 @@ def link_pointers(line: str) -> str:
 
 
 FORWARD_REF = re.compile(r"TypeAliasForwardRef\('([\w.]+)'\)")
+# The unions that optax.OptState (chex.ArrayTree) and jax.typing.ArrayLike
+# expand to, the longer first; a name may come qualified (``~numpy.bool``).
+_Q = r"(?:~?[\w.]*\.)?"
+_ARRAY_LIKE = (
+    " \\| ".join(
+        _Q + name
+        for name in (
+            "Array",
+            "ndarray",
+            "bool",
+            "number",
+            "bool",
+            "int",
+            "float",
+        )
+    )
+    + r" \| complex"
+)
+EXPANDED = (
+    (
+        re.compile(
+            _ARRAY_LIKE + rf" \| {_Q}Iterable\[ArrayTree\]"
+            rf" \| {_Q}Mapping\[{_Q}Any, ArrayTree\]"
+        ),
+        "optax.OptState",
+    ),
+    (re.compile(_ARRAY_LIKE), "jax.typing.ArrayLike"),
+    (re.compile(r"~?(jax\.)?jaxlib\._jax\.Array\b"), "jax.Array"),
+)
 
 
 def _process_signature(app, what, name, obj, options, signature, ret):
     del app, what, name, obj, options
 
     def named(text):
-        return FORWARD_REF.sub(r"\1", text) if text else text
+        if not text:
+            return text
+        for union, alias in EXPANDED:
+            text = union.sub(alias, text)
+        return FORWARD_REF.sub(r"\1", text)
 
     return named(signature), named(ret)
 
