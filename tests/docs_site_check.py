@@ -18,7 +18,7 @@ fails when
   repr of Sphinx's forward reference or expanded into its union
   (``ArrayLike``'s lists ``bool`` twice);
 * its text speaks of the project's work log ("issue 12", "session",
-  "agent") rather than of the library.
+  "agent", "branch i25") rather than of the library.
 
 Standard library only: it runs with the ``docs`` extra alone.
 """
@@ -37,7 +37,9 @@ MAX_TABLE_COLUMNS = 8
 # padding as TABLE_CELL_PADDING characters.
 TABLE_CHARS = 90
 TABLE_CELL_PADDING = 3
-WORK_LOG = re.compile(r"\bissues? #?\d+|\bsessions?\b|\bagents?\b", re.I)
+WORK_LOG = re.compile(
+    r"\bissues? #?\d+|\bsessions?\b|\bagents?\b|\bbranch\W+i\d+\b", re.I
+)
 PRIVATE_TYPE = re.compile(
     r"\bjaxlib\._jax\.\w+|TypeAliasForwardRef|bool \| number \| bool"
 )

@@ -66,7 +66,8 @@ def test_a_link_to_another_site_is_fine():
 
 
 @pytest.mark.parametrize(
-    "text", ["B5 (issue 12)", "this session", "other agents' jobs"]
+    "text",
+    ["B5 (issue 12)", "this session", "other agents' jobs", "on branch i25"],
 )
 def test_work_log_words_fail(text):
     problems = page_problems(_page(f"<h2>{text}</h2>"), "p")
@@ -98,3 +99,48 @@ def test_script_text_is_not_read_as_page_text():
 )
 def test_the_built_site():
     assert site_problems(BUILT) == []
+
+
+EXT = BUILT.parent.parent / "_ext" / "doc_links.py"
+
+
+@pytest.fixture
+def doc_links():
+    if not EXT.exists():
+        pytest.skip("docs/_ext is not in this checkout")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("doc_links", EXT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_page_pointers_in_docstrings_become_links(doc_links):
+    line = 'see ``docs/scaling.md`` and docs/concepts.md, "Where wrappers go"'
+    assert doc_links.link_pointers(line) == (
+        'see :doc:`/scaling` and :doc:`/concepts`, "Where wrappers go"'
+    )
+    assert doc_links.link_pointers("Type: jax.jaxlib._jax.Array") == (
+        "Type: jax.Array"
+    )
+
+
+def test_signatures_name_the_public_types(doc_links):
+    union = (
+        "~jax.jaxlib._jax.Array | ~numpy.ndarray | ~numpy.bool | ~numpy.number"
+        " | bool | int | float | complex"
+    )
+    sig, ret = doc_links._process_signature(
+        None,
+        "class",
+        "TrainState",
+        None,
+        None,
+        f"(x: {union}, state: {union} | ~typing.Iterable[ArrayTree] | "
+        "~typing.Mapping[~typing.Any, ArrayTree])",
+        "tuple[TypeAliasForwardRef('optax.Params'), ~jax.jaxlib._jax.Array]",
+    )
+    assert sig == "(x: jax.typing.ArrayLike, state: optax.OptState)"
+    assert ret == "tuple[optax.Params, jax.Array]"
