@@ -56,9 +56,13 @@ test-floors: $(VENV)/.installed-dev
 		-m pytest -n 2 -p no:cacheprovider -c pyproject.toml --rootdir . \
 		$(PYTEST_ARGS) tests --pyargs optaxaccum
 
+# The HTML build, a check of the built pages as a reader sees them (code
+# lines, table widths, no remote assets; tests/docs_site_check.py), and the
+# doctest build of every page.
 docs: $(VENV)/.installed-docs
 	rm -rf docs/_build
 	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+	$(PY) tests/docs_site_check.py docs/_build/html
 	$(PY) -m sphinx -W --keep-going -b doctest docs docs/_build/doctest
 
 bench: $(VENV)/.installed-dev

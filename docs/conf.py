@@ -1,13 +1,17 @@
 """Sphinx configuration for the optaxaccum documentation.
 
-Built offline (no intersphinx, no remote themes or fonts) by ``make docs``:
-an HTML build and a doctest build, both with ``-W``. The local extension
-``_ext/coverage_check.py`` fails the build when a name in a public
-``__all__`` is left out of the API reference.
+Built offline (no intersphinx, no remote themes, fonts or scripts: MathJax
+is served from the site itself) by ``make docs``: an HTML build and a doctest
+build, both with ``-W``. The local extension ``_ext/coverage_check.py`` fails
+the build when a name in a public ``__all__`` is left out of the API
+reference; ``_ext/doc_links.py`` turns the ``docs/<page>.md`` pointers in
+docstrings into links to the pages. ``tests/docs_site_check.py`` checks the
+built HTML (code lines, table widths, no remote assets, no work-log words).
 """
 
 import os
 import sys
+import tomllib
 
 sys.path.insert(0, os.path.abspath("_ext"))
 
@@ -25,8 +29,13 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
+    "sphinx.ext.viewcode",
+    # Sets mathjax_path to a copy of MathJax 3 shipped in the built site.
+    "sphinx-mathjax-offline",
+    "sphinx_copybutton",
     "myst_parser",
     "coverage_check",
+    "doc_links",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -43,12 +52,29 @@ exclude_patterns = [
 ]
 
 # -- MyST (Markdown pages) ---------------------------------------------------
-myst_enable_extensions = ["colon_fence", "deflist", "dollarmath"]
+myst_enable_extensions = ["amsmath", "colon_fence", "deflist", "dollarmath"]
 myst_heading_anchors = 3
 
 # -- autodoc / napoleon ------------------------------------------------------
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
+# The modules use ``from __future__ import annotations``: the annotations are
+# strings, and these keep the public names (``jax.Array``, not the private
+# class it resolves to; ``ArrayLike``, not its eight-member union).
+autodoc_type_aliases = {
+    name: name
+    for name in (
+        "jax.Array",
+        "jax.typing.ArrayLike",
+        "optax.OptState",
+        "optax.Updates",
+        "optax.Params",
+        "optax.GradientTransformation",
+        "optax.GradientTransformationExtraArgs",
+    )
+}
+# One parameter per line once a signature is longer than a code line.
+maximum_signature_line_length = 88
 autodoc_preserve_defaults = True
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -70,13 +96,34 @@ coverage_check_modules = [
     "optaxaccum.flax.nnx",
 ]
 
+# -- copy button -------------------------------------------------------------
+# A copied example pastes as code: the ``>>> `` and ``... `` prompts and the
+# printed results are left out.
+copybutton_prompt_text = r">>> |\.\.\. "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = True
+
 # -- HTML ----------------------------------------------------------------------
-html_theme = "alabaster"
+# The theme of the JAX ecosystem's sites (jax, optax, flax): a left
+# navigation, an "on this page" table of contents on the right.
+# The repository button appears once pyproject.toml names the repository
+# ([project.urls] Repository).
+_pyproject = os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")
+with open(_pyproject, "rb") as f:
+    _urls = tomllib.load(f)["project"].get("urls", {})
+repository_url = _urls.get("Repository", "")
+
+html_theme = "sphinx_book_theme"
 html_title = f"optaxaccum {release}"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+html_show_sourcelink = False
 html_theme_options = {
-    "description": "Gradient accumulation for JAX as composable optax "
-    "transformations.",
-    "fixed_sidebar": True,
-    "show_relbars": True,
+    "home_page_in_toc": True,
+    "show_toc_level": 2,
+    "navigation_with_keys": False,
+    "repository_url": repository_url,
+    "use_repository_button": bool(repository_url),
+    "path_to_docs": "docs",
+    "repository_branch": "main",
 }

@@ -334,9 +334,9 @@ def noise_scale(opt_state: optax.OptState) -> NoiseScale:
       >>> state = tx.init(jnp.zeros(2))
       >>> for g in ([1.0, 0.0], [3.0, 0.0]):   # mean (2, 0), spread 1 each
       ...   _, state = tx.update(jnp.array(g), state)
-      >>> oa.noise_scale(state)   # tr(Sigma) = 2, |G|^2 = 4 - 2 / 2
-      NoiseScale(b_simple=Array(0.6666667, dtype=float32), \
-trace_cov=Array(2., dtype=float32), grad_sq=Array(3., dtype=float32))
+      >>> ns = oa.noise_scale(state)   # tr(Sigma) = 2, |G|^2 = 4 - 2 / 2
+      >>> float(ns.b_simple), float(ns.trace_cov), float(ns.grad_sq)
+      (0.6666666865348816, 2.0, 3.0)
     """
     try:
         found = utils.find_state(opt_state, NoiseScaleState, "oa.noise_scale")
