@@ -644,10 +644,51 @@ def state_shardings(
             return NamedSharding(mesh, sharding.spec)
         return None
 
-    return optax.tree_map_params(
-        tx,
-        lambda s, p: typed(s) or p.sharding,
+    return _map_state(
         jax.eval_shape(tx.init, params),
         params,
-        transform_non_params=lambda s: typed(s) or replicated,
+        lambda s, p: typed(s) or p.sharding,
+        lambda s: typed(s) or replicated,
     )
+
+
+def _masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _map_state(
+    state: Any,
+    params: Any,
+    param_leaf: Callable[[Any, Any], Any],
+    other_leaf: Callable[[Any], Any],
+) -> Any:
+    """``state`` with ``param_leaf(s, p)`` applied to each leaf ``s`` of a
+    params-like subtree (the params' structure and shapes, where optax's
+    ``MaskedNode`` may stand for a leaf left out by ``optax.masked``,
+    ``multi_transform`` or ``partition``; it stays) and its param ``p``,
+    ``other_leaf`` to every other leaf. Found by structure, not by calling
+    ``init`` on a placeholder (optax's ``tree_map_params``), which some
+    transformations (optax's linesearches) cannot take."""
+    params_def = jax.tree.structure(params)
+    shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
+
+    def params_like(s: Any) -> bool:
+        if jax.tree.structure(s, is_leaf=_masked) != params_def:
+            return False
+        leaves = jax.tree.leaves(s, is_leaf=_masked)
+        return all(
+            _masked(x) or jnp.shape(x) == shape
+            for x, shape in zip(leaves, shapes, strict=True)
+        )
+
+    def node(s: Any) -> Any:
+        if params_like(s):
+            return jax.tree.map(
+                lambda x, p: x if _masked(x) else param_leaf(x, p),
+                s,
+                params,
+                is_leaf=_masked,
+            )
+        return other_leaf(s)
+
+    return jax.tree.map(node, state, is_leaf=params_like)
