@@ -1161,3 +1161,18 @@ def test_window_emits_reduced_gradients_on_an_explicit_mesh():
     assert seen and all(not t.sharding.spec.unreduced for t in seen), seen
     want = sum(jax.grad(loss)(w0, x) for x in xs)
     np.testing.assert_allclose(u, want, **TOL)
+
+
+def test_fsdp_gather_of_an_array_not_on_a_mesh_is_named():
+    """An array on no mesh (eager, or traced without jax.set_mesh), with or
+    without batch_axes: ValueError saying that w is not sharded on a mesh,
+    not a TypeError about an axis_name=() never passed."""
+    w = jnp.ones((8, 4))
+    for call in (
+        lambda: oa.fsdp_gather(w),
+        lambda: oa.fsdp_gather(w, "data"),
+        lambda: jax.jit(oa.fsdp_gather)(w),
+    ):
+        with pytest.raises(ValueError, match="w is not sharded on a mesh") as e:
+            call()
+        assert "axis_name" not in str(e.value)

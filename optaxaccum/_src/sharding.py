@@ -310,6 +310,11 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
     Returns:
       ``w`` gathered: ``P(None, ..., reduced=batch_axes)``.
 
+    Raises:
+      ValueError: if ``w`` is not sharded on a mesh, if ``batch_axes``
+        names an axis the mesh lacks, or if ``w`` is sharded over an axis
+        ``batch_axes`` does not name.
+
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import optaxaccum as oa
@@ -321,7 +326,14 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
       ...   print(jax.jit(oa.fsdp_gather)(w).shape)
       (2, 3)
     """
-    sharding = _named(w)
+    sharding = _sharding(w)
+    if sharding is None or not sharding.mesh.axis_names:
+        raise ValueError(
+            "oa.fsdp_gather: w is not sharded on a mesh (its type: "
+            f"{jax.typeof(w)}); it gathers a parameter placed on an "
+            "explicit mesh, e.g. jax.device_put(w, P('fsdp', None)) under "
+            "jax.set_mesh(mesh)"
+        )
     mesh, spec = sharding.mesh, sharding.spec
     names = mesh.axis_names if batch_axes is None else axis_names(batch_axes)
     check_mesh_axes(names, "oa.fsdp_gather", w)
