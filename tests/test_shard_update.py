@@ -477,3 +477,28 @@ def test_updates_come_back_at_the_params_sharding_when_fsdp_is_named():
     chex.assert_trees_all_close(
         jax.device_get(out[1]), jax.device_get(out[0]), **tm.TOL
     )
+
+
+@pytest.mark.parametrize("mesh_name", ["data2xfsdp4", "data8"])
+def test_follower_needing_whole_leaves_is_refused_by_name(mesh_name):
+    """optax.contrib.muon orthogonalises whole matrices: on each device's
+    piece JAX raised an opaque ShardingTypeError. The first step raises
+    ValueError naming shard_update and the follower's code; on data=8 the
+    same chain with shard_update=False trains as on one device."""
+    mesh, axis = _mesh(mesh_name)
+    data = tm._make_data(K)
+    tx = _tx(optax.contrib.muon(0.05), axis)
+    with pytest.raises(
+        ValueError, match=r"shard_update=True.*optax\.contrib\._muon"
+    ):
+        tm._run(tx, mesh, data, axis=axis)
+    if mesh_name != "data8":  # muon on fsdp-sharded matrices: JAX's limit
+        return
+    default = oa.chain(
+        oa.accumulate(K, axis_name=axis), optax.contrib.muon(0.05)
+    )
+    params, _ = tm._run(default, mesh, data, axis=axis)
+    want = tm._reference(optax.contrib.muon(0.05), tm._init_params(), *data)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, rtol=1e-4, atol=1e-5
+    )
