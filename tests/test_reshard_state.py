@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 from tests import test_mesh as tm
@@ -46,17 +48,27 @@ WRAPPERS = {
 }
 
 
-@pytest.mark.parametrize("shard_update", [False, True])
+@pytest.mark.parametrize("mode", ["explicit", "shard_update", "auto"])
 @pytest.mark.parametrize("name", list(WRAPPERS))
-def test_state_shardings_of_optax_wrappers(name, shard_update):
+def test_state_shardings_of_optax_wrappers(name, mode):
     """oa.state_shardings of a chain ending in each optax wrapper (masked
-    leaves included) is a tree jax.device_put takes with tx.init's state;
-    a params-like leaf lies at its param's sharding (placed over the data
-    axis too with shard_update), as jax.jit(tx.init) under the mesh puts
-    it; the values are unchanged."""
+    leaves included) is a tree jax.device_put takes with tx.init's state,
+    the values unchanged. On an explicit mesh each leaf lies as
+    jax.jit(tx.init) under the mesh puts it (the followers' state placed
+    over the data axis too with shard_update); on an auto mesh every leaf
+    shaped like a param (Adam's moments, muon's momentum) lies at that
+    param's sharding, the others replicated."""
     mesh = tm._mesh("data2xfsdp4")
+    if mode == "auto":
+        mesh = jax.make_mesh(
+            (2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2
+        )
     tx = oa.chain(
-        oa.accumulate(2, axis_name="data", shard_update=shard_update),
+        oa.accumulate(
+            2,
+            axis_name=None if mode == "auto" else "data",
+            shard_update=mode == "shard_update",
+        ),
         WRAPPERS[name](),
     )
     with jax.set_mesh(mesh):
@@ -66,6 +78,15 @@ def test_state_shardings_of_optax_wrappers(name, shard_update):
         placed = jax.device_put(state, shardings)
         jitted = jax.jit(tx.init)(params)
     chex.assert_trees_all_equal(placed, state)
+    if mode == "auto":
+        by_shape = {p.shape: p.sharding for p in jax.tree.leaves(params)}
+        for leaf in jax.tree.leaves(placed):
+            want = by_shape.get(leaf.shape, NamedSharding(mesh, P()))
+            assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (
+                leaf.shape,
+                leaf.sharding,
+            )
+        return
     for got, want in zip(
         jax.tree.leaves(placed), jax.tree.leaves(jitted), strict=True
     ):

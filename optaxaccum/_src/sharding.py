@@ -682,14 +682,14 @@ def _map_state(
     ``init`` on a placeholder (optax's ``tree_map_params``), which some
     transformations (optax's linesearches) cannot take."""
     params_def = jax.tree.structure(params)
-    shapes = [jnp.shape(p) for p in jax.tree.leaves(params)]
+    shapes = [tuple(jnp.shape(p)) for p in jax.tree.leaves(params)]
 
     def params_like(s: Any) -> bool:
         if jax.tree.structure(s, is_leaf=_masked) != params_def:
             return False
         leaves = jax.tree.leaves(s, is_leaf=_masked)
         return all(
-            _masked(x) or jnp.shape(x) == shape
+            _masked(x) or getattr(x, "shape", None) == shape
             for x, shape in zip(leaves, shapes, strict=True)
         )
 
