@@ -31,34 +31,31 @@ def reshard_state(
     """A saved optimizer state placed for ``params`` on their mesh.
 
     ``state`` may come from any mesh (another shape, another number of
-    devices) or from none: host arrays from :func:`jax.device_get`, or an
-    orbax restore without a target (nested dicts and lists). The partial
-    sums of an unclosed window (each :func:`accumulate`'s accumulator, and
-    the noise scale's ``sq_sum``), stored one row per device, are folded
-    into the layout of the new mesh, so that nothing is counted twice or
-    lost; every other leaf (the window's weight, counters, the followers'
-    state, sharded by ``shard_update`` or not) keeps its value and is placed
-    as :func:`state_shardings` says. The layout is the one
-    ``jax.jit(tx.init)`` gives under ``jax.set_mesh`` of the params' mesh,
-    whatever mesh context the call is made in.
+    devices) or none: host arrays from :func:`jax.device_get`, or an orbax
+    restore without a target (dicts and lists). The unclosed window's
+    partial sums (each :func:`accumulate`'s accumulator and the noise
+    scale's ``sq_sum``, one row per device) are folded into the new layout,
+    nothing counted twice or lost; every other leaf (the window's weight,
+    counters, the followers' state, ``shard_update`` or not) keeps its
+    value, placed as :func:`state_shardings` says. The layout is that of
+    ``jax.jit(tx.init)`` under ``jax.set_mesh`` of the params' mesh, in any
+    mesh context. The state passes through the host: each process needs all
+    of it.
 
     Args:
-      tx: the transformation the state belongs to (its configuration, e.g.
-        ``axis_name``, may name axes of the new mesh only).
+      tx: the transformation the state belongs to.
       state: the saved state, with the structure of ``tx.init(params)``
-        (namedtuples or the dicts and lists orbax restores them as).
+        (namedtuples, or the dicts and lists orbax restores them as).
       params: the parameters on the new mesh (arrays or
         :class:`jax.ShapeDtypeStruct` with a :class:`NamedSharding`), or
         unsharded.
 
     Returns:
-      The state, a pytree of arrays with the structure of
-      ``tx.init(params)``, placed on the params' mesh.
+      The state, with the structure of ``tx.init(params)``, placed.
 
     Raises:
       ValueError: naming the leaf, if ``state`` lacks a leaf of
-        ``tx.init(params)``, has one it does not have, or one whose shape
-        or dtype does not fit.
+        ``tx.init(params)``, has one more, or one that does not fit.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax
