@@ -296,3 +296,35 @@ def test_docs_scaling_resume_on_another_mesh_runs_as_written(capsys):
     exec(compile(recipe, "docs/scaling.md", "exec"), namespace)  # noqa: S102
     assert capsys.readouterr().out.split()[-1] == "3"
     assert namespace["state"][0].acc["w1"].shape[0] == 8
+
+
+def test_reshard_state_onto_fewer_devices_mid_window():
+    """After a preemption: a mid-window state of data=2 x fsdp=4 (8
+    devices) resumes on data=4 over 4 of them (two rows become four) and
+    lands on single-device Adam on each window's whole batch."""
+    k, cut, total = 4, 6, 8
+    tx = _tx(k, shard_update=False)
+    data = tm._make_data(total)
+    mesh = tm._mesh(A)
+    with jax.set_mesh(mesh):
+        params = tm._put_params(mesh, tm._init_params())
+        state = jax.jit(tx.init)(params)
+    params, state = _feed(tx, A, params, state, data, range(cut))
+    saved = jax.device_get(state)
+    small = jax.make_mesh(
+        (4,), ("data",), (AxisType.Explicit,), devices=jax.devices()[:4]
+    )
+    params = tm._put_params(small, jax.device_get(params))
+    moved = oa.reshard_state(tx, saved, params)
+    assert moved[1].acc["w1"].shape[0] == 4
+    assert set(moved[1].acc["w1"].sharding.device_set) == set(
+        small.devices.flat
+    )
+    step = tm._scaled_step(tx, small)
+    with jax.set_mesh(small):
+        for t in range(cut, total):
+            batch = tm._put_batch(small, *(a[t] for a in data))
+            params, moved = step(params, moved, *batch)
+    want = tm._reference(optax.adam(0.05), tm._init_params(), *data, k=k)
+    chex.assert_trees_all_close(jax.device_get(params), want, **tm.TOL)
+    assert int(moved[1].gradient_step) == total // k
