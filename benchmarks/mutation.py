@@ -221,6 +221,67 @@ MUTANTS = {
         "        lambda s: jnp.zeros(s.shape, s.dtype), shapes)",
         _HARD + ["-k", "device_varying"],
     ),
+    "state_shardings_masked_node": (  # issue 35 (2): optax.masked
+        "sharding.py",
+        '_masked(x) or getattr(x, "shape", None) == shape',
+        'getattr(x, "shape", None) == shape',
+        ["tests/test_reshard_state.py", "-k", "wrappers"],
+    ),
+    "reshard_state_counts_rows_n_times": (  # issue 35 (3)
+        "reshard.py",
+        "rows[0] = total",
+        "rows[:] = total",
+        ["tests/test_reshard_state.py", "-k", "across"],
+    ),
+    "reshard_state_keeps_one_row": (  # issue 35 (3): rows folded
+        "reshard.py",
+        "total = x.sum(0, dtype=_wide(x.dtype)) if stacked_in else x",
+        "total = x[0] if stacked_in else x",
+        ["tests/test_reshard_state.py", "-k", "across"],
+    ),
+    "noise_share_weight": (  # issue 35 (4): a share weighs w / n
+        "noise_scale.py",
+        "wsq = sharding.times(n * w, sq)",
+        "wsq = sharding.times(w, sq)",
+        ["tests/test_noise_scale.py", "-k", "uneven_shares_match"],
+    ),
+    "whole_leaves_not_named": (  # issue 35 (5): muon under shard_update
+        "zero.py",
+        'if type(e).__name__ != "ShardingTypeError":',
+        "if True:",
+        ["tests/test_shard_update.py", "-k", "whole_leaves"],
+    ),
+    "fsdp_gather_off_mesh_unnamed": (  # issue 35 (9)
+        "sharding.py",
+        "if sharding is None or not sharding.mesh.axis_names:",
+        "if sharding is None:",
+        ["tests/test_mesh.py", "-k", "not_on_a_mesh"],
+    ),
+    "shard_update_unsplit_leaf_not_summed": (  # issue 35 (10)
+        "zero.py",
+        "spec.unreduced - set(axes if placed else ())",
+        "spec.unreduced - set(axes)",
+        ["tests/test_shard_update.py", "-k", "unsplit"],
+    ),
+    "shard_update_flush_not_gathered_like_params": (  # issue 35 (11)
+        "zero.py",
+        "_gathering(flush, axis_name, params_at=1)",
+        "_gathering(flush, axis_name, params_at=9)",
+        ["tests/test_shard_update.py", "-k", "flush_with_fsdp"],
+    ),
+    "shard_update_followers_params_not_placed": (  # issue 35 (12)
+        "zero.py",
+        "                    place(params, axis_name),\n"
+        "                    window,",
+        "                    params,\n                    window,",
+        ["tests/test_shard_update.py", "-k", "split_like"],
+    ),
+    "fsdp_gather_drops_own_reduced_axes": (  # issue 35 (14)
+        "sharding.py",
+        "reduced=frozenset(names) | spec.reduced)",
+        "reduced=frozenset(names))",
+        ["tests/test_mesh.py", "-k", "own_reduced_axes"],
+    ),
     "replicas_disagree_on_overflow": (
         "loss_scale.py",
         "            finite = sharding.agree(finite, axis_name)\n",

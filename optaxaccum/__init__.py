@@ -41,6 +41,7 @@ from optaxaccum._src.noise_scale import (
     critical_batch_every_k,
     noise_scale,
 )
+from optaxaccum._src.reshard import reshard_state
 from optaxaccum._src.sharding import (
     fsdp_gather,
     state_shardings,
@@ -80,6 +81,7 @@ __all__ = [
     "microbatched_value_and_grad",
     "noise_scale",
     "plan_microbatches",
+    "reshard_state",
     "scaled_value_and_grad",
     "fsdp_gather",
     "state_shardings",

@@ -1161,3 +1161,42 @@ def test_window_emits_reduced_gradients_on_an_explicit_mesh():
     assert seen and all(not t.sharding.spec.unreduced for t in seen), seen
     want = sum(jax.grad(loss)(w0, x) for x in xs)
     np.testing.assert_allclose(u, want, **TOL)
+
+
+def test_fsdp_gather_of_an_array_not_on_a_mesh_is_named():
+    """An array on no mesh (eager, or traced without jax.set_mesh), with or
+    without batch_axes: ValueError saying that w is not sharded on a mesh,
+    not a TypeError about an axis_name=() never passed."""
+    w = jnp.ones((8, 4))
+    for call in (
+        lambda: oa.fsdp_gather(w),
+        lambda: oa.fsdp_gather(w, "data"),
+        lambda: jax.jit(oa.fsdp_gather)(w),
+    ):
+        with pytest.raises(Exception) as e:  # noqa: PT011 (checked below)
+            call()
+        assert isinstance(e.value, ValueError), repr(e.value)
+        assert "w is not sharded on a mesh" in str(e.value), e.value
+        assert "axis_name" not in str(e.value)
+
+
+def test_fsdp_gather_keeps_the_weights_own_reduced_axes():
+    """oa.fsdp_gather(w, "fsdp") of a weight reduced over "data" (as
+    oa.unreduced_value_and_grad(..., "data") casts it) stays reduced over
+    "data" as well as "fsdp" (dropping it would make its gradient an
+    all-reduced one inside the backward pass), with w's values."""
+    mesh = _mesh("data2xfsdp4")
+    w = np.arange(32, dtype=np.float32).reshape(8, 4)
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(w, P("fsdp", None))
+        types = []
+
+        def gather(w):
+            w = jax.reshard(w, P("fsdp", None, reduced={"data"}))
+            full = oa.fsdp_gather(w, "fsdp")
+            types.append(jax.typeof(full))
+            return jax.reshard(full, P(None, None))
+
+        out = jax.jit(gather)(sharded)
+    assert types[0].sharding.spec.reduced == {"data", "fsdp"}, types[0]
+    np.testing.assert_array_equal(np.asarray(out), w)

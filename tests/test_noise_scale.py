@@ -704,3 +704,131 @@ def test_jit_mesh_no_collective_added_per_micro_batch():
         for ops in (off, on)
     ]
     assert branch_bytes[1] == branch_bytes[0] + 4, (on, off)
+
+
+# --------------------------- jit meshes: uneven real examples per device
+
+
+def _share_estimates(g, w_dev):
+    """The estimator as the jit mesh computes it, by hand: ``g[..., i, d]``
+    is device ``d``'s partial sum of micro-batch ``i``'s gradient of the
+    global mean loss (a vector), ``w_dev[i, d]`` its real examples. Each
+    device share counts as a small batch of weight ``w_i / n``, mean
+    gradient ``n g_id``: ``A = sum_id n w_i |g_id|^2 / W``, ``k = n m``."""
+    m, n = w_dev.shape
+    w = w_dev.sum(1)
+    big_w = w.sum()
+    a = (n * w[:, None] * (g**2).sum(-1)).sum((-1, -2)) / big_w
+    mean = (w[:, None] * g.sum(-2)).sum(-2) / big_w
+    c = (mean**2).sum(-1)
+    k = n * m
+    return big_w * (a - c) / (k - 1), (k * c - a) / (k - 1)
+
+
+def _uneven_bias(w_dev):
+    """The derived bias (docs/noise_scale.md): with ``rho`` the weight-
+    averaged ``n sum_d w_id^2 / w_i^2``, ``E[grad_sq] = |G|^2 (k - rho) /
+    (k - 1)`` and ``E[trace_cov] = tr(Sigma) + W (rho - 1) |G|^2 / (k - 1)``.
+    Returns ``(rho, k, W)``."""
+    m, n = w_dev.shape
+    w = w_dev.sum(1)
+    rho = (n * (w_dev**2).sum(1) / w).sum() / w.sum()
+    return rho, n * m, w.sum()
+
+
+def test_jit_mesh_uneven_shares_match_the_hand_computation():
+    """data8, 3 micro-batches whose real examples sit unevenly on the 8
+    devices (masks): the library's single-window trace_cov and grad_sq
+    equal the hand computation of the equal-shares estimator from each
+    device's partial gradient of the global mean loss."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh, specs, params, x, y = _mesh_problem("data8")
+    m, n = 3, 8
+    mask = np.zeros((m, 16), np.float32)
+    mask[0, :2] = 1  # one device holds all 2 real examples
+    mask[1, :9] = 1  # four full devices and one half
+    mask[2, ::3] = 1  # spread
+    tx = _tx(0.0, k=m, axis_name="data")
+
+    def per_example(p, xb, yb, gather=lambda a: a):
+        return ((xb @ gather(p["w"]) @ gather(p["v"]) - yb) ** 2).sum(-1)
+
+    def loss(p, xb, yb, mb):
+        def gather(a):
+            return jax.reshard(a, P(None, None, reduced={"data"}))
+
+        return (mb * per_example(p, xb, yb, gather)).sum() / mb.sum()
+
+    def step(p, s, xb, yb, mb):
+        g = oa.unreduced_value_and_grad(loss, "data")(p, xb, yb, mb)[1]
+        return oa.apply_gradients(tx, g, s, p, accum_weight=mb.sum())
+
+    with jax.set_mesh(mesh):
+        p = {
+            k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+            for k, v in params.items()
+        }
+        s = jax.jit(tx.init)(p)
+        fn = jax.jit(step)
+        for t in range(m):
+            batch = [
+                jax.device_put(a[t], NamedSharding(mesh, P("data")))
+                for a in (x, y, mask)
+            ]
+            p, s = fn(p, s, *batch)
+        est = jax.device_get(oa.noise_scale(s))
+
+    g = np.zeros((m, n, ravel_pytree(params)[0].size))
+    for t in range(m):
+        w_t = mask[t].sum()
+        for d in range(n):
+            rows = slice(2 * d, 2 * d + 2)
+            g[t, d] = ravel_pytree(
+                jax.grad(
+                    lambda q: (
+                        (
+                            mask[t, rows]
+                            * per_example(q, x[t, rows], y[t, rows])
+                        ).sum()
+                        / w_t
+                    )
+                )(params)
+            )[0]
+    w_dev = mask.reshape(m, n, 2).sum(-1)
+    trace, gsq = _share_estimates(g, w_dev)
+    np.testing.assert_allclose(est.trace_cov, trace, rtol=1e-4)
+    np.testing.assert_allclose(est.grad_sq, gsq, rtol=1e-4)
+
+
+def test_jit_mesh_uneven_shares_bias_is_as_derived():
+    """Over 20000 synthetic windows (device means h_id ~ N(G, sigma^2 I /
+    w_id), partial sums g_id = w_id h_id / w_i), the equal-shares
+    estimator's means are the derived ones: |G|^2 scaled by
+    (k - rho) / (k - 1) < 1 (biased low, not high) and tr(Sigma) plus
+    W (rho - 1) |G|^2 / (k - 1) (biased high): b_simple reads high."""
+    rng = np.random.default_rng(0)
+    dim, sigma2, seeds = 16, 4.0, 20000
+    big_g = rng.normal(size=dim)
+    w_dev = np.array(
+        [[8, 0, 0, 0, 0, 0, 0, 0], [4, 4, 0, 0, 0, 0, 0, 0],
+         [2, 2, 2, 2, 1, 1, 1, 1], [3, 0, 3, 0, 3, 0, 3, 0]],
+        np.float64,
+    )  # fmt: skip
+    w = w_dev.sum(1)
+    scale = np.sqrt(sigma2 / np.maximum(w_dev, 1))[..., None]
+    h = big_g + scale * rng.normal(size=(seeds, *w_dev.shape, dim))
+    g = (w_dev / w[:, None])[..., None] * h
+    trace, gsq = _share_estimates(g, w_dev)
+    rho, k, big_w = _uneven_bias(w_dev)
+    g2, tr = (big_g**2).sum(), sigma2 * dim
+    assert rho > 2  # far from equal shares (rho = 1)
+    for got, want in (
+        (gsq, g2 * (k - rho) / (k - 1)),
+        (trace, tr + big_w * (rho - 1) * g2 / (k - 1)),
+    ):
+        se = got.std() / np.sqrt(seeds)
+        assert abs(got.mean() - want) < 5 * se, (got.mean(), want, se)
+    assert gsq.mean() + 5 * gsq.std() / np.sqrt(seeds) < g2  # low
+    assert trace.mean() - 5 * trace.std() / np.sqrt(seeds) > tr  # high

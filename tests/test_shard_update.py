@@ -8,8 +8,11 @@ dcn=2 x data=2 x fsdp=2), against the single-device big-batch reference of
 tests/test_mesh.py and the compiled HLO's collective census.
 """
 
+import re
+
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -477,3 +480,178 @@ def test_updates_come_back_at_the_params_sharding_when_fsdp_is_named():
     chex.assert_trees_all_close(
         jax.device_get(out[1]), jax.device_get(out[0]), **tm.TOL
     )
+
+
+@pytest.mark.parametrize("mesh_name", ["data2xfsdp4", "data8"])
+def test_follower_needing_whole_leaves_is_refused_by_name(mesh_name):
+    """optax.contrib.muon orthogonalises whole matrices: on each device's
+    piece JAX raised an opaque ShardingTypeError. The first step raises
+    ValueError naming shard_update and the follower's code; on data=8 the
+    same chain with shard_update=False trains as on one device."""
+    mesh, axis = _mesh(mesh_name)
+    data = tm._make_data(K)
+    tx = _tx(optax.contrib.muon(0.05), axis)
+    with pytest.raises(Exception) as info:  # noqa: PT011 (checked below)
+        tm._run(tx, mesh, data, axis=axis)
+    assert isinstance(info.value, ValueError), repr(info.value)
+    assert re.search(
+        r"shard_update=True.*optax\.contrib\._muon", str(info.value)
+    ), info.value
+    if mesh_name != "data8":  # muon on fsdp-sharded matrices: JAX's limit
+        return
+    default = oa.chain(
+        oa.accumulate(K, axis_name=axis), optax.contrib.muon(0.05)
+    )
+    params, _ = tm._run(default, mesh, data, axis=axis)
+    want = tm._reference(optax.contrib.muon(0.05), tm._init_params(), *data)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, rtol=1e-4, atol=1e-5
+    )
+
+
+# ---------------------------------- leaves the placement rule does not split
+
+
+def _odd_params():
+    rng = np.random.default_rng(3)
+    return {
+        "w": (rng.normal(size=(tm.D_IN, tm.HIDDEN)) / 3).astype(np.float32),
+        "b": (0.1 * rng.normal(size=3)).astype(np.float32),  # odd size
+        "s": np.float32(1.3),  # a scalar
+    }
+
+
+def _odd_per_example(params, x, y, batch_axes=None):
+    """A model with a scalar gain ``s`` and an odd-sized bias ``b``: leaves
+    that zero_spec leaves at the params' own spec."""
+    if batch_axes is None:
+        h = jnp.tanh(x @ params["w"])[..., :3]
+        b = params["b"].reshape((1,) * (h.ndim - 1) + (3,))
+        return ((h * params["s"] + b - y) ** 2).mean(-1)
+    h = jnp.tanh(x @ oa.fsdp_gather(params["w"], batch_axes))[:, :3]
+    spec = jax.typeof(h).sharding.spec
+
+    def spread(p):  # broadcast a reduced parameter to h (docs/scaling.md)
+        full = jnp.broadcast_to(oa.fsdp_gather(p, batch_axes), h.shape)
+        return jax.reshard(full, spec)
+
+    return ((h * spread(params["s"]) + spread(params["b"]) - y) ** 2).mean(-1)
+
+
+@pytest.mark.parametrize("mesh_name", ["data2xfsdp4", "data8"])
+def test_unsplit_scalar_and_odd_bias_are_summed_over_the_data_axes(
+    mesh_name,
+):
+    """A scalar and a bias of size 3 keep their spec under shard_update:
+    their window must still be summed over the data axes (all-reduced), as
+    the split leaves are reduce-scattered. Two windows of K equal the
+    single-device Adam reference on each window's whole batch."""
+    mesh, axis = _mesh(mesh_name)
+    batch_axes = tuple(mesh.axis_names)
+    fsdp = "fsdp" if "fsdp" in mesh.axis_names else None
+    specs = {"w": P(fsdp, None), "b": P(), "s": P()}
+    rng = np.random.default_rng(4)
+    steps = K * tm.WINDOWS
+    x = rng.normal(size=(steps, tm.BATCH, tm.D_IN)).astype(np.float32)
+    y = rng.normal(size=(steps, tm.BATCH, 3)).astype(np.float32)
+    mask = (rng.random((steps, tm.BATCH)) < 0.7).astype(np.float32)
+    mask[:, 0] = 1.0
+    tx = _tx(optax.adam(0.05), axis)
+
+    def loss(params, xb, yb, mb):
+        per = _odd_per_example(params, xb, yb, batch_axes)
+        return (mb * per).sum() / mb.sum()
+
+    def step(params, state, xb, yb, mb):
+        _, g = oa.unreduced_value_and_grad(loss, axis)(params, xb, yb, mb)
+        return oa.apply_gradients(tx, g, state, params, accum_weight=mb.sum())
+
+    with jax.set_mesh(mesh):
+        params = {
+            k: jax.device_put(v, specs[k]) for k, v in _odd_params().items()
+        }
+        state = jax.jit(tx.init)(params)
+        fn = jax.jit(step)
+        for t in range(steps):
+            batch = [jax.device_put(a[t], P(batch_axes)) for a in (x, y, mask)]
+            params, state = fn(params, state, *batch)
+
+    want, opt = _odd_params(), optax.adam(0.05)
+    opt_state = opt.init(want)
+    for t in range(0, steps, K):
+        xs, ys, ms = (a[t : t + K] for a in (x, y, mask))
+        g = jax.grad(
+            lambda p: (ms * _odd_per_example(p, xs, ys)).sum() / ms.sum()
+        )(want)
+        updates, opt_state = opt.update(g, opt_state, want)
+        want = optax.apply_updates(want, updates)
+    chex.assert_trees_all_close(jax.device_get(params), want, **tm.TOL)
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_flush_with_fsdp_named_gathers_to_the_params_sharding(alone):
+    """shard_update + oa.flush with axis_name=("data", "fsdp"), followed by
+    Adam or alone: the flushed window's updates come back at the params'
+    own sharding (not fully replicated) and equal the default mode's."""
+    mesh, _ = _mesh("data2xfsdp4")
+    axis = ("data", "fsdp")
+    vg = oa.unreduced_value_and_grad(tm._loss(tm._batch_axes(mesh)), axis)
+    data = tm._make_data(2)
+    out = []
+    for mode in (False, True):
+        tx = oa.accumulate(K, axis_name=axis, shard_update=mode)
+        if not alone:
+            tx = oa.chain(tx, optax.adam(0.05))
+
+        def f(params, state, data=data, tx=tx):
+            for t in range(2):
+                batch = tm._put_batch(mesh, *(a[t] for a in data))
+                _, g = vg(params, *batch)
+                _, state = tx.update(
+                    g, state, params, accum_weight=batch[2].sum()
+                )
+            return oa.flush(tx, state, params)[0]
+
+        with jax.set_mesh(mesh):
+            params = tm._put_params(mesh, tm._init_params())
+            out.append(jax.jit(f)(params, jax.jit(tx.init)(params)))
+    for name, p in params.items():
+        got = out[1][name].sharding
+        assert got.is_equivalent_to(p.sharding, p.ndim), (name, got)
+    chex.assert_trees_all_close(
+        jax.device_get(out[1]), jax.device_get(out[0]), **tm.TOL
+    )
+
+
+def _recording(seen):
+    """An elementwise optimizer (SGD) that records the sharding of the
+    params it is initialised on and stepped with, next to its state's."""
+
+    def init(params):
+        seen.append(("init", jax.typeof(params["w1"]).sharding.spec))
+        return {"trace": jax.tree.map(jnp.zeros_like, params)}
+
+    def update(updates, state, params=None):
+        seen.append(("params", jax.typeof(params["w1"]).sharding.spec))
+        seen.append(("state", jax.typeof(state["trace"]["w1"]).sharding.spec))
+        trace = jax.tree.map(lambda t, u: 0.5 * t + u, state["trace"], updates)
+        return jax.tree.map(lambda t: -0.1 * t, trace), {"trace": trace}
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_followers_get_the_params_split_like_their_state(gated):
+    """A follower that reads the params (plain, or behind a nested gate)
+    gets them split over the data axes exactly like its own state and the
+    updates: P('fsdp', 'data') for w1 on data=2 x fsdp=4."""
+    mesh, axis = _mesh("data2xfsdp4")
+    seen = []
+    follower = _recording(seen)
+    if gated:
+        follower = oa.chain(oa.accumulate(1), follower)
+    tx = oa.chain(oa.accumulate(K, axis_name=axis, shard_update=True), follower)
+    tm._run(tx, mesh, tm._make_data(K), axis=axis)
+    placed = P("fsdp", "data")
+    assert seen and all(spec == placed for _, spec in seen), seen
+    assert {kind for kind, _ in seen} == {"init", "params", "state"}

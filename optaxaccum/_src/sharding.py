@@ -310,6 +310,11 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
     Returns:
       ``w`` gathered: ``P(None, ..., reduced=batch_axes)``.
 
+    Raises:
+      ValueError: if ``w`` is not sharded on a mesh, if ``batch_axes``
+        names an axis the mesh lacks, or if ``w`` is sharded over an axis
+        ``batch_axes`` does not name.
+
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import optaxaccum as oa
@@ -321,7 +326,14 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
       ...   print(jax.jit(oa.fsdp_gather)(w).shape)
       (2, 3)
     """
-    sharding = _named(w)
+    sharding = _sharding(w)
+    if sharding is None or not sharding.mesh.axis_names:
+        raise ValueError(
+            "oa.fsdp_gather: w is not sharded on a mesh (its type: "
+            f"{jax.typeof(w)}); it gathers a parameter placed on an "
+            "explicit mesh, e.g. jax.device_put(w, P('fsdp', None)) under "
+            "jax.set_mesh(mesh)"
+        )
     mesh, spec = sharding.mesh, sharding.spec
     names = mesh.axis_names if batch_axes is None else axis_names(batch_axes)
     check_mesh_axes(names, "oa.fsdp_gather", w)
@@ -644,10 +656,51 @@ def state_shardings(
             return NamedSharding(mesh, sharding.spec)
         return None
 
-    return optax.tree_map_params(
-        tx,
-        lambda s, p: typed(s) or p.sharding,
+    return _map_state(
         jax.eval_shape(tx.init, params),
         params,
-        transform_non_params=lambda s: typed(s) or replicated,
+        lambda s, p: typed(s) or p.sharding,
+        lambda s: typed(s) or replicated,
     )
+
+
+def _masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _map_state(
+    state: Any,
+    params: Any,
+    param_leaf: Callable[[Any, Any], Any],
+    other_leaf: Callable[[Any], Any],
+) -> Any:
+    """``state`` with ``param_leaf(s, p)`` applied to each leaf ``s`` of a
+    params-like subtree (the params' structure and shapes, where optax's
+    ``MaskedNode`` may stand for a leaf left out by ``optax.masked``,
+    ``multi_transform`` or ``partition``; it stays) and its param ``p``,
+    ``other_leaf`` to every other leaf. Found by structure, not by calling
+    ``init`` on a placeholder (optax's ``tree_map_params``), which some
+    transformations (optax's linesearches) cannot take."""
+    params_def = jax.tree.structure(params)
+    shapes = [tuple(jnp.shape(p)) for p in jax.tree.leaves(params)]
+
+    def params_like(s: Any) -> bool:
+        if jax.tree.structure(s, is_leaf=_masked) != params_def:
+            return False
+        leaves = jax.tree.leaves(s, is_leaf=_masked)
+        return all(
+            _masked(x) or getattr(x, "shape", None) == shape
+            for x, shape in zip(leaves, shapes, strict=True)
+        )
+
+    def node(s: Any) -> Any:
+        if params_like(s):
+            return jax.tree.map(
+                lambda x, p: x if _masked(x) else param_leaf(x, p),
+                s,
+                params,
+                is_leaf=_masked,
+            )
+        return other_leaf(s)
+
+    return jax.tree.map(node, state, is_leaf=params_like)

@@ -12,8 +12,12 @@ state over the data axes (shard_update)".
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Hashable
+import os
+import pathlib
+import traceback
+from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -267,28 +271,68 @@ def on_shard(rest: Any, axis_name: Any) -> Any:
     if not base.is_gate(rest):
 
         def run(updates, state, params, window, extra_args):
-            updates, state = rest(
-                place(updates, axis_name),
-                state,
-                place(params, axis_name),
-                window,
-                extra_args,
-            )
+            with _whole_leaves_named(axis_name):
+                updates, state = rest(
+                    place(updates, axis_name),
+                    state,
+                    place(params, axis_name),
+                    window,
+                    extra_args,
+                )
             return gather(updates, axis_name, like=params), state
 
         return run
 
     def gate_update(updates, state, params, ctx, **extra_args):
-        return rest.gate_update(
-            place(updates, axis_name),
-            state,
-            place(params, axis_name),
-            ctx,
-            **extra_args,
-        )
+        with _whole_leaves_named(axis_name):
+            return rest.gate_update(
+                place(updates, axis_name),
+                state,
+                place(params, axis_name),
+                ctx,
+                **extra_args,
+            )
 
     # The chain calls only a follower's gate_update (flush closes the first
     # gate that can), so the wrapped gate needs no gate_flush.
     return base.GatedTransformation(
         rest.init, _gathering(gate_update, axis_name, params_at=2)
     )
+
+
+@contextlib.contextmanager
+def _whole_leaves_named(axis_name: Any) -> Iterator[None]:
+    """Turns JAX's ``ShardingTypeError`` raised while the followers run on
+    each device's piece (a follower that needs whole leaves: a matrix
+    product over a dimension the data axes split, as in
+    ``optax.contrib.muon``) into a ``ValueError`` naming ``shard_update``
+    and the follower's code, raised at the first step's trace."""
+    try:
+        yield
+    except Exception as e:
+        if type(e).__name__ != "ShardingTypeError":
+            raise
+        frames = [
+            f
+            for f in traceback.extract_tb(e.__traceback__)
+            if f"{os.sep}jax{os.sep}" not in f.filename
+        ]
+        where = _module(frames[-1].filename) if frames else "?"
+        func = frames[-1].name if frames else "?"
+        raise ValueError(
+            f"oa.accumulate(axis_name={axis_name!r}, shard_update=True): a "
+            f"follower needs whole leaves and cannot run on each device's "
+            f"piece of them (in {where}, {func}: {e}). Followers that "
+            "orthogonalise or precondition whole matrices (e.g. "
+            "optax.contrib.muon) need shard_update=False (docs/scaling.md)."
+        ) from e
+
+
+def _module(filename: str) -> str:
+    """An installed source file's module name (``optax.contrib._muon``);
+    another file's path."""
+    parts = pathlib.Path(filename).with_suffix("").parts
+    for top in ("site-packages", "dist-packages"):
+        if top in parts:
+            return ".".join(parts[parts.index(top) + 1 :])
+    return filename

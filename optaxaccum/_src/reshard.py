@@ -1,0 +1,191 @@
+"""``oa.reshard_state``: a saved optimizer state placed on another mesh.
+
+On a ``jax.jit`` mesh the accumulator of an unclosed window (and the noise
+scale's ``sq_sum``) is stored *stacked*: one row per device's partial sum, a
+leading dimension of the size of the data axes (docs/scaling.md,
+"Checkpointing"). Only the sum of the rows means anything, so a state saved
+on one mesh is resumed on another by folding the rows into the new layout:
+their sum in the first row, zeros in the others (a plain accumulator, off a
+mesh, takes the sum). Every other leaf keeps its value and takes the
+sharding :func:`optaxaccum.state_shardings` gives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from optaxaccum._src import accumulate, noise_scale, sharding
+
+__all__ = ["reshard_state"]
+
+
+def reshard_state(
+    tx: optax.GradientTransformation, state: Any, params: Any
+) -> Any:
+    """A saved optimizer state placed for ``params`` on their mesh.
+
+    ``state`` may come from any mesh (another shape, another number of
+    devices) or none: host arrays from :func:`jax.device_get`, or an orbax
+    restore without a target (dicts and lists). The unclosed window's
+    partial sums (each :func:`accumulate`'s accumulator and the noise
+    scale's ``sq_sum``, one row per device) are folded into the new layout,
+    nothing counted twice or lost; every other leaf (the window's weight,
+    counters, the followers' state, ``shard_update`` or not) keeps its
+    value, placed as :func:`state_shardings` says. The layout is that of
+    ``jax.jit(tx.init)`` under ``jax.set_mesh`` of the params' mesh, in any
+    mesh context. The state passes through the host: each process needs all
+    of it.
+
+    Args:
+      tx: the transformation the state belongs to.
+      state: the saved state, with the structure of ``tx.init(params)``
+        (namedtuples, or the dicts and lists orbax restores them as).
+      params: the parameters on the new mesh (arrays or
+        :class:`jax.ShapeDtypeStruct` with a :class:`NamedSharding`), or
+        unsharded.
+
+    Returns:
+      The state, with the structure of ``tx.init(params)``, placed.
+
+    Raises:
+      ValueError: naming the leaf, if ``state`` lacks a leaf of
+        ``tx.init(params)``, has one more, or one that does not fit.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> import optaxaccum as oa
+      >>> from jax.sharding import AxisType, PartitionSpec as P
+      >>> tx = oa.chain(oa.accumulate(2, axis_name="data"), optax.sgd(1.0))
+      >>> saved = jax.device_get(tx.init(jnp.zeros(3)))  # saved off a mesh
+      >>> mesh = jax.make_mesh((1,), ("data",), (AxisType.Explicit,),
+      ...                      devices=jax.devices()[:1])
+      >>> with jax.set_mesh(mesh):
+      ...   params = jax.device_put(jnp.zeros(3), P())
+      ...   state = oa.reshard_state(tx, saved, params)
+      >>> state[0].acc.shape   # one row per device along "data"
+      (1, 3)
+    """
+    mesh = _explicit_mesh(params)
+    context = jax.set_mesh(mesh) if mesh else contextlib.nullcontext()
+    with context:
+        abstract = jax.eval_shape(tx.init, params)
+        shardings = (
+            None if mesh is None else sharding.state_shardings(tx, params)
+        )
+    saved = _by_path(state)
+    folds = _window_paths(abstract)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    leaves = []
+    for path, want in paths:
+        key = _key(path)
+        if key not in saved:
+            raise ValueError(
+                f"oa.reshard_state: the saved state has no leaf at "
+                f"{jax.tree_util.keystr(path)} of tx.init(params)"
+            )
+        leaves.append(_fit(saved.pop(key), want, key, key in folds))
+    if saved:
+        raise ValueError(
+            "oa.reshard_state: the saved state has leaves that "
+            f"tx.init(params) does not have: {sorted(saved)[:5]}"
+        )
+    host = jax.tree.unflatten(treedef, leaves)
+    if shardings is None:
+        return jax.device_put(host)
+    return jax.device_put(host, shardings)
+
+
+def _explicit_mesh(params: Any) -> Any:
+    """The mesh of the first leaf of ``params`` with a named sharding, if
+    it has explicit axes (``jit``'s global view), else ``None``."""
+    for p in jax.tree.leaves(params):
+        named = getattr(p, "sharding", None)
+        if isinstance(named, NamedSharding):
+            return named.mesh if named.mesh.explicit_axes else None
+    return None
+
+
+def _key(path: Any) -> tuple[str, ...]:
+    """A key path as names: a namedtuple's field, a dict's key and a
+    sequence's index read alike (orbax restores namedtuples as dicts and
+    tuples as lists)."""
+    out = []
+    for entry in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(entry, attr):
+                out.append(str(getattr(entry, attr)))
+                break
+        else:
+            out.append(str(entry))
+    return tuple(out)
+
+
+def _by_path(state: Any) -> dict[tuple[str, ...], np.ndarray]:
+    """The saved state's leaves on the host, by :func:`_key`."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {_key(path): np.asarray(leaf) for path, leaf in flat}
+
+
+def _window_paths(abstract: Any) -> set[tuple[str, ...]]:
+    """The keys of the leaves of ``abstract`` that hold per-device partial
+    sums of a window: each accumulate's ``acc`` and ``noise_scale.sq_sum``."""
+
+    def is_acc(x):
+        return isinstance(x, accumulate.AccumulateState)
+
+    found: set[tuple[str, ...]] = set()
+    for path, node in jax.tree_util.tree_flatten_with_path(
+        abstract, is_leaf=is_acc
+    )[0]:
+        if not is_acc(node):
+            continue
+        for sub, _ in jax.tree_util.tree_flatten_with_path(node.acc)[0]:
+            found.add(_key((*path, *_field("acc"), *sub)))
+        if isinstance(node.noise_scale, noise_scale.NoiseScaleState):
+            found.add(_key((*path, *_field("noise_scale", "sq_sum"))))
+    return found
+
+
+def _field(*names: str) -> tuple[Any, ...]:
+    return tuple(jax.tree_util.GetAttrKey(n) for n in names)
+
+
+def _fit(
+    x: np.ndarray, want: Any, key: tuple[str, ...], window: bool
+) -> np.ndarray:
+    """The saved leaf ``x`` in the shape of ``want``: as it is when the
+    shapes agree; for a window's partial sums (``window``) stored with
+    another number of rows (or none), the rows' sum in the first row."""
+    where = "/".join(key)
+    if x.dtype != want.dtype:
+        raise ValueError(
+            f"oa.reshard_state: the saved leaf {where} has dtype {x.dtype}, "
+            f"tx.init(params) has {want.dtype}"
+        )
+    shape = tuple(want.shape)
+    if x.shape == shape:
+        return x
+    stacked_in = x.ndim >= 1 and x.shape[1:] in (shape, shape[1:])
+    if not window or not (stacked_in or x.shape == shape[1:]):
+        raise ValueError(
+            f"oa.reshard_state: the saved leaf {where} has shape {x.shape}, "
+            f"tx.init(params) has {shape}"
+        )
+    total = x.sum(0, dtype=_wide(x.dtype)) if stacked_in else x
+    total = np.asarray(total).astype(x.dtype)
+    if total.shape == shape:  # the new layout is plain: the sum
+        return total
+    rows = np.zeros(shape, x.dtype)
+    rows[0] = total
+    return rows
+
+
+def _wide(dtype: np.dtype) -> Any:
+    """The widest dtype of ``dtype``'s kind, to sum the rows in."""
+    return np.complex128 if np.iscomplexobj(np.zeros((), dtype)) else np.float64
