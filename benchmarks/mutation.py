@@ -24,6 +24,13 @@ CORE_TESTS = [
 ]
 
 _HARD = ["tests/test_hardening.py"]
+# Nested chains and windows of weight 0 (API.md 2).
+_NESTED_0 = [
+    "tests/test_chain.py",
+    "tests/test_contract.py",
+    "-k",
+    "as_one_accumulate_of_4 or skips_a_window_of_weight_0 or padding",
+]
 
 # name: (file under optaxaccum/_src, original text, mutated text, pytest
 # arguments: test files, optionally -k)
@@ -226,6 +233,25 @@ MUTANTS = {
         "            finite = sharding.agree(finite, axis_name)\n",
         "",
         _HARD + ["-k", "replicas_agree"],
+    ),
+    # ----------------------------------------------- issue 35 (hardening 3)
+    "nested_plain_chain_drops_empty": (  # item 1
+        "chain.py",
+        "return base.GateResult(state, res.may_open, emit_plain, res.empty)",
+        "return base.GateResult(state, res.may_open, emit_plain)",
+        _NESTED_0,
+    ),
+    "empty_window_emit_steps_followers": (  # item 1: emit on weight 0
+        "chain.py",
+        "    if res.empty is False:\n        return base.emitted(res)",
+        "    if True:\n        return base.emitted(res)",
+        _NESTED_0,
+    ),
+    "nested_plain_chain_drops_window_weight": (  # item 1: positional
+        "chain.py",
+        "    return out._replace(updates=updates, state=tail)",
+        "    return base.Emitted(updates, tail, out.opened)",
+        _NESTED_0,
     ),
 }
 

@@ -602,3 +602,119 @@ def test_window_of_weight_0_does_not_step_followers_behind_a_gate(
             p = optax.apply_updates(p, u)
     np.testing.assert_array_equal(p, before)
     assert int(s[-1][0].count) == 1
+
+
+# ------------------------- nested chains and windows of weight 0 (API.md 2)
+
+_PADDED_WEIGHTS = {
+    "padding_first": (0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0),
+    "token_counts": (1.0, 2.0, 0.0, 0.0, 1.0, 1.0, 4.0, 3.0),
+    "uneven": (1.0, 2.0, 1.0, 1.0, 4.0, 3.0, 0.5, 0.5),
+}
+
+_NESTED_TWO_BY_TWO = {
+    "chain_in_chain": lambda: oa.chain(
+        oa.chain(oa.accumulate(2), optax.identity()),
+        oa.accumulate(2),
+        optax.sgd(1.0),
+    ),
+    "flat": lambda: oa.chain(
+        oa.accumulate(2), optax.identity(), oa.accumulate(2), optax.sgd(1.0)
+    ),
+    "chain_of_gated_chains": lambda: oa.chain(
+        oa.chain(oa.accumulate(2), optax.identity()),
+        oa.chain(oa.accumulate(2), optax.sgd(1.0)),
+    ),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+@pytest.mark.parametrize("weights", list(_PADDED_WEIGHTS))
+@pytest.mark.parametrize("nested", list(_NESTED_TWO_BY_TWO))
+def test_nested_chain_steps_as_one_accumulate_of_4(nested, weights, fused):
+    """API.md 2: a window of weight 0 closed by an inner chain counts, for
+    the enclosing accumulate, as one micro-batch of weight 0: accumulates of
+    2 and 2 step where ``oa.accumulate(4)`` does (calls 4 and 8), with the
+    same result (the exact weighted mean). The chain of a chain stepped
+    once, at call 6: the inner chain dropped the window, and weighed its
+    windows by the closing call's weight, not by their total."""
+    tx = _NESTED_TWO_BY_TWO[nested]()
+    weights = _PADDED_WEIGHTS[weights]
+    flat = oa.chain(oa.accumulate(4), optax.sgd(1.0))
+    rng = np.random.default_rng(1)
+    grads = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+    # A fully padded micro-batch under a per-token mean loss: 0/0.
+    grads = jnp.where(jnp.asarray(weights)[:, None] == 0, jnp.nan, grads)
+
+    def step(tx, params, state, g, w):
+        if fused:
+            return oa.apply_gradients(tx, g, state, params, accum_weight=w)
+        u, state = tx.update(g, state, params, accum_weight=w)
+        return optax.apply_updates(params, u), state
+
+    step = jax.jit(step, static_argnums=0)
+    stepped, params = {}, {}
+    for name, t in (("nested", tx), ("flat", flat)):
+        p = jnp.zeros(2)
+        s = t.init(p)
+        stepped[name] = []
+        for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+            new, s = step(t, p, s, g, w)
+            if not np.array_equal(new, p):
+                stepped[name].append(i + 1)
+            p = new
+        params[name] = p
+    assert stepped["flat"] == [4, 8]
+    assert stepped["nested"] == stepped["flat"]
+    np.testing.assert_allclose(
+        params["nested"], params["flat"], rtol=1e-6, atol=1e-7
+    )
+
+
+_ADAM_BEFORE_A_NESTED_GATE = {
+    "flat": lambda: oa.chain(
+        oa.accumulate(2),
+        optax.scale_by_adam(),
+        oa.accumulate(2),
+        optax.sgd(1.0),
+    ),
+    "chain_in_chain": lambda: oa.chain(
+        oa.chain(oa.accumulate(2), optax.scale_by_adam()),
+        oa.accumulate(2),
+        optax.sgd(1.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+@pytest.mark.parametrize("build", list(_ADAM_BEFORE_A_NESTED_GATE))
+def test_stateful_element_before_a_nested_gate_skips_a_window_of_weight_0(
+    build, fused
+):
+    """Weights 1, 1, 0, 0: the second inner window has weight 0, so Adam
+    between the accumulates steps once (its count is 1, its moments those
+    of one step) and the outer window's mean is that one Adam update."""
+    tx = _ADAM_BEFORE_A_NESTED_GATE[build]()
+    rng = np.random.default_rng(2)
+    grads = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+    grads = grads.at[2:].set(jnp.nan)  # padding: 0/0 gradients
+    p = jnp.zeros(3)
+    s = tx.init(p)
+    for g, w in zip(grads, (1.0, 1.0, 0.0, 0.0), strict=True):
+        if fused:
+            p, s = oa.apply_gradients(tx, g, s, p, accum_weight=w)
+        else:
+            u, s = tx.update(g, s, p, accum_weight=w)
+            p = optax.apply_updates(p, u)
+    adam = optax.scale_by_adam()
+    want_u, want_s = adam.update(jnp.mean(grads[:2], axis=0), adam.init(p))
+    (got_s,) = [
+        x
+        for x in jax.tree.leaves(
+            s, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)
+        )
+        if isinstance(x, optax.ScaleByAdamState)
+    ]
+    assert int(got_s.count) == 1
+    chex.assert_trees_all_close(got_s, want_s, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(p, -want_u, rtol=1e-6, atol=1e-7)

@@ -92,7 +92,8 @@ class GateResult(NamedTuple):
         so that the fused step still branches once.
       empty: a flag: the call closed a window of weight 0 (``may_open`` is
         false): the followers do not step, but a later gate counts it as
-        one call of weight 0 (``emit`` is used for it).
+        one call of weight 0. ``emit`` is not called for it: ``state`` is
+        the gate's state after that window.
     """
 
     state: Any  # the gate's state (a pytree)
