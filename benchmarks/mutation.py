@@ -253,6 +253,24 @@ MUTANTS = {
         "    return base.Emitted(updates, tail, out.opened)",
         _NESTED_0,
     ),
+    "required_keyword_gate_refused": (  # item 6
+        "base.py",
+        "signature.bind(None, None, None, GateContext(), **required)",
+        "signature.bind(None, None, None, GateContext())",
+        ["tests/test_chain.py", "-k", "required_keyword"],
+    ),
+    "gate_flag_dtype_unchecked": (  # item 7
+        "chain.py",
+        "        _check_flags(res, gate)\n",
+        "",
+        ["tests/test_chain.py", "-k", "non_boolean"],
+    ),
+    "head_steps_on_a_window_of_weight_0": (  # item 15
+        "chain.py",
+        "counts = utils.both(ctx.passed, _nonzero(ctx.window_weight))",
+        "counts = ctx.passed",
+        ["tests/test_chain.py", "-k", "skips_a_window_of_weight_0"],
+    ),
 }
 
 

@@ -718,3 +718,87 @@ def test_stateful_element_before_a_nested_gate_skips_a_window_of_weight_0(
     assert int(got_s.count) == 1
     chex.assert_trees_all_close(got_s, want_s, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(p, -want_u, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------- gates users write (gates.md)
+
+
+def _min_weight_gate(min_weight):
+    """A gate that refuses micro-batches of ``accum_weight`` below
+    ``min_weight``, reading the keyword as docs/gates.md says: declared by
+    name, keyword-only, here without a default."""
+
+    def gate_update(updates, state, params, ctx, *, accum_weight, **extra):
+        del params, extra
+        opens = ctx.passed & (jnp.asarray(accum_weight) >= min_weight)
+        return oa.GateResult(state, opens, oa.Emitted(updates, state))
+
+    try:
+        return oa.GatedTransformation(lambda p: optax.EmptyState(), gate_update)
+    except TypeError as e:  # refused when built
+        raise AssertionError(f"a required keyword was refused: {e}") from e
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+def test_gate_with_a_required_keyword_only_argument(fused):
+    """A gate whose ``gate_update`` declares ``accum_weight`` keyword-only
+    without a default is accepted: it gets the call's weight, and an
+    accumulate after it sees only the micro-batches it let through (the
+    reference: the weighted mean of those by hand). A call without the
+    keyword raises ``TypeError`` naming it; a misspelling is caught."""
+    tx = oa.chain(_min_weight_gate(2.0), oa.accumulate(2), optax.sgd(1.0))
+    grads = [jnp.array([1.0]), jnp.array([5.0]), jnp.array([3.0])]
+    weights = [2.0, 1.0, 4.0]  # the second is refused
+    p = jnp.zeros(1)
+    s = tx.init(p)
+    for g, w in zip(grads, weights, strict=True):
+        if fused:
+            p, s = oa.apply_gradients(tx, g, s, p, accum_weight=w)
+        else:
+            u, s = tx.update(g, s, p, accum_weight=w)
+            p = optax.apply_updates(p, u)
+    np.testing.assert_allclose(p, [-(2.0 * 1.0 + 4.0 * 3.0) / 6.0], rtol=1e-6)
+    with pytest.raises(TypeError, match="accum_weight"):
+        tx.update(grads[0], s, p)
+    with pytest.raises(TypeError, match="did you mean 'accum_weight'"):
+        tx.update(grads[0], s, p, acum_weight=1.0)
+
+
+def _int_flag_gate():
+    """A gate whose ``may_open`` is an integer: ``~False`` is the int -1,
+    so ``ctx.passed & ~False`` is int32 (or the int 1), not a bool."""
+
+    def flawed_gate_update(updates, state, params, ctx, **extra_args):
+        return oa.GateResult(
+            state, ctx.passed & ~False, oa.Emitted(updates, state)
+        )
+
+    return oa.GatedTransformation(
+        lambda p: optax.EmptyState(), flawed_gate_update
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda g: oa.chain(g, optax.sgd(1.0)),
+        lambda g: oa.chain(oa.accumulate(2), g, optax.sgd(1.0)),
+        lambda g: oa.chain(
+            oa.accumulate(2), oa.dynamic_loss_scale(1.0), g, optax.sgd(1.0)
+        ),
+    ],
+    ids=["first", "after_accumulate", "after_loss_scale"],
+)
+def test_gate_with_a_non_boolean_may_open_is_named(build, jit):
+    """The chain checks the flag where it receives it: ``TypeError`` naming
+    ``may_open``, its dtype and the gate's function (it crashed inside
+    ``lax.cond`` about branch types, or silently took 1 for true)."""
+    tx = build(_int_flag_gate())
+    p = jnp.zeros(1)
+    s = tx.init(p)
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(TypeError, match="may_open") as info:
+        update(jnp.ones(1), s, p)
+    assert "flawed_gate_update" in str(info.value)
+    assert "int" in str(info.value)

@@ -6,6 +6,7 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optaxaccum._src import base, utils, zero
@@ -88,6 +89,7 @@ def chain(
         res = gate.gate_update(
             updates, state[gate_at], params, ctx, **extra_args
         )
+        _check_flags(res, gate)
         plain = rest is not None and not base.is_gate(rest)
         res = _inherit_window(res, ctx.window_weight, plain)
         tail = state[gate_at + 1 :]
@@ -108,6 +110,31 @@ def _check_elements(transforms):
                 f"GradientTransformation; element {i} is {tx!r} of type "
                 f"{type(tx).__name__}"
             )
+
+
+def _check_flags(res: base.GateResult, gate: Any) -> None:
+    """Raises ``TypeError`` naming the gate if its ``may_open`` (or
+    ``empty``) is not a flag: a Python bool or a boolean scalar array
+    (``ctx.passed & ~False`` is an int: ``~False`` is -1)."""
+    for name in ("may_open", "empty"):
+        flag = getattr(res, name)
+        if isinstance(flag, (bool, np.bool_)):
+            continue
+        dtype = getattr(flag, "dtype", None)
+        if dtype == jnp.bool_ and jnp.shape(flag) == ():
+            continue
+        fn = gate.gate_update
+        fn = getattr(fn, "func", fn)  # a functools.partial
+        kind = f"dtype {dtype}"
+        if dtype is None:
+            kind = f"type {type(flag).__name__}"
+        raise TypeError(
+            f"the gate {getattr(fn, '__qualname__', fn)!r} returned "
+            f"{name} of {kind} and shape {jnp.shape(flag)} ({flag!r}): "
+            f"{name} must be a boolean scalar (a bool array or a Python "
+            "bool). Combine flags with & and jnp.logical_not, not ~ on a "
+            "Python bool (~False is the int -1)."
+        )
 
 
 def _flush_fn(transforms) -> base.GateFlushFn | None:
