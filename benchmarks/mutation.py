@@ -271,6 +271,20 @@ MUTANTS = {
         "counts = ctx.passed",
         ["tests/test_chain.py", "-k", "skips_a_window_of_weight_0"],
     ),
+    "critical_batch_min_k_1_silent": (  # item 8
+        "noise_scale.py",
+        "    if every_k.min_k < 2 and axis_name is None:",
+        "    if False:",
+        ["tests/test_noise_scale.py", "-k", "min_k_1"],
+    ),
+    "critical_batch_window_rounds_to_nearest": (  # item 13
+        "noise_scale.py",
+        "k = jnp.ceil(self.fraction * b_simple(state) / "
+        "self.micro_batch_weight)",
+        "k = jnp.round(self.fraction * b_simple(state) / "
+        "self.micro_batch_weight)",
+        ["tests/test_noise_scale.py", "-k", "rounds_up"],
+    ),
 }
 
 

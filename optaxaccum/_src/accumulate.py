@@ -118,6 +118,8 @@ def accumulate(
     """
     decay = noise_scale.check_decay(noise_scale_decay)
     window = _window_fn(every_k, decay)
+    if isinstance(every_k, noise_scale.CriticalBatchEveryK):
+        noise_scale.check_can_grow(every_k, axis_name)
     if reduction not in ("mean", "sum"):
         raise ValueError(
             f'reduction must be "mean" or "sum", got reduction={reduction!r}'
