@@ -285,6 +285,36 @@ MUTANTS = {
         "self.micro_batch_weight)",
         ["tests/test_noise_scale.py", "-k", "rounds_up"],
     ),
+    "counted_ignores_closed_windows": (  # item 16: windows of one
+        "windows.py",
+        "    return (new.mini_step != old.mini_step) | (\n"
+        "        new.gradient_step != old.gradient_step\n    )",
+        "    return new.mini_step != old.mini_step",
+        [
+            "tests/test_accumulate.py",
+            "tests/test_nnx_optimizer.py",
+            "-k",
+            "window_of_one",
+        ],
+    ),
+    "plain_optimizer_calls_not_counted": (  # item 17
+        "windows.py",
+        "    except ValueError:\n        return True\n    new =",
+        "    except ValueError:\n        return False\n    new =",
+        ["tests/test_nnx_optimizer.py", "-k", "counts_every_call"],
+    ),
+    "has_updated_reads_the_last_window": (  # item 18
+        "windows.py",
+        "    for s in jax.tree.leaves(state, is_leaf=_is_window):",
+        "    for s in reversed(jax.tree.leaves(state, is_leaf=_is_window)):",
+        ["tests/test_accumulate.py", "-k", "answers_for_the_first"],
+    ),
+    "nnx_flush_not_recorded_as_counted": (  # item 19
+        "../flax/nnx.py",
+        "            self._record(self._stats())  # a flush always counts",
+        "            pass",
+        ["tests/test_nnx_optimizer.py", "-k", "right_after_flush"],
+    ),
 }
 
 
