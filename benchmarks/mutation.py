@@ -24,6 +24,13 @@ CORE_TESTS = [
 ]
 
 _HARD = ["tests/test_hardening.py"]
+# Nested chains and windows of weight 0 (API.md 2).
+_NESTED_0 = [
+    "tests/test_chain.py",
+    "tests/test_contract.py",
+    "-k",
+    "as_one_accumulate_of_4 or skips_a_window_of_weight_0 or padding",
+]
 
 # name: (file under optaxaccum/_src, original text, mutated text, pytest
 # arguments: test files, optionally -k)
@@ -287,6 +294,87 @@ MUTANTS = {
         "            finite = sharding.agree(finite, axis_name)\n",
         "",
         _HARD + ["-k", "replicas_agree"],
+    ),
+    # ----------------------------------------------- issue 35 (hardening 3)
+    "nested_plain_chain_drops_empty": (  # item 1
+        "chain.py",
+        "return base.GateResult(state, res.may_open, emit_plain, res.empty)",
+        "return base.GateResult(state, res.may_open, emit_plain)",
+        _NESTED_0,
+    ),
+    "empty_window_emit_steps_followers": (  # item 1: emit on weight 0
+        "chain.py",
+        "    if res.empty is False:\n        return base.emitted(res)",
+        "    if True:\n        return base.emitted(res)",
+        _NESTED_0,
+    ),
+    "nested_plain_chain_drops_window_weight": (  # item 1: positional
+        "chain.py",
+        "    return out._replace(updates=updates, state=tail)",
+        "    return base.Emitted(updates, tail, out.opened)",
+        _NESTED_0,
+    ),
+    "required_keyword_gate_refused": (  # item 6
+        "base.py",
+        "signature.bind(None, None, None, GateContext(), **required)",
+        "signature.bind(None, None, None, GateContext())",
+        ["tests/test_chain.py", "-k", "required_keyword"],
+    ),
+    "gate_flag_dtype_unchecked": (  # item 7
+        "chain.py",
+        "        _check_flags(res, gate)\n",
+        "",
+        ["tests/test_chain.py", "-k", "non_boolean"],
+    ),
+    "head_steps_on_a_window_of_weight_0": (  # item 15
+        "chain.py",
+        "counts = utils.both(ctx.passed, _nonzero(ctx.window_weight))",
+        "counts = ctx.passed",
+        ["tests/test_chain.py", "-k", "skips_a_window_of_weight_0"],
+    ),
+    "critical_batch_min_k_1_silent": (  # item 8
+        "noise_scale.py",
+        "    if every_k.min_k < 2 and axis_name is None:",
+        "    if False:",
+        ["tests/test_noise_scale.py", "-k", "min_k_1"],
+    ),
+    "critical_batch_window_rounds_to_nearest": (  # item 13
+        "noise_scale.py",
+        "k = jnp.ceil(self.fraction * b_simple(state) / "
+        "self.micro_batch_weight)",
+        "k = jnp.round(self.fraction * b_simple(state) / "
+        "self.micro_batch_weight)",
+        ["tests/test_noise_scale.py", "-k", "rounds_up"],
+    ),
+    "counted_ignores_closed_windows": (  # item 16: windows of one
+        "windows.py",
+        "    return (new.mini_step != old.mini_step) | (\n"
+        "        new.gradient_step != old.gradient_step\n    )",
+        "    return new.mini_step != old.mini_step",
+        [
+            "tests/test_accumulate.py",
+            "tests/test_nnx_optimizer.py",
+            "-k",
+            "window_of_one",
+        ],
+    ),
+    "plain_optimizer_calls_not_counted": (  # item 17
+        "windows.py",
+        "    except ValueError:\n        return True\n    new =",
+        "    except ValueError:\n        return False\n    new =",
+        ["tests/test_nnx_optimizer.py", "-k", "counts_every_call"],
+    ),
+    "has_updated_reads_the_last_window": (  # item 18
+        "windows.py",
+        "    for s in jax.tree.leaves(state, is_leaf=_is_window):",
+        "    for s in reversed(jax.tree.leaves(state, is_leaf=_is_window)):",
+        ["tests/test_accumulate.py", "-k", "answers_for_the_first"],
+    ),
+    "nnx_flush_not_recorded_as_counted": (  # item 19
+        "../flax/nnx.py",
+        "            self._record(self._stats())  # a flush always counts",
+        "            pass",
+        ["tests/test_nnx_optimizer.py", "-k", "right_after_flush"],
     ),
 }
 

@@ -199,6 +199,63 @@ def test_has_updated_bare_and_chain():
         oa.has_updated(optax.sgd(1.0).init(jnp.zeros(1)))
 
 
+_NESTED_ACCUMULATES = {
+    "flat": lambda: oa.chain(
+        oa.accumulate(2), oa.accumulate(3), optax.sgd(1.0)
+    ),
+    "chain_in_chain": lambda: oa.chain(
+        oa.chain(oa.accumulate(2), optax.identity()),
+        oa.accumulate(3),
+        optax.sgd(1.0),
+    ),
+    "in_optax_chain": lambda: optax.chain(
+        optax.scale(1.0),
+        oa.chain(oa.accumulate(2), oa.accumulate(3), optax.sgd(1.0)),
+    ),
+}
+
+
+@pytest.mark.parametrize("build", list(_NESTED_ACCUMULATES))
+def test_has_updated_on_nested_accumulates_answers_for_the_first(build):
+    """With nested accumulates ``oa.has_updated`` answers for the first
+    one (outermost in the state, leftmost: the one every call reaches),
+    closing every 2 calls, not for the later one (every 6)."""
+    tx = _NESTED_ACCUMULATES[build]()
+    params = jnp.zeros(1)
+    s = tx.init(params)
+    flags, stepped = [], []
+    for i in range(12):
+        u, s = tx.update(jnp.array([float(i)]), s, params)
+        flags.append(bool(oa.has_updated(s)))
+        stepped.append(bool(u[0] != 0))
+    assert flags == [i % 2 == 1 for i in range(12)]
+    assert stepped == [i % 6 == 5 for i in range(12)]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_counted_with_a_window_of_one(jit):
+    """Whether a call counted, asked of ``oa.accumulate(1)``: its window
+    position stays 0 on every call, so only the closed windows tell. A
+    finite micro-batch counts, one that ``skip_nonfinite`` drops does not
+    (the core's answer for the Flax layers' BatchNorm windows)."""
+    from optaxaccum._src import windows
+
+    tx = oa.chain(oa.accumulate(1, skip_nonfinite=True), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    update = jax.jit(tx.update) if jit else tx.update
+    s0 = tx.init(params)
+    _, s1 = update(jnp.ones(2), s0, params)
+    _, s2 = update(jnp.array([1.0, jnp.nan]), s1, params)
+    _, s3 = update(jnp.ones(2), s2, params)
+    assert [
+        bool(windows.counted(a, b)) for a, b in ((s0, s1), (s1, s2), (s2, s3))
+    ] == [
+        True,
+        False,
+        True,
+    ]
+
+
 @pytest.mark.parametrize("transform", JIT_OR_NOT)
 def test_flush_partial_window_uses_true_divisor(transform):
     """Lightning #19987: the last partial window is the mean of what it saw."""

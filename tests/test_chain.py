@@ -602,3 +602,203 @@ def test_window_of_weight_0_does_not_step_followers_behind_a_gate(
             p = optax.apply_updates(p, u)
     np.testing.assert_array_equal(p, before)
     assert int(s[-1][0].count) == 1
+
+
+# ------------------------- nested chains and windows of weight 0 (API.md 2)
+
+_PADDED_WEIGHTS = {
+    "padding_first": (0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0),
+    "token_counts": (1.0, 2.0, 0.0, 0.0, 1.0, 1.0, 4.0, 3.0),
+    "uneven": (1.0, 2.0, 1.0, 1.0, 4.0, 3.0, 0.5, 0.5),
+}
+
+_NESTED_TWO_BY_TWO = {
+    "chain_in_chain": lambda: oa.chain(
+        oa.chain(oa.accumulate(2), optax.identity()),
+        oa.accumulate(2),
+        optax.sgd(1.0),
+    ),
+    "flat": lambda: oa.chain(
+        oa.accumulate(2), optax.identity(), oa.accumulate(2), optax.sgd(1.0)
+    ),
+    "chain_of_gated_chains": lambda: oa.chain(
+        oa.chain(oa.accumulate(2), optax.identity()),
+        oa.chain(oa.accumulate(2), optax.sgd(1.0)),
+    ),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+@pytest.mark.parametrize("weights", list(_PADDED_WEIGHTS))
+@pytest.mark.parametrize("nested", list(_NESTED_TWO_BY_TWO))
+def test_nested_chain_steps_as_one_accumulate_of_4(nested, weights, fused):
+    """API.md 2: a window of weight 0 closed by an inner chain counts, for
+    the enclosing accumulate, as one micro-batch of weight 0: accumulates of
+    2 and 2 step where ``oa.accumulate(4)`` does (calls 4 and 8), with the
+    same result (the exact weighted mean). The chain of a chain stepped
+    once, at call 6: the inner chain dropped the window, and weighed its
+    windows by the closing call's weight, not by their total."""
+    tx = _NESTED_TWO_BY_TWO[nested]()
+    weights = _PADDED_WEIGHTS[weights]
+    flat = oa.chain(oa.accumulate(4), optax.sgd(1.0))
+    rng = np.random.default_rng(1)
+    grads = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+    # A fully padded micro-batch under a per-token mean loss: 0/0.
+    grads = jnp.where(jnp.asarray(weights)[:, None] == 0, jnp.nan, grads)
+
+    def step(tx, params, state, g, w):
+        if fused:
+            return oa.apply_gradients(tx, g, state, params, accum_weight=w)
+        u, state = tx.update(g, state, params, accum_weight=w)
+        return optax.apply_updates(params, u), state
+
+    step = jax.jit(step, static_argnums=0)
+    stepped, params = {}, {}
+    for name, t in (("nested", tx), ("flat", flat)):
+        p = jnp.zeros(2)
+        s = t.init(p)
+        stepped[name] = []
+        for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+            new, s = step(t, p, s, g, w)
+            if not np.array_equal(new, p):
+                stepped[name].append(i + 1)
+            p = new
+        params[name] = p
+    assert stepped["flat"] == [4, 8]
+    assert stepped["nested"] == stepped["flat"]
+    np.testing.assert_allclose(
+        params["nested"], params["flat"], rtol=1e-6, atol=1e-7
+    )
+
+
+_ADAM_BEFORE_A_NESTED_GATE = {
+    "flat": lambda: oa.chain(
+        oa.accumulate(2),
+        optax.scale_by_adam(),
+        oa.accumulate(2),
+        optax.sgd(1.0),
+    ),
+    "chain_in_chain": lambda: oa.chain(
+        oa.chain(oa.accumulate(2), optax.scale_by_adam()),
+        oa.accumulate(2),
+        optax.sgd(1.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+@pytest.mark.parametrize("build", list(_ADAM_BEFORE_A_NESTED_GATE))
+def test_stateful_element_before_a_nested_gate_skips_a_window_of_weight_0(
+    build, fused
+):
+    """Weights 1, 1, 0, 0: the second inner window has weight 0, so Adam
+    between the accumulates steps once (its count is 1, its moments those
+    of one step) and the outer window's mean is that one Adam update."""
+    tx = _ADAM_BEFORE_A_NESTED_GATE[build]()
+    rng = np.random.default_rng(2)
+    grads = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+    grads = grads.at[2:].set(jnp.nan)  # padding: 0/0 gradients
+    p = jnp.zeros(3)
+    s = tx.init(p)
+    for g, w in zip(grads, (1.0, 1.0, 0.0, 0.0), strict=True):
+        if fused:
+            p, s = oa.apply_gradients(tx, g, s, p, accum_weight=w)
+        else:
+            u, s = tx.update(g, s, p, accum_weight=w)
+            p = optax.apply_updates(p, u)
+    adam = optax.scale_by_adam()
+    want_u, want_s = adam.update(jnp.mean(grads[:2], axis=0), adam.init(p))
+    (got_s,) = [
+        x
+        for x in jax.tree.leaves(
+            s, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)
+        )
+        if isinstance(x, optax.ScaleByAdamState)
+    ]
+    assert int(got_s.count) == 1
+    chex.assert_trees_all_close(got_s, want_s, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(p, -want_u, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------- gates users write (gates.md)
+
+
+def _min_weight_gate(min_weight):
+    """A gate that refuses micro-batches of ``accum_weight`` below
+    ``min_weight``, reading the keyword as docs/gates.md says: declared by
+    name, keyword-only, here without a default."""
+
+    def gate_update(updates, state, params, ctx, *, accum_weight, **extra):
+        del params, extra
+        opens = ctx.passed & (jnp.asarray(accum_weight) >= min_weight)
+        return oa.GateResult(state, opens, oa.Emitted(updates, state))
+
+    try:
+        return oa.GatedTransformation(lambda p: optax.EmptyState(), gate_update)
+    except TypeError as e:  # refused when built
+        raise AssertionError(f"a required keyword was refused: {e}") from e
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+def test_gate_with_a_required_keyword_only_argument(fused):
+    """A gate whose ``gate_update`` declares ``accum_weight`` keyword-only
+    without a default is accepted: it gets the call's weight, and an
+    accumulate after it sees only the micro-batches it let through (the
+    reference: the weighted mean of those by hand). A call without the
+    keyword raises ``TypeError`` naming it; a misspelling is caught."""
+    tx = oa.chain(_min_weight_gate(2.0), oa.accumulate(2), optax.sgd(1.0))
+    grads = [jnp.array([1.0]), jnp.array([5.0]), jnp.array([3.0])]
+    weights = [2.0, 1.0, 4.0]  # the second is refused
+    p = jnp.zeros(1)
+    s = tx.init(p)
+    for g, w in zip(grads, weights, strict=True):
+        if fused:
+            p, s = oa.apply_gradients(tx, g, s, p, accum_weight=w)
+        else:
+            u, s = tx.update(g, s, p, accum_weight=w)
+            p = optax.apply_updates(p, u)
+    np.testing.assert_allclose(p, [-(2.0 * 1.0 + 4.0 * 3.0) / 6.0], rtol=1e-6)
+    with pytest.raises(TypeError, match="accum_weight"):
+        tx.update(grads[0], s, p)
+    with pytest.raises(TypeError, match="did you mean 'accum_weight'"):
+        tx.update(grads[0], s, p, acum_weight=1.0)
+
+
+def _int_flag_gate():
+    """A gate whose ``may_open`` is an integer: ``~False`` is the int -1,
+    so ``ctx.passed & ~False`` is int32 (or the int 1), not a bool."""
+
+    def flawed_gate_update(updates, state, params, ctx, **extra_args):
+        return oa.GateResult(
+            state, ctx.passed & ~False, oa.Emitted(updates, state)
+        )
+
+    return oa.GatedTransformation(
+        lambda p: optax.EmptyState(), flawed_gate_update
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda g: oa.chain(g, optax.sgd(1.0)),
+        lambda g: oa.chain(oa.accumulate(2), g, optax.sgd(1.0)),
+        lambda g: oa.chain(
+            oa.accumulate(2), oa.dynamic_loss_scale(1.0), g, optax.sgd(1.0)
+        ),
+    ],
+    ids=["first", "after_accumulate", "after_loss_scale"],
+)
+def test_gate_with_a_non_boolean_may_open_is_named(build, jit):
+    """The chain checks the flag where it receives it: ``TypeError`` naming
+    ``may_open``, its dtype and the gate's function (it crashed inside
+    ``lax.cond`` about branch types, or silently took 1 for true)."""
+    tx = build(_int_flag_gate())
+    p = jnp.zeros(1)
+    s = tx.init(p)
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(TypeError, match="may_open") as info:
+        update(jnp.ones(1), s, p)
+    assert "flawed_gate_update" in str(info.value)
+    assert "int" in str(info.value)

@@ -58,6 +58,32 @@ TRANSFORMS = {
         ),
         _inf,
     ),
+    # Nested chains (API.md 1, 2): they must step as one accumulate(4)
+    # would, windows of weight 0 included (PADDED below).
+    "nested_chain_accumulates": (
+        lambda: oa.chain(
+            oa.chain(oa.accumulate(2), optax.identity()),
+            oa.accumulate(2),
+            optax.adam(1e-2),
+        ),
+        _same,
+    ),
+    "chain_of_gated_chains": (
+        lambda: oa.chain(
+            oa.chain(oa.accumulate(2), optax.identity()),
+            oa.chain(oa.accumulate(2), optax.adam(1e-2)),
+        ),
+        _same,
+    ),
+    "nested_chain_behind_loss_scale": (
+        lambda: oa.chain(
+            oa.dynamic_loss_scale(2.0**4, period=2),
+            oa.chain(oa.accumulate(2), optax.identity()),
+            oa.accumulate(2),
+            optax.adam(1e-2),
+        ),
+        _inf,
+    ),
     "multisteps_adam": (lambda: oa.MultiSteps(optax.adam(1e-2), 2), _same),
     "multisteps_skip_not_finite": (
         lambda: oa.MultiSteps(
@@ -81,6 +107,23 @@ TRANSFORMS = {
     ),
 }
 NAMES = list(TRANSFORMS)
+
+# name -> the flat chain it must equal, call by call, with padding windows
+# (micro-batches of weight 0 with 0/0 gradients; windows of weight 0).
+PADDED = {
+    "nested_chain_accumulates": lambda: oa.chain(
+        oa.accumulate(4), optax.adam(1e-2)
+    ),
+    "chain_of_gated_chains": lambda: oa.chain(
+        oa.accumulate(4), optax.adam(1e-2)
+    ),
+    "nested_chain_behind_loss_scale": lambda: oa.chain(
+        oa.dynamic_loss_scale(2.0**4, period=2),
+        oa.accumulate(4),
+        optax.adam(1e-2),
+    ),
+}
+PADDED_WEIGHTS = (0, 0, 1, 1, 1, 1, 1, 1, 2, 0, 0, 3, 0, 0, 0, 0, 1, 0, 0, 1)
 
 
 def _value_fn(params):
@@ -255,3 +298,44 @@ def test_contract_state_shardings_and_device_put(name):
         jax.tree.leaves(placed), jax.tree.leaves(shardings), strict=True
     ):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+@pytest.mark.parametrize("name", list(PADDED))
+def test_contract_nested_chain_with_padding_windows_equals_flat(name, fused):
+    """A nested chain steps on the calls where the flat chain does, with
+    the same updates and Adam state, when micro-batches and whole inner
+    windows have weight 0 (their gradients 0/0, as for fully padded
+    micro-batches under a per-token mean loss)."""
+    params = _params(jnp.float32)
+    got, want = [], []
+    for tx, out in ((TRANSFORMS[name][0](), got), (PADDED[name](), want)):
+        state, p = tx.init(params), params
+        if fused:
+            step = jax.jit(
+                lambda p, s, g, w, tx=tx: oa.apply_gradients(
+                    tx, g, s, p, accum_weight=w
+                )
+            )
+        else:
+            step = jax.jit(
+                lambda p, s, g, w, tx=tx: (
+                    lambda u, s: (optax.apply_updates(p, u), s)
+                )(*tx.update(g, s, p, accum_weight=w))
+            )
+        for i, w in enumerate(PADDED_WEIGHTS):
+            g = _grads(params, i)
+            if w == 0:
+                g = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), g)
+            p, state = step(p, state, g, jnp.float32(w))
+            out.append(p)
+        adam = [
+            s
+            for s in jax.tree.leaves(
+                state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState)
+            )
+            if isinstance(s, optax.ScaleByAdamState)
+        ]
+        out.append(adam)
+    assert int(got[-1][0].count) == int(want[-1][0].count) == 4
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)

@@ -525,3 +525,109 @@ def test_refused_micro_batch_stays_out_of_the_batchnorm_window(refusing, jit):
             rtol=1e-5,
             atol=1e-6,
         )
+
+
+def _bn_step(jit):
+    """One micro-batch through ``opt`` (labels NaN where ``refused``: a
+    finite forward pass, NaN gradients)."""
+
+    def step(model, opt, x, y, refused):
+        y = jnp.where(refused, jnp.nan, y.astype(jnp.float32))
+        loss = lambda m: ((m(x) - y) ** 2).mean()  # noqa: E731
+        opt.update(model, nnx.grad(loss)(model))
+
+    return nnx.jit(step) if jit else step
+
+
+def _assert_bn_equals(model, ref):
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(
+            getattr(model.bn, name)[...],
+            getattr(ref.bn, name)[...],
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_refused_micro_batch_stays_out_with_a_window_of_one_in_front(jit):
+    """An ``oa.accumulate(1, skip_nonfinite=True)`` in front of the window
+    (a filter of non-finite micro-batches) is the chain's first window: a
+    call counted where it closed a window of one. A NaN micro-batch stays
+    out of the AccumBatchNorm window, the finite ones go in: the running
+    statistics equal ``nnx.BatchNorm`` on the counted micro-batches."""
+    tx = oa.chain(
+        oa.accumulate(1, skip_nonfinite=True),
+        oa.accumulate(4),
+        optax.sgd(0.1),
+    )
+    model = BNFirst(nnx.Rngs(0), accum_steps=4)
+    opt = oa_nnx.Optimizer(model, tx)
+    ref = BNFirst(nnx.Rngs(0), bn=nnx.BatchNorm)
+    step, refused = _bn_step(jit), (1, 6)
+    batches = [_batch(i) for i in range(10)]
+    opt_closed, bn_closed = [], []
+    for i, (x, y) in enumerate(batches):
+        step(model, opt, x, y, i in refused)
+        opt_closed.append(bool(opt.opt_state[1].updated[...]))
+        bn_closed.append(int(model.bn.window_step[...]) == 0)
+    want = [i in (4, 9) for i in range(10)]
+    assert (opt_closed, bn_closed) == (want, want)
+    counted = [x for i, (x, _) in enumerate(batches) if i not in refused]
+    for window in (counted[:4], counted[4:]):
+        ref.bn(jnp.concatenate(window))
+    _assert_bn_equals(model, ref)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    "tx",
+    [lambda: optax.MultiSteps(optax.sgd(0.1), 4), lambda: optax.adam(0.1)],
+    ids=["optax_multisteps", "adam"],
+)
+def test_plain_optax_optimizer_counts_every_call_for_batchnorm(tx, jit):
+    """A plain optax optimizer (no ``oa.accumulate`` in its state, e.g.
+    ``optax.MultiSteps``) counts every call: AccumBatchNorm updates its
+    window on each micro-batch and its running statistics equal
+    ``nnx.BatchNorm`` once per window of four."""
+    model = BNFirst(nnx.Rngs(0), accum_steps=4)
+    opt = oa_nnx.Optimizer(model, tx())
+    ref = BNFirst(nnx.Rngs(0), bn=nnx.BatchNorm)
+    step = _bn_step(jit)
+    batches = [_batch(i) for i in range(8)]
+    steps = []
+    for x, y in batches:
+        step(model, opt, x, y, False)
+        steps.append(int(model.bn.window_step[...]))
+    assert steps == [1, 2, 3, 0] * 2
+    for window in (batches[:4], batches[4:]):
+        ref.bn(jnp.concatenate([x for x, _ in window]))
+    _assert_bn_equals(model, ref)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_micro_batch_refused_right_after_flush_keeps_flushed_statistics(jit):
+    """``flush`` closes the optimizer's and the BatchNorm's partial windows;
+    a micro-batch the chain refuses right after must not bring back the
+    statistics from before the flush. Then a full window of counted
+    micro-batches closes as ``nnx.BatchNorm`` on it."""
+    model = BNFirst(nnx.Rngs(0), accum_steps=4)
+    opt = oa_nnx.Optimizer(model, REFUSING["skip_nonfinite"]())
+    ref = BNFirst(nnx.Rngs(0), bn=nnx.BatchNorm)
+    step = _bn_step(jit)
+    batches = [_batch(i) for i in range(7)]
+    for x, y in batches[:2]:  # a partial window of two
+        step(model, opt, x, y, False)
+    if jit:
+        nnx.jit(lambda m, o: o.flush(m))(model, opt)
+    else:
+        opt.flush(model)
+    ref.bn(jnp.concatenate([x for x, _ in batches[:2]]))
+    _assert_bn_equals(model, ref)
+    step(model, opt, *batches[2], True)  # refused right after the flush
+    assert int(model.bn.window_step[...]) == 0
+    _assert_bn_equals(model, ref)
+    for x, y in batches[3:]:
+        step(model, opt, x, y, False)
+    ref.bn(jnp.concatenate([x for x, _ in batches[3:]]))
+    _assert_bn_equals(model, ref)

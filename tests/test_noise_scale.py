@@ -532,13 +532,40 @@ def test_critical_batch_windows_follow_a_jump_in_the_noise_scale():
     assert len(after) >= 12, lengths
 
 
-def test_critical_batch_stays_at_min_k_while_the_estimate_is_nan():
+def test_critical_batch_min_k_1_on_one_device_is_refused():
     """min_k = 1 on one device: windows of one micro-batch give no estimate
-    (k < 2), so b_simple stays NaN and every window keeps min_k, however
-    noisy the gradients (b_simple would be 400)."""
-    tx = _tx(0.5, k=oa.critical_batch_every_k(1, 16, micro_batch_weight=1))
-    g = 0.05 + jax.random.normal(jax.random.key(11), (12, D))
-    assert list(_window_lengths(tx, g)) == [1] * 12
+    (it needs two micro-batches), so b_simple would stay NaN and every
+    window keep min_k, however noisy the gradients: refused when the
+    accumulate is built, naming min_k. With axis_name each micro-batch is
+    one per device, and min_k = 1 is accepted."""
+    every_k = oa.critical_batch_every_k(1, 16, micro_batch_weight=1)
+    with pytest.raises(ValueError, match="min_k=1") as info:
+        oa.accumulate(every_k, noise_scale_decay=0.5)
+    assert "min_k >= 2" in str(info.value)
+    oa.accumulate(every_k, noise_scale_decay=0.5, axis_name="data")
+
+
+def test_critical_batch_window_rounds_up():
+    """The window length is ceil(fraction * b_simple / micro_batch_weight):
+    an estimate asking for 2.5 micro-batches gives 3. Gradients 4 and 2
+    (decay 0, weights 1): |G|^2 = (2 * 9 - 10) / 1 = 8, tr(Sigma) =
+    2 * (10 - 9) / 1 = 2, b_simple = 0.25, exact in float32; fraction 10
+    asks for 2.5. The first window has min_k = 2 (no estimate yet), the
+    second then closes at call 2 + 3 = 5."""
+    every_k = oa.critical_batch_every_k(
+        2, 16, micro_batch_weight=1, fraction=10.0
+    )
+    tx = oa.chain(oa.accumulate(every_k, noise_scale_decay=0.0), optax.sgd(1.0))
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    closed = []
+    for g in (4.0, 2.0, 1.0, 1.0, 1.0):
+        _, state = tx.update(jnp.array([g]), state, params)
+        closed.append(int(state[0].gradient_step))
+        if len(closed) == 2:
+            assert float(oa.noise_scale(state).b_simple) == 0.25
+            assert int(every_k.window(state[0].noise_scale)) == 3
+    assert closed == [0, 1, 1, 1, 2]
 
 
 # ------------------------------------------------------ flax integrations

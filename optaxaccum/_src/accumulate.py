@@ -118,6 +118,8 @@ def accumulate(
     """
     decay = noise_scale.check_decay(noise_scale_decay)
     window = _window_fn(every_k, decay)
+    if isinstance(every_k, noise_scale.CriticalBatchEveryK):
+        noise_scale.check_can_grow(every_k, axis_name)
     if reduction not in ("mean", "sum"):
         raise ValueError(
             f'reduction must be "mean" or "sum", got reduction={reduction!r}'
@@ -340,8 +342,9 @@ def _emitter(
     """The ``emit`` of a closing window; ``weight_checked`` promises that the
     caller already checked the window's weight is not 0 (then ``opened`` is
     the literal ``True`` and the chain needs no second branch on it), or
-    said that the window is ``empty``: then the chain passes it on with
-    weight 0 to a later gate only."""
+    said that the window is ``empty``: the chain then does not call
+    ``emit``, and passes the window on to a later gate as one call of
+    weight 0, from the closed state."""
 
     def emit():
         acc, weight = state.acc, state.weight
@@ -360,7 +363,7 @@ def _emitter(
         )
         opened = True if weight_checked else weight != 0
         if cfg.reduction == "mean":
-            nonzero = weight != 0  # ``empty``: 0 where weight_checked lies
+            nonzero = weight != 0  # 0: a flushed window of weight 0
             scale = jnp.where(nonzero, 1 / jnp.where(nonzero, weight, 1), 0)
             # In each leaf's own precision (the weight's is the widest).
             acc = jax.tree.map(lambda a: scale.astype(a.dtype) * a, acc)

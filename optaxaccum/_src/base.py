@@ -92,7 +92,8 @@ class GateResult(NamedTuple):
         so that the fused step still branches once.
       empty: a flag: the call closed a window of weight 0 (``may_open`` is
         false): the followers do not step, but a later gate counts it as
-        one call of weight 0 (``emit`` is used for it).
+        one call of weight 0. ``emit`` is not called for it: ``state`` is
+        the gate's state after that window.
     """
 
     state: Any  # the gate's state (a pytree)
@@ -225,13 +226,20 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
 def _check_takes_ctx(gate_update: Any) -> None:
     """Raises ``TypeError`` at construction if ``gate_update`` cannot be
     called as ``(updates, state, params, ctx)`` (e.g. written for the
-    protocol before the context existed), rather than deep inside a chain."""
+    protocol before the context existed), rather than deep inside a chain.
+    Keyword-only arguments without a default are the keywords it reads
+    (``*, accum_weight``): every call must then pass them."""
     try:
         signature = inspect.signature(gate_update)
     except (TypeError, ValueError):  # no signature to read: trust it
         return
+    required = {
+        name: None
+        for name, p in signature.parameters.items()
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+    }
     try:
-        signature.bind(None, None, None, GateContext())
+        signature.bind(None, None, None, GateContext(), **required)
     except TypeError as e:
         raise TypeError(
             "gate_update must take (updates, state, params, ctx, "

@@ -6,6 +6,7 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optaxaccum._src import base, utils, zero
@@ -88,6 +89,7 @@ def chain(
         res = gate.gate_update(
             updates, state[gate_at], params, ctx, **extra_args
         )
+        _check_flags(res, gate)
         plain = rest is not None and not base.is_gate(rest)
         res = _inherit_window(res, ctx.window_weight, plain)
         tail = state[gate_at + 1 :]
@@ -108,6 +110,31 @@ def _check_elements(transforms):
                 f"GradientTransformation; element {i} is {tx!r} of type "
                 f"{type(tx).__name__}"
             )
+
+
+def _check_flags(res: base.GateResult, gate: Any) -> None:
+    """Raises ``TypeError`` naming the gate if its ``may_open`` (or
+    ``empty``) is not a flag: a Python bool or a boolean scalar array
+    (``ctx.passed & ~False`` is an int: ``~False`` is -1)."""
+    for name in ("may_open", "empty"):
+        flag = getattr(res, name)
+        if isinstance(flag, (bool, np.bool_)):
+            continue
+        dtype = getattr(flag, "dtype", None)
+        if dtype == jnp.bool_ and jnp.shape(flag) == ():
+            continue
+        fn = gate.gate_update
+        fn = getattr(fn, "func", fn)  # a functools.partial
+        kind = f"dtype {dtype}"
+        if dtype is None:
+            kind = f"type {type(flag).__name__}"
+        raise TypeError(
+            f"the gate {getattr(fn, '__qualname__', fn)!r} returned "
+            f"{name} of {kind} and shape {jnp.shape(flag)} ({flag!r}): "
+            f"{name} must be a boolean scalar (a bool array or a Python "
+            "bool). Combine flags with & and jnp.logical_not, not ~ on a "
+            "Python bool (~False is the int -1)."
+        )
 
 
 def _flush_fn(transforms) -> base.GateFlushFn | None:
@@ -262,17 +289,55 @@ def _follow(
     gated = base.is_gate(rest)
     if gated and not callable(res.emit):  # an eager gate, then a gate
         return _follow_eager(res, head, tail_state, rest, params, extra_args)
-    into = _emit_into_gate if gated else _emit_into
+    state = (*head, res.state, *tail_state)
+    if not gated:  # an empty window passes on as it came: the followers
+        # do not step on it; an enclosing gate counts it (_passed_on).
+
+        def emit_plain():
+            out = base.emitted(res)
+            args = _replaced(extra_args, out.window_weight)
+            e = _emit_into(out, tail_state, rest, params, args)
+            return e._replace(state=(*head, out.state, *e.state))
+
+        return base.GateResult(state, res.may_open, emit_plain, res.empty)
 
     def emit():
-        out = base.emitted(res)
+        out = _passed_on(res)
         args = _replaced(extra_args, out.window_weight)
-        e = into(out, tail_state, rest, params, args)
+        e = _emit_into_gate(out, tail_state, rest, params, args)
         return e._replace(state=(*head, out.state, *e.state))
 
     # A later gate counts an empty window (weight 0) as one call.
-    may_open = utils.either(res.may_open, res.empty) if gated else res.may_open
-    return base.GateResult((*head, res.state, *tail_state), may_open, emit)
+    return base.GateResult(state, utils.either(res.may_open, res.empty), emit)
+
+
+def _passed_on(res: base.GateResult) -> base.Emitted:
+    """What a gate passes on to a later gate where it opens or closed a
+    window of weight 0 (``res.empty``), the chain's one place for such a
+    window: its emission where it opens; for the empty window, one call of
+    weight 0 from the gate's closed ``state``, ``opened`` false (``emit``
+    is not called: followers it holds would step on the window)."""
+    if res.empty is False:
+        return base.emitted(res)
+    literal = []  # whether the emission's ``passed`` is the literal True
+
+    def opened():
+        out = base.emitted(res)
+        literal.append(out.passed is True)
+        flags = (jnp.asarray(out.opened, bool), jnp.asarray(out.passed, bool))
+        return out.updates, out.window_weight, *flags, out.state
+
+    def empty():
+        updates, weight, *_ = jax.eval_shape(opened)
+        zeros = utils.zeros_of((updates, weight))
+        return *zeros, jnp.asarray(False), jnp.asarray(True), res.state
+
+    updates, weight, is_open, passed, state = utils.cond_or_call(
+        res.may_open, opened, empty
+    )
+    # True in both branches: keep the literal (no select on the next state).
+    passed = True if literal and all(literal) else passed
+    return base.Emitted(updates, state, is_open, weight, passed)
 
 
 def _emit_into(out, tail_state, rest, params, args) -> base.Emitted:
@@ -285,7 +350,8 @@ def _emit_into(out, tail_state, rest, params, args) -> base.Emitted:
         return utils.zeros_of(jax.eval_shape(run)[0]), tail_state
 
     updates, tail = utils.cond_or_call(out.opened, run, skip)
-    return base.Emitted(updates, tail, out.opened)
+    # The window's weight and ``passed`` go on to an enclosing gate.
+    return out._replace(updates=updates, state=tail)
 
 
 def _emit_into_gate(out, tail_state, rest, params, args) -> base.Emitted:
@@ -300,7 +366,7 @@ def _emit_into_gate(out, tail_state, rest, params, args) -> base.Emitted:
     pred = utils.either(res2.may_open, res2.empty)
 
     def opened():
-        out2 = base.emitted(res2)
+        out2 = _passed_on(res2)
         flag = utils.both(res2.may_open, out2.opened)
         passed2 = jnp.logical_or(pred, True) & out2.passed
         return out2.updates, out2.state, flag, out2.window_weight, passed2

@@ -383,6 +383,21 @@ class CriticalBatchEveryK(NamedTuple):
         return jnp.where(jnp.isnan(k), self.min_k, k).astype(jnp.int32)
 
 
+def check_can_grow(every_k: CriticalBatchEveryK, axis_name: Any) -> None:
+    """Raises ``ValueError`` naming ``min_k`` for windows that could never
+    grow: ``min_k=1`` on one device (no ``axis_name``), where a window of
+    one micro-batch gives no estimate."""
+    if every_k.min_k < 2 and axis_name is None:
+        raise ValueError(
+            "oa.critical_batch_every_k(min_k=1) on one device (no "
+            "axis_name) would never grow its windows: the noise scale needs "
+            "two micro-batches in a window, so a window of one gives no "
+            "estimate and the next keeps min_k. Give min_k >= 2 (min_k=1 "
+            "works with axis_name over several devices: each device's part "
+            "of a micro-batch counts)."
+        )
+
+
 NEEDS_DECAY_MSG = (
     "oa.critical_batch_every_k sizes windows from the noise scale: it needs "
     "noise_scale_decay on the same oa.accumulate (e.g. "
@@ -410,7 +425,9 @@ def critical_batch_every_k(
     yourself (docs/noise_scale.md, "Windows sized by the noise scale").
 
     Args:
-      min_k: the shortest window, an int >= 1.
+      min_k: the shortest window, an int >= 1; >= 2 on one device (no
+        ``axis_name``), where a window of one micro-batch gives no estimate
+        and the windows could never grow (:func:`accumulate` refuses it).
       max_k: the longest window, an int >= ``min_k``.
       micro_batch_weight: the weight (``accum_weight``: examples or tokens)
         of one micro-batch, summed over devices with ``axis_name``; > 0.
@@ -426,7 +443,7 @@ def critical_batch_every_k(
     Examples:
       >>> import optax, optaxaccum as oa
       >>> tx = oa.chain(
-      ...     oa.accumulate(oa.critical_batch_every_k(1, 64,
+      ...     oa.accumulate(oa.critical_batch_every_k(2, 64,
       ...                   micro_batch_weight=32), noise_scale_decay=0.9),
       ...     optax.sgd(0.1))
     """

@@ -39,7 +39,9 @@ def has_updated(state: optax.OptState) -> jax.Array:
 
     Args:
       state: the state of an :func:`accumulate`, or of any (nested) chain
-        containing one (the first one found is used).
+        containing one (the first one found is used: with nested
+        accumulates, the first of the chain, which every call reaches and
+        whose windows are the shortest).
 
     Returns:
       A boolean scalar array: true if the most recent call that reached the
