@@ -448,9 +448,20 @@ def test_no_data_collective_until_the_window_closes(mesh_name):
         state = jax.jit(acc.init)(params)
         batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
         grads = jax.jit(grads_of)(params, *batch)
-        jax.jit(micro).trace(params, state, grads)
-        with pytest.raises(Exception, match="forbidden by `no_collectives`"):
-            jax.jit(close).trace(params, state, grads)
+        assert _traces(micro, params, state, grads)
+        assert not _traces(close, params, state, grads)
+
+
+def _traces(f, *args):
+    """Whether ``jax.jit(f)`` traces on ``args`` without a collective that
+    jax.sharding.no_collectives forbids (other errors propagate)."""
+    try:
+        jax.jit(f).trace(*args)
+    except Exception as e:
+        if "forbidden by `no_collectives`" not in str(e):
+            raise
+        return False
+    return True
 
 
 def test_hlo_fsdp_reduce_scatter_per_micro_step():
