@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-floors dist docs bench lint clean
+.PHONY: demo test test-floors test-newest dist docs bench lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,8 +51,41 @@ test-floors: $(VENV)/.installed-dev
 		$(FLOORS_DIR)/run/
 	cp docs/*.md $(FLOORS_DIR)/run/docs/
 	cp .ci/floors.txt $(FLOORS_DIR)/run/.ci/
-	cd $(FLOORS_DIR)/run && OPTAXACCUM_TEST_INSTALLED=1 \
+	cd $(FLOORS_DIR)/run && OPTAXACCUM_TEST_INSTALLED=floors \
 		OPTAXACCUM_DIST=$(abspath $(DIST)) $(abspath $(FLOORS_PY)) \
+		-m pytest -n 2 -p no:cacheprovider -c pyproject.toml --rootdir . \
+		$(PYTEST_ARGS) tests --pyargs optaxaccum
+
+# The suite against the wheel on the newest releases: as test-floors, but in
+# a virtual environment of the newest Python the package declares (jax 0.12
+# needs 3.12 or later) with whatever versions pip resolves there (nothing
+# pinned; they are printed first). PYTHON313 is found with pyenv (3.13.0)
+# or as python3.13 on the PATH; pass PYTHON313=/path/to/python3.13 otherwise.
+PYTHON313 ?= $(shell for p in "PYENV_VERSION=3.13.0 python" python3.13; do \
+	env $$p -c 'import sys; assert sys.version_info[:2] == (3, 13); \
+	print(sys.executable)' 2>/dev/null && break; done)
+NEWEST_DIR ?= build/newest
+NEWEST_PY := $(NEWEST_DIR)/venv/bin/python
+test-newest: $(VENV)/.installed-dev
+	@test -n "$(PYTHON313)" || { echo "make test-newest needs Python \
+	3.13: none found (pyenv's 3.13.0, python3.13); install one or pass \
+	PYTHON313=/path/to/python3.13" >&2; exit 1; }
+	$(MAKE) dist
+	rm -rf $(NEWEST_DIR)
+	$(PYTHON313) -m venv $(NEWEST_DIR)/venv
+	$(NEWEST_PY) -m pip install -q --upgrade pip
+	$(NEWEST_PY) -m pip install -q "$$(ls $(DIST)/optaxaccum-*.whl)[test]"
+	$(NEWEST_PY) -m pip check
+	$(NEWEST_PY) -c 'import sys; print("Python", sys.version.split()[0])'
+	$(NEWEST_PY) -m pip list --format=freeze \
+		| grep -iE '^(jax|jaxlib|flax|optax|numpy)=='
+	mkdir -p $(NEWEST_DIR)/run/.ci $(NEWEST_DIR)/run/docs
+	cp -R tests examples benchmarks pyproject.toml CHANGELOG.md LICENSE \
+		$(NEWEST_DIR)/run/
+	cp docs/*.md $(NEWEST_DIR)/run/docs/
+	cp .ci/floors.txt $(NEWEST_DIR)/run/.ci/
+	cd $(NEWEST_DIR)/run && OPTAXACCUM_TEST_INSTALLED=newest \
+		OPTAXACCUM_DIST=$(abspath $(DIST)) $(abspath $(NEWEST_PY)) \
 		-m pytest -n 2 -p no:cacheprovider -c pyproject.toml --rootdir . \
 		$(PYTEST_ARGS) tests --pyargs optaxaccum
 
@@ -77,4 +110,5 @@ lint: $(VENV)/.installed-dev
 	$(VENV)/bin/basedpyright -p pyproject.toml
 
 clean:
-	rm -rf $(VENV) docs/_build .pytest_cache $(DIST) $(FLOORS_DIR)
+	rm -rf $(VENV) docs/_build .pytest_cache $(DIST) $(FLOORS_DIR) \
+		$(NEWEST_DIR)

@@ -177,6 +177,24 @@ MUTANTS = {
         "    acc = jax.tree.map(add, state.acc, updates)",
         ["tests/test_multidevice.py", "-k", "hlo_gradient"],
     ),
+    "micro_step_reduces_on_mesh": (  # a data-axis all-reduce per call
+        "accumulate.py",
+        "    acc = jax.tree.map(add, state.acc, updates)",
+        "    updates = jax.tree.map(\n"
+        "        lambda g: jax.reshard(\n"
+        "            g, sharding.without_unreduced(sharding._spec(g))\n"
+        "        )\n"
+        "        if sharding.unreduced_axes(g)\n"
+        "        else g,\n"
+        "        updates,\n"
+        "    )\n"
+        "    acc = jax.tree.map(add, state.acc, updates)",
+        [
+            "tests/test_mesh.py",
+            "-k",
+            "hlo_one_data_reduction or no_data_collective_until",
+        ],
+    ),
     "no_window_reduction_explicit_mesh": (
         "sharding.py",
         "        return jax.tree.map(reduce, acc), weight",

@@ -733,6 +733,49 @@ def test_jit_mesh_no_collective_added_per_micro_batch():
     assert branch_bytes[1] == branch_bytes[0] + 4, (on, off)
 
 
+@pytest.mark.parametrize("name", list(MESH_SHAPES))
+def test_jit_mesh_init_gives_plain_shardings(name):
+    """``jax.jit(tx.init)`` under an explicit mesh: every leaf of the state
+    comes out with a NamedSharding (the scalars replicated, ``P()``), so a
+    later ``jit`` takes it. jax 0.12 gives the jit's scalar zeros the
+    sharding ``GSPMDSharding({unreduced})`` (which the next ``jit`` cannot
+    read) when the same function reshards a zero to unreduced; plain JAX::
+
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+        def f():
+            a, z = jnp.zeros([]), jnp.zeros([])
+            u = jax.reshard(z, P(unreduced={"data"}))
+            s = jax.shard_map(lambda b: b[None], in_specs=P(unreduced={"data"}),
+                              out_specs=P("data"), check_vma=False)(u)
+            return a, s
+
+        with jax.set_mesh(mesh):
+            a, s = jax.jit(f)()
+            jax.jit(lambda x: x + 1)(a)  # TypeError on jax 0.12.0.1
+
+    The initial state therefore builds its stacked sum of squares directly,
+    never from a zero made unreduced."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh, specs, params, _, _ = _mesh_problem(name)
+    tx = _tx(0.9, k=2, axis_name="data")
+    with jax.set_mesh(mesh):
+        p = {
+            k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+            for k, v in params.items()
+        }
+        state = jax.jit(tx.init)(p)
+        for leaf in jax.tree.leaves(state):
+            assert isinstance(leaf.sharding, NamedSharding), leaf.sharding
+            if not leaf.ndim:
+                assert leaf.sharding.spec == P(), leaf.sharding
+        add = lambda a: a + jnp.zeros_like(a)  # noqa: E731
+        again = jax.jit(lambda s: jax.tree.map(add, s))(state)
+    assert jax.tree.map(jax.typeof, again) == jax.tree.map(jax.typeof, state)
+
+
 # --------------------------- jit meshes: uneven real examples per device
 
 

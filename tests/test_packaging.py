@@ -1,18 +1,22 @@
 """Packaging (issue 26): the version, the floors, the wheel and the sdist.
 
-The checks on the built distributions read the ones ``make test`` and
-``make test-floors`` build (the folder in ``OPTAXACCUM_DIST``) and build
-their own otherwise. Under ``make test-floors`` the whole suite runs from a
-copy of ``tests/`` against the wheel installed (not editable) in a fresh
-virtual environment with the floors of ``.ci/floors.txt``
-(``OPTAXACCUM_TEST_INSTALLED=1``); two more checks run there: optaxaccum is
-imported from site-packages, and the installed versions are the floors.
+The checks on the built distributions read the ones ``make test``,
+``make test-floors`` and ``make test-newest`` build (the folder in
+``OPTAXACCUM_DIST``) and build their own otherwise. Under ``make
+test-floors`` and ``make test-newest`` the whole suite runs from a copy of
+``tests/`` against the wheel installed (not editable) in a fresh virtual
+environment (``OPTAXACCUM_TEST_INSTALLED`` is ``floors`` or ``newest``),
+with the floors of ``.ci/floors.txt`` or with the newest releases on the
+newest Python the package declares; more checks run there: optaxaccum is
+imported from site-packages, the installed versions are the floors, the
+Python is the newest declared one.
 """
 
 import importlib.metadata
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import sysconfig
@@ -22,20 +26,30 @@ import zipfile
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 import optaxaccum as oa
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYPROJECT = ROOT / "pyproject.toml"
 FLOORS = ROOT / ".ci" / "floors.txt"
-INSTALLED = os.environ.get("OPTAXACCUM_TEST_INSTALLED") == "1"
+# Which leg runs the suite against the installed wheel: "floors" (make
+# test-floors), "newest" (make test-newest), else none (make test).
+LEG = os.environ.get("OPTAXACCUM_TEST_INSTALLED", "")
+INSTALLED = LEG in ("floors", "newest")
 # The four make test-floors pins: the runtime dependencies JAX users pick
 # versions of (numpy follows jax's own floor).
 PINNED = ("jax", "jaxlib", "optax", "flax")
 
 only_installed = pytest.mark.skipif(
     not INSTALLED,
-    reason="runs under make test-floors (OPTAXACCUM_TEST_INSTALLED=1)",
+    reason="runs under make test-floors and make test-newest",
+)
+only_floors = pytest.mark.skipif(
+    LEG != "floors", reason="runs under make test-floors"
+)
+only_newest = pytest.mark.skipif(
+    LEG != "newest", reason="runs under make test-newest"
 )
 
 
@@ -79,6 +93,30 @@ def test_floors_pinned_by_test_floors_are_the_declared_floors():
     assert sorted(pins) == sorted(PINNED)
     assert pins == {name: declared[name] for name in PINNED}
     assert pins["jax"] == pins["jaxlib"]
+
+
+def _python_classifiers():
+    """The ``(major, minor)`` versions of the Python classifiers, sorted."""
+    found = []
+    for c in _pyproject()["project"]["classifiers"]:
+        m = re.fullmatch(r"Programming Language :: Python :: (\d+)\.(\d+)", c)
+        if m:
+            found.append((int(m[1]), int(m[2])))
+    return sorted(found)
+
+
+def test_python_classifiers_run_from_requires_python():
+    """The Python classifiers name every minor version from the one
+    requires-python starts at, one after the other, to the newest CI runs
+    (make test-newest)."""
+    project = _pyproject()["project"]
+    (low,) = SpecifierSet(project["requires-python"])
+    assert low.operator == ">=", low
+    first = tuple(int(v) for v in low.version.split("."))
+    versions = _python_classifiers()
+    assert versions[0] == first, versions
+    assert versions == [(3, m) for m in range(first[1], versions[-1][1] + 1)]
+    assert versions[-1] >= (3, 13), versions
 
 
 def test_version_has_one_source():
@@ -258,8 +296,14 @@ def test_optaxaccum_comes_from_site_packages():
     assert direct.get("url", "").endswith(".whl"), direct
 
 
-@only_installed
+@only_floors
 def test_installed_versions_are_the_floors():
     pins = _pinned_floors()
     got = {name: importlib.metadata.version(name) for name in pins}
     assert got == pins
+
+
+@only_newest
+def test_newest_leg_runs_the_newest_declared_python():
+    """make test-newest runs on the newest Python the classifiers name."""
+    assert sys.version_info[:2] == _python_classifiers()[-1]

@@ -145,16 +145,12 @@ def _strong(x: Any) -> jax.Array:
 
 
 def _vma(x: Any) -> frozenset:
-    """The mesh axes ``x`` varies over inside ``shard_map`` (else empty).
-
-    JAX 0.9 exposes them as ``jax.typeof(x).vma``, JAX 0.10 as
-    ``jax.typeof(x).manual_axis_type.varying``; with neither, nothing is
-    checked here (JAX's own scan error then reports the mismatch).
+    """The mesh axes ``x`` varies over inside ``shard_map`` (else empty):
+    ``jax.typeof(x).manual_axis_type.varying`` (jax 0.10 to 0.12; the
+    ``.vma`` of earlier versions is gone). Without it nothing is checked
+    here (JAX's own scan error then reports the mismatch).
     """
-    aval = jax.typeof(x)
-    if hasattr(aval, "vma"):
-        return frozenset(aval.vma)
-    manual = getattr(aval, "manual_axis_type", None)
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
     return frozenset(getattr(manual, "varying", ()))
 
 

@@ -96,17 +96,23 @@ def init(
 ) -> NoiseScaleState | None:
     """The initial state: ``None`` (no leaves) when the estimate is off.
     Under ``jax.set_mesh`` of a mesh whose axes ``axis_name`` are Explicit,
-    ``sq_sum`` is left unreduced over every mesh axis, as the micro-steps
-    make it (:func:`_device_sq`)."""
+    ``sq_sum`` is unreduced over every mesh axis, as the micro-steps make it
+    (:func:`_device_sq`), and kept in its stacked form (:func:`_stored`)."""
     if decay is None:
         return None
     # One buffer per field: a state donated to jit may not alias a buffer.
     state = NoiseScaleState(*(jnp.zeros([], dtype) for _ in range(5)))
     if not sharding._in_explicit_context(axis_name):  # noqa: SLF001
         return state
-    every = frozenset(jax.sharding.get_abstract_mesh().axis_names)
-    sq_sum = jax.reshard(state.sq_sum, P(unreduced=every))
-    return _stored(state._replace(sq_sum=sq_sum))
+    # The stacked zeros are made as such, not by stacking a zero resharded
+    # to unreduced: under jax.jit, jax 0.12 then gives the other scalar
+    # zeros of the output an unreduced GSPMDSharding that a later jit
+    # refuses (tests/test_noise_scale.py has the plain-JAX repro).
+    mesh = jax.sharding.get_abstract_mesh()
+    every = tuple(mesh.axis_names)
+    spec = P(sharding._entry(every))  # noqa: SLF001
+    sq_sum = jnp.zeros((mesh.size,), dtype, out_sharding=spec)
+    return state._replace(sq_sum=sq_sum)
 
 
 def _stored(state: NoiseScaleState) -> NoiseScaleState:

@@ -67,6 +67,18 @@ def _spec(x: Any) -> P:
     return _named(x).spec
 
 
+def without_unreduced(spec: P) -> P:
+    """``spec`` with no unreduced axes (its dimensions and reduced axes
+    kept): the sharding an unreduced array has once summed over them.
+
+    jax 0.11 added ``PartitionSpec.unreduced_kind``, which
+    ``spec.update(unreduced=frozenset())`` copies over, and a kind without
+    unreduced axes is refused (``ValueError``); jax 0.10's ``update`` takes
+    no such keyword. A spec built anew derives the kind from its axes on
+    every version."""
+    return P(*spec.partitions, reduced=spec.reduced)
+
+
 def is_explicit(x: Any, axis_name: Any) -> bool:
     """Whether every axis of ``axis_name`` is an Explicit axis of the mesh of
     ``x``'s type: ``jit``'s global view, not ``pmap``/``shard_map``."""
@@ -409,7 +421,7 @@ def stack_partials(tree: Any) -> Any:
             return x
         sharding = _named(x)
         axes = _ordered(sharding.mesh, unreduced)
-        out = _stacked_spec(sharding.spec.update(unreduced=frozenset()), axes)
+        out = _stacked_spec(without_unreduced(sharding.spec), axes)
         return jax.shard_map(
             lambda b: b[None],
             mesh=sharding.mesh,
@@ -474,7 +486,7 @@ def window_zeros(zeros: Any, axis_name: Any) -> Any:
         axes = _ordered(sharding.mesh, axis_names(axis_name))
         n = int(np.prod([sharding.mesh.shape[a] for a in axes]))
         spec = deferred_spec(sharding.spec, axes, "unreduced")
-        spec = _stacked_spec(spec.update(unreduced=frozenset()), axes)
+        spec = _stacked_spec(without_unreduced(spec), axes)
         shape = (n, *z.shape)
         if isinstance(z, jax.core.Tracer):  # under a trace: its type
             out = sharding.update(spec=spec)
@@ -585,7 +597,7 @@ def reduce_window(
                 return a
             if scatter is not None:
                 return scatter(a, axis_name)
-            return jax.reshard(a, _spec(a).update(unreduced=frozenset()))
+            return jax.reshard(a, without_unreduced(_spec(a)))
 
         return jax.tree.map(reduce, acc), weight
     weight = lax.psum(weight, axis_name)

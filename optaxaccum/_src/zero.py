@@ -88,7 +88,7 @@ def reduce_scatter(a: jax.Array, axis_name: Any) -> jax.Array:
     named = sharding._named(a)
     mesh, spec = named.mesh, named.spec
     axes = sharding._ordered(mesh, sharding.axis_names(axis_name))
-    plain = spec.update(unreduced=frozenset())
+    plain = sharding.without_unreduced(spec)
     target = zero_spec(plain, a.shape, mesh, axes)
     old = sharding._padded_dims(plain, a.ndim)
     new = sharding._padded_dims(target, a.ndim)
@@ -126,7 +126,7 @@ def place(tree: Any, axis_name: Any) -> Any:
         if not sharding.is_explicit(x, axes):
             return x
         named = sharding._named(x)
-        spec = named.spec.update(unreduced=frozenset())
+        spec = sharding.without_unreduced(named.spec)
         return _reshard(x, zero_spec(spec, x.shape, named.mesh, axes))
 
     return jax.tree.map(leaf, tree)
@@ -160,7 +160,8 @@ def _like(x: Any, p: Any, axes: tuple) -> Any:
     unreduced or reduced axes), where both lie on an explicit mesh."""
     if not (sharding.is_explicit(x, axes) and sharding.is_explicit(p, axes)):
         return gather(x, axes)
-    spec = sharding._spec(p).update(unreduced=frozenset(), reduced=frozenset())
+    spec = sharding.without_unreduced(sharding._spec(p))
+    spec = spec.update(reduced=frozenset())
     return _reshard(x, spec)
 
 
