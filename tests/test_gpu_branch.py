@@ -203,3 +203,30 @@ def test_the_check_sees_an_unkept_branch():
     lowered = jax.jit(step).lower(np.ones(3, np.float32), True)
     n, bad = _unkept_regions(lowered)
     assert n == 1 and bad == [(0, 0), (0, 1)]
+
+
+def _load_bench(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+    spec = importlib.util.spec_from_file_location(name, path / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_gpu_on_cpu(capsys):
+    """``make bench-gpu`` without a GPU says so and exits 0; ``--cpu`` runs
+    the same code here at a small size: every gated step keeps one
+    conditional in the compiled HLO (timings are not checked)."""
+    bench = _load_bench("bench_gpu")
+    if jax.default_backend() != "gpu":
+        assert bench._cli([]) == 0
+        assert "no GPU here" in capsys.readouterr().out
+    res = bench.main(cpu=True, calls=2)
+    gated = {n: v for n, v in res["rows"].items() if v["gated"]}
+    assert len(gated) == 6 and not res["lost"]
+    assert all(v["conditionals"] >= 1 for v in gated.values()), gated
+    assert res["device"]["backend"] == jax.default_backend()
+    assert all(v["seconds"] > 0 for v in res["rows"].values())
