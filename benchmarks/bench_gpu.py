@@ -35,9 +35,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
-
 import _pipeline  # noqa: E402
+import jax  # noqa: E402
 
 FULL_SHAPES = {f"w{i}": (4096, 4096) for i in range(8)}  # 512 MiB per tree
 TINY_SHAPES = {"w0": (64, 128), "w1": (32, 32), "b": (128,)}
@@ -66,8 +65,7 @@ def _targets(r: dict[str, float]) -> list[tuple[str, float, bool]]:
         (
             "fused+noise_scale non-closing <= 1.1x fused non-closing",
             r["fused+noise_scale non-closing"] / r["fused non-closing"],
-            r["fused+noise_scale non-closing"]
-            <= 1.1 * r["fused non-closing"],
+            r["fused+noise_scale non-closing"] <= 1.1 * r["fused non-closing"],
         ),
     ]
 
