@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +43,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common  # noqa: E402
+import _pipeline  # noqa: E402
 
 import optaxaccum as oa  # noqa: E402
 from optaxaccum.flax import nnx as oa_nnx  # noqa: E402
@@ -91,6 +94,47 @@ def _loop(step, model, opt, grads, mini_step):
         return model, opt, grads
 
     return _common.Timed(step, prepare)
+
+
+def _pipelined(shapes, grads, calls: int) -> dict[str, float]:
+    """Seconds per call of ``calls`` non-closing steps back to back (nnx.jit
+    writes each call's outputs into the model and optimizer that the next
+    call reads), one sync: device throughput, the figure a GPU is judged
+    by (a per-call timing there measures launch latency)."""
+    adam = optax.adam(LEARNING_RATE)
+    never = _pipeline.NEVER
+    makers = {
+        "oa nnx.Optimizer": lambda m: oa_nnx.Optimizer(
+            m, oa.chain(oa.accumulate(never), adam)
+        ),
+        "nnx.Optimizer(MultiSteps)": lambda m: nnx.Optimizer(
+            m, optax.MultiSteps(adam, never), wrt=nnx.Param
+        ),
+    }
+    _, floor = _common.floor_add(jax.tree.map(jnp.copy, grads), grads)
+    out = {
+        "floor": _pipeline.pipelined(
+            floor,
+            (jax.tree.map(jnp.copy, grads), grads),
+            lambda o, a: (o, a[1]),
+            calls=calls,
+            rounds=3,
+        )
+    }
+    for name, make in makers.items():
+        model = Weights(shapes, 0)
+        opt = make(model)
+        step = nnx.jit(_update, donate_argnums=(0, 1))
+        jax.block_until_ready(step(model, opt, grads))  # compile, warm up
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(calls):
+                last = step(model, opt, grads)
+            jax.block_until_ready(last)
+            times.append((time.perf_counter() - start) / calls)
+        out[name] = statistics.median(times)
+    return out
 
 
 def main(tiny: bool = False, rounds: int | None = None) -> dict:
@@ -184,13 +228,18 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
             min(speedups.values()) >= 2.0,
         ),
     ]
+    info = _pipeline.device_info()
+    piped = _pipelined(shapes, grads, calls=5 if tiny else 10)
+    piped_ratios = {n: t / piped["floor"] for n, t in piped.items()}
     return {
         "name": "B1-nnx",
         "title": (
             f"B1-nnx: flax.nnx micro-step cost, {n_params:,} float32 params, "
             f"Adam, k={K}, nnx.jit donated; median of {rounds} interleaved "
-            "rounds"
+            f"rounds; {info['backend']} ({info['device_kind']})"
         ),
+        "device": info,
+        "pipelined": piped_ratios,
         "headers": ["variant", "ms/call", "vs floor", "alias", "temp"],
         "rows": rows,
         "ratios": {f"B1-nnx {n}": r for n, r in ratios.items() if n != "floor"},
@@ -214,6 +263,11 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
             "not pay.",
             "non-closing: mini_step 1; closing: mini_step 3, reset before "
             "each timed call outside the timing.",
+            "Pipelined, non-closing (every_k = 2**30; calls back to back, "
+            "one sync), vs its own floor: "
+            + ", ".join(f"{n} {r:.2f}x" for n, r in piped_ratios.items())
+            + ". The targets judge the per-call figures (on CPU a call's "
+            "time is its own work); on a GPU read the pipelined ones.",
         ],
     }
 
