@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-floors test-newest dist docs bench lint clean
+.PHONY: demo test test-floors test-newest dist docs bench bench-gpu lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -112,3 +112,14 @@ lint: $(VENV)/.installed-dev
 clean:
 	rm -rf $(VENV) docs/_build .pytest_cache $(DIST) $(FLOORS_DIR) \
 		$(NEWEST_DIR)
+
+# On a machine with a GPU: per gated step, the conditionals left in the
+# compiled HLO and the pipelined cost vs the floor, Adam alone and
+# optax.MultiSteps at 512 MiB per tree; fails when a gate became a select.
+# Elsewhere it says there is no GPU and exits 0. Installs nothing: it runs
+# the checkout with .venv's python if there is one, else $(PYTHON) (a GPU
+# machine's own JAX, offline).
+BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+bench-gpu:
+	XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$(CURDIR) \
+		$(BENCH_PY) benchmarks/bench_gpu.py

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +43,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common  # noqa: E402
+import _pipeline  # noqa: E402
 
 import optaxaccum as oa  # noqa: E402
 from optaxaccum.flax import nnx as oa_nnx  # noqa: E402
@@ -51,7 +54,6 @@ LEARNING_RATE = 1e-3
 # B1's tree, so that three models with their Adam states fit a shared host.
 FULL_SHAPES = {f"w{i}": (1024, 4096) for i in range(4)}
 TINY_SHAPES = {"w0": (64, 128), "w1": (32, 32), "b": (128,)}
-SCALARS = 1024  # temp bytes below this are flags and counters
 
 
 class Weights(nnx.Module):
@@ -91,6 +93,57 @@ def _loop(step, model, opt, grads, mini_step):
         return model, opt, grads
 
     return _common.Timed(step, prepare)
+
+
+def _scalar_temp(shapes, make) -> int:
+    """Temporary bytes of the step on leaves of one element each."""
+    ones = {name: (1,) for name in shapes}
+    model = Weights(ones, 0)
+    grads = nnx.as_pure(nnx.state(Weights(ones, 1), nnx.Param))
+    step = nnx.jit(_update, donate_argnums=(0, 1))
+    compiled = step.lower(model, make(model), grads).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def _pipelined(shapes, grads, calls: int) -> dict[str, float]:
+    """Seconds per call of ``calls`` non-closing steps back to back (nnx.jit
+    writes each call's outputs into the model and optimizer that the next
+    call reads), one sync: device throughput, the figure a GPU is judged
+    by (a per-call timing there measures launch latency)."""
+    adam = optax.adam(LEARNING_RATE)
+    never = _pipeline.NEVER
+    makers = {
+        "oa nnx.Optimizer": lambda m: oa_nnx.Optimizer(
+            m, oa.chain(oa.accumulate(never), adam)
+        ),
+        "nnx.Optimizer(MultiSteps)": lambda m: nnx.Optimizer(
+            m, optax.MultiSteps(adam, never), wrt=nnx.Param
+        ),
+    }
+    _, floor = _common.floor_add(jax.tree.map(jnp.copy, grads), grads)
+    out = {
+        "floor": _pipeline.pipelined(
+            floor,
+            (jax.tree.map(jnp.copy, grads), grads),
+            lambda o, a: (o, a[1]),
+            calls=calls,
+            rounds=3,
+        )
+    }
+    for name, make in makers.items():
+        model = Weights(shapes, 0)
+        opt = make(model)
+        step = nnx.jit(_update, donate_argnums=(0, 1))
+        jax.block_until_ready(step(model, opt, grads))  # compile, warm up
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(calls):
+                last = step(model, opt, grads)
+            jax.block_until_ready(last)
+            times.append((time.perf_counter() - start) / calls)
+        out[name] = statistics.median(times)
+    return out
 
 
 def main(tiny: bool = False, rounds: int | None = None) -> dict:
@@ -159,6 +212,12 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
         for other in ("nnx.Optimizer + oa.chain", "nnx.Optimizer(MultiSteps)")
     }
     overhead = ratios["nnx.jit no-op"]
+    # The step's scalars (flags, counters) on this backend: its temporaries
+    # on leaves of one element each. A leaf-sized temporary would add at
+    # least the smallest leaf to them (XLA:GPU keeps a few more scalars
+    # than XLA:CPU, so a fixed byte count would not do).
+    scalars = _scalar_temp(shapes, makers["oa nnx.Optimizer"])
+    bound = scalars + 4 * min(math.prod(s) for s in shapes.values())
     targets = [
         _common.target(
             "oa nnx.Optimizer non-closing <= 1.2x (floor + nnx.jit no-op "
@@ -167,10 +226,12 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
             ratios[ours] <= 1.2 * (1 + overhead),
         ),
         _common.target(
-            "oa nnx.Optimizer step: no tree-sized temporary "
-            f"(temp < {_common.format_bytes(SCALARS)})",
+            "oa nnx.Optimizer step: no tree-sized temporary (temp < "
+            f"{_common.format_bytes(bound)}: its "
+            f"{_common.format_bytes(scalars)} on one-element leaves + the "
+            "smallest leaf)",
             _common.format_bytes(mem["oa nnx.Optimizer"]["temp"]),
-            mem["oa nnx.Optimizer"]["temp"] < SCALARS,
+            mem["oa nnx.Optimizer"]["temp"] < bound,
         ),
         _common.target(
             "stock nnx.Optimizer + oa.chain builds the zero-update tree "
@@ -184,13 +245,18 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
             min(speedups.values()) >= 2.0,
         ),
     ]
+    info = _pipeline.device_info()
+    piped = _pipelined(shapes, grads, calls=5 if tiny else 10)
+    piped_ratios = {n: t / piped["floor"] for n, t in piped.items()}
     return {
         "name": "B1-nnx",
         "title": (
             f"B1-nnx: flax.nnx micro-step cost, {n_params:,} float32 params, "
             f"Adam, k={K}, nnx.jit donated; median of {rounds} interleaved "
-            "rounds"
+            f"rounds; {info['backend']} ({info['device_kind']})"
         ),
+        "device": info,
+        "pipelined": piped_ratios,
         "headers": ["variant", "ms/call", "vs floor", "alias", "temp"],
         "rows": rows,
         "ratios": {f"B1-nnx {n}": r for n, r in ratios.items() if n != "floor"},
@@ -214,6 +280,11 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
             "not pay.",
             "non-closing: mini_step 1; closing: mini_step 3, reset before "
             "each timed call outside the timing.",
+            "Pipelined, non-closing (every_k = 2**30; calls back to back, "
+            "one sync), vs its own floor: "
+            + ", ".join(f"{n} {r:.2f}x" for n, r in piped_ratios.items())
+            + ". The targets judge the per-call figures (on CPU a call's "
+            "time is its own work); on a GPU read the pipelined ones.",
         ],
     }
 

@@ -394,6 +394,18 @@ MUTANTS = {
         "            pass",
         ["tests/test_nnx_optimizer.py", "-k", "right_after_flush"],
     ),
+    "gate_branch_not_kept": (  # XLA:GPU would turn the gate into a select
+        "utils.py",
+        "return lax.cond(pred, _kept(true_fn), _kept(false_fn))",
+        "return lax.cond(pred, true_fn, false_fn)",
+        ["tests/test_gpu_branch.py"],
+    ),
+    "gate_closed_branch_not_kept": (
+        "utils.py",
+        "return lax.cond(pred, _kept(true_fn), _kept(false_fn))",
+        "return lax.cond(pred, _kept(true_fn), false_fn)",
+        ["tests/test_gpu_branch.py"],
+    ),
 }
 
 

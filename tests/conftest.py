@@ -15,3 +15,29 @@ NUM_CPU_DEVICES = 8
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# References run at full float32 precision on every backend: GPUs default to
+# TF32 matrix products (relative errors of 1e-5 to 3e-3), which the
+# tolerances of the tests, derived for float32, do not allow for. On CPU
+# this changes nothing (float32 products there are already full precision).
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "devices(n): needs n devices of the default backend (a machine with "
+        "one GPU has one); skipped with the count where there are fewer",
+    )
+
+
+def pytest_runtest_setup(item):
+    import pytest
+
+    for mark in item.iter_markers("devices"):
+        have = len(jax.devices())
+        if have < mark.args[0]:
+            pytest.skip(
+                f"needs {mark.args[0]} devices of the default backend "
+                f"({jax.default_backend()}), has {have}"
+            )

@@ -480,6 +480,7 @@ def test_chain_rejects_non_transformations():
         tx.update(jnp.zeros(1), (tx.init(jnp.zeros(1))[0],))
 
 
+@pytest.mark.devices(2)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_axis_name_window_of_zero_total_weight_emits_zeros(reduction):
     """Regression: the window's total weight over the devices is 0, so it

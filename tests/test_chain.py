@@ -358,7 +358,12 @@ def test_fused_fast_path_with_a_loss_scale_in_front():
     step, state, comp = compiled(headline)
     temp = comp.memory_analysis().temp_size_in_bytes
     _, _, plain = compiled(headline, fused=False)
-    assert temp <= tree_bytes + 4096, temp
+    # One tree (the unscaled gradient, held for its two readers), 4 KiB of
+    # scalars, and AGC's unit norms of params and gradients (one float32 per
+    # unit, 256 units each): XLA:CPU fuses them into their readers, XLA:GPU
+    # may keep them (H200: 266,864 B, 624 B over the tree and the scalars).
+    unit_norms = 2 * 256 * 4
+    assert temp <= tree_bytes + unit_norms + 4096, temp
     assert temp <= plain.memory_analysis().temp_size_in_bytes
     fresh = {"w": jnp.full((256, 256), -0.0)}  # the first params were donated
     p, _ = step(fresh, state, {"w": jnp.ones((256, 256))})

@@ -221,6 +221,7 @@ def test_linen_loads_pretrained_batchnorm_variables():
     )
 
 
+@pytest.mark.devices(4)
 def test_linen_axis_name_pools_across_devices():
     n_dev = 4
     per_device = _data((4,) * n_dev * 3, (3,))  # 3 micro-batches per device

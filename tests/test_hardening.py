@@ -742,6 +742,7 @@ def test_zeros_take_the_followers_output_dtype(jit):
     assert dtypes == [jnp.float32] * 3, dtypes
 
 
+@pytest.mark.devices(4)
 def test_dynamic_loss_scale_replicas_agree_on_one_device_overflow():
     """Issue 23, tests the suite lacks: with ``axis_name``, one device's
     overflow skips the step on all and every replica's scale and params
@@ -782,6 +783,7 @@ def test_nested_closed_gate_zeros_take_the_followers_output_dtype():
     np.testing.assert_array_equal(u, [-1.5, -1.5])
 
 
+@pytest.mark.devices(4)
 def test_closed_gate_zeros_keep_the_device_varying_type_under_shard_map():
     """Issue 23, tests the suite lacks (a kill that was only a crash): inside
     ``shard_map`` the zeros a closed gate emits are built from the shapes of

@@ -19,6 +19,9 @@ from jax.sharding import PartitionSpec as P
 import optaxaccum as oa
 from optaxaccum._src import collectives, sharding
 
+# Meshes of 8 devices of the default backend (conftest: 8 CPU devices).
+pytestmark = pytest.mark.devices(8)
+
 K = 3  # micro-batches per window
 WINDOWS = 2
 BATCH = 16  # global examples per micro-batch

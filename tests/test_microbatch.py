@@ -446,6 +446,7 @@ def _mesh4(axis_type=jax.sharding.AxisType.Explicit):
     )
 
 
+@pytest.mark.devices(4)
 def test_microbatched_value_and_grad_shard_map_pmean_equals_global():
     """Per-device micro-batching, params made varying and the gradients
     averaged once: the global value_and_grad."""
@@ -469,6 +470,7 @@ def test_microbatched_value_and_grad_shard_map_pmean_equals_global():
     chex.assert_trees_all_close(grads, ref_grads, **TOL[jnp.float32])
 
 
+@pytest.mark.devices(4)
 def test_microbatched_value_and_grad_shard_map_matches_value_and_grad():
     """With invariant params (check_vma), the same semantics as
     jax.value_and_grad inside shard_map (gradients summed over devices)."""
@@ -493,6 +495,7 @@ def test_microbatched_value_and_grad_shard_map_matches_value_and_grad():
     chex.assert_trees_all_close(got, ref, **TOL[jnp.float32])
 
 
+@pytest.mark.devices(4)
 def test_microbatched_value_and_grad_pmap_pmean_equals_global():
     params, batch = _params(), _batch(n=32)
     f = oa.microbatched_value_and_grad(_loss, 2)
@@ -510,6 +513,7 @@ def test_microbatched_value_and_grad_pmap_pmean_equals_global():
     )
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize(
     "axis_type",
     [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto],
@@ -577,7 +581,11 @@ def _footprint(stats):
 def test_microbatched_value_and_grad_temp_memory_decreases():
     stats = _deep_memory()
     temps = [stats[n].temp_size_in_bytes for n in _COUNTS]
-    assert all(a > b for a, b in zip(temps, temps[1:], strict=False)), temps
+    if jax.default_backend() == "cpu":
+        assert all(a > b for a, b in zip(temps, temps[1:], strict=False)), temps
+    else:  # XLA:GPU's temporaries need not shrink step by step (H200:
+        # 393,232 / 411,488 / 68,704 B); the most slices still need least.
+        assert temps[-1] < min(temps[:-1]), temps
     # The arguments and outputs do not change with the number of slices.
     assert len({stats[n].argument_size_in_bytes for n in _COUNTS}) == 1
     assert len({stats[n].output_size_in_bytes for n in _COUNTS}) == 1
@@ -592,10 +600,10 @@ def test_plan_microbatches_smallest_count_that_fits():
     fits while the next smaller count's does not; bigger budgets never ask
     for more micro-batches."""
     fp = {n: _footprint(s) for n, s in _deep_memory().items()}
-    assert all(
-        fp[a] > fp[b] for a, b in zip(_COUNTS, _COUNTS[1:], strict=False)
-    )
-    budgets = [fp[4], (fp[2] + fp[1]) // 2, 2 * fp[1]]  # increasing
+    # Each count's own footprint as the budget, and twice the largest: the
+    # answer is the smallest count that fits, whatever the order of the
+    # footprints (they need not shrink with the count on every backend).
+    budgets = sorted({*fp.values(), 2 * max(fp.values())})
     chosen = [
         oa.plan_microbatches(
             _deep_loss,
@@ -606,13 +614,34 @@ def test_plan_microbatches_smallest_count_that_fits():
         )
         for b in budgets
     ]
-    assert chosen == [4, 2, 1]
-    assert chosen == sorted(chosen, reverse=True)  # monotone in the budget
+    assert chosen == [min(c for c in _COUNTS if fp[c] <= b) for b in budgets]
+    assert chosen[-1] == 1
     for n, b in zip(chosen, budgets, strict=True):
         assert fp[n] <= b
-        smaller = [c for c in _COUNTS if c < n]
-        if smaller:
-            assert fp[smaller[-1]] > b
+        assert all(fp[c] > b for c in _COUNTS if c < n)
+
+
+def test_plan_microbatches_does_not_assume_footprints_shrink(monkeypatch):
+    """Footprints that grow, then shrink, with the count (as XLA:GPU's
+    temporaries did): the planner returns the smallest count that fits, not
+    the first count after which every larger one fits."""
+    from optaxaccum._src import microbatch
+
+    fake = {1: 900, 2: 1000, 4: 300, 8: 700, 16: 200}
+    monkeypatch.setattr(
+        microbatch,
+        "microbatched_step_memory",
+        lambda *a, num_microbatches, **k: fake[num_microbatches],
+    )
+    x = jax.ShapeDtypeStruct((16, 3), jnp.float32)
+    w = jax.ShapeDtypeStruct((3,), jnp.float32)
+    plan = functools.partial(
+        oa.plan_microbatches, _deep_loss, w, x, candidates=list(fake)
+    )
+    for budget, want in ((200, 16), (300, 4), (699, 4), (950, 1), (2000, 1)):
+        assert plan(memory_budget=budget) == want, budget
+    with pytest.raises(ValueError, match="199"):
+        plan(memory_budget=199)
 
 
 def test_plan_microbatches_impossible_budget_raises():
@@ -674,6 +703,7 @@ def test_microbatched_value_and_grad_validates_interleave():
         oa.microbatched_value_and_grad(_loss, 2, interleave=1)
 
 
+@pytest.mark.devices(4)
 def test_weight_fn_under_shard_map_needs_varying_params():
     """Replicated params: the gradient is already summed over the devices
     and a per-device weight cannot apply to it -- a clear error. Varying

@@ -249,8 +249,11 @@ def test_non_closing_update_writes_no_params_and_builds_no_update_tree():
         f = nnx.jit(step, donate_argnums=(0, 1))
         mem = f.lower(model, opt, grads).compile().memory_analysis()
         temps[cls] = mem.temp_size_in_bytes
-    # The stock path builds a tree of zero updates (param-sized); ours does not.
-    assert temps[nnx.Optimizer] >= _param_bytes(model)
+    # The stock path builds a tree of zero updates (param-sized) on XLA:CPU;
+    # ours does not, on any backend (XLA:GPU may write the stock path's
+    # zeros in place, so its premise is checked on CPU only).
+    if jax.default_backend() == "cpu":
+        assert temps[nnx.Optimizer] >= _param_bytes(model)
     assert temps[oa_nnx.Optimizer] < _param_bytes(model) // 100
 
     opt = oa_nnx.Optimizer(model, tx)

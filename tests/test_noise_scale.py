@@ -451,6 +451,7 @@ def _device_inputs(runner, tx):
     return _Placed(fn, put), jnp.zeros(D), state
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize(
     "runner,reduction",
     [("pmap", "mean"), ("pmap", "sum"), ("shard_map", "mean")],
@@ -475,6 +476,7 @@ def test_devices_micro_batches_are_the_small_batches(runner, reduction):
     np.testing.assert_allclose(est.grad_sq, gsq, rtol=2e-5)
 
 
+@pytest.mark.devices(4)
 @pytest.mark.parametrize("runner", ["pmap", "shard_map"])
 def test_hlo_no_collective_added_per_micro_batch(runner):
     """Compiled micro-step with the estimate on: still no collective at the
@@ -666,6 +668,7 @@ def _mesh_run(name, decay, *, compile_only=False, checkpoint_at=None):
         return mesh, jax.device_get(oa.noise_scale(s))
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("name", list(MESH_SHAPES))
 def test_jit_mesh_device_shares_are_the_small_batches(name):
     """jit with oa.unreduced_value_and_grad on data8 and data2 x fsdp4: each
@@ -696,6 +699,7 @@ def test_jit_mesh_device_shares_are_the_small_batches(name):
     np.testing.assert_allclose(est.grad_sq, gsq, rtol=1e-4)
 
 
+@pytest.mark.devices(8)
 def test_jit_mesh_state_round_trips_mid_window():
     """The estimate's per-device sum of squares is state (API.md section 9):
     on a jit mesh it must survive jax.device_get mid-window (each device's
@@ -707,6 +711,7 @@ def test_jit_mesh_state_round_trips_mid_window():
     np.testing.assert_allclose(resumed.grad_sq, straight.grad_sq, rtol=1e-6)
 
 
+@pytest.mark.devices(8)
 def test_jit_mesh_no_collective_added_per_micro_batch():
     """data2 x fsdp4: with the estimate on, the collectives run on every
     micro-step are those without it; the closing branch reduces 4 more

@@ -22,6 +22,9 @@ from jax.sharding import PartitionSpec as P
 import optaxaccum as oa
 from tests import test_mesh as tm
 
+# Meshes of 8 devices of the default backend (conftest: 8 CPU devices).
+pytestmark = pytest.mark.devices(8)
+
 K = tm.K
 MESHES = {
     "data2xfsdp4": ((2, 4), ("data", "fsdp"), "data"),

@@ -402,15 +402,52 @@ def zeros_of(shapes: Any) -> Any:
     return jax.tree.map(jnp.zeros_like, shapes)
 
 
+def _manual_type(x: Any) -> Any:
+    """How ``x`` varies over manual mesh axes (``shard_map``), as a hashable
+    key: ``aval.mat`` on JAX 0.10 and later, ``aval.vma`` before."""
+    aval = jax.typeof(x)
+    return getattr(aval, "mat", getattr(aval, "vma", None))
+
+
+def _barrier(tree: Any) -> Any:
+    """``tree`` through ``lax.optimization_barrier``: one barrier per group
+    of leaves that vary alike over manual axes (one barrier over all would
+    make every leaf as varying as the most varying one, so a replicated
+    counter would no longer be known replicated under ``shard_map``)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict[Any, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(_manual_type(leaf), []).append(i)
+    out = list(leaves)
+    for idx in groups.values():
+        kept = lax.optimization_barrier([leaves[i] for i in idx])
+        for i, leaf in zip(idx, kept, strict=True):
+            out[i] = leaf
+    return jax.tree.unflatten(treedef, out)
+
+
+def _kept(fn: Callable) -> Callable:
+    """``fn`` with its outputs behind ``lax.optimization_barrier``."""
+    return lambda: _barrier(fn())
+
+
 def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
     """``lax.cond(pred, true_fn, false_fn)``, or a plain call when ``pred`` is
     known now (the literal ``True``, or a concrete array outside any trace):
     then no conditional is built, which spares un-jitted callers a
-    compilation of both branches on every call."""
+    compilation of both branches on every call.
+
+    Every gate branches here, and here only. Each branch's outputs pass
+    through ``lax.optimization_barrier``: XLA:GPU's ``simplify-conditional``
+    pass rewrites a two-branch conditional whose branches hold only cheap
+    elementwise ops into a ``select`` that computes both branches on every
+    call (the optimizer would then run on every micro-step); it leaves a
+    branch holding a barrier alone. The barrier is an identity: no copy, no
+    temporary, on any backend."""
     if pred is True:
         return true_fn()
     try:
         concrete = bool(pred)
     except jax.errors.ConcretizationTypeError:  # traced: decide at run time
-        return lax.cond(pred, true_fn, false_fn)
+        return lax.cond(pred, _kept(true_fn), _kept(false_fn))
     return true_fn() if concrete else false_fn()
