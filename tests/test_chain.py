@@ -807,3 +807,24 @@ def test_gate_with_a_non_boolean_may_open_is_named(build, jit):
         update(jnp.ones(1), s, p)
     assert "flawed_gate_update" in str(info.value)
     assert "int" in str(info.value)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_apply_gradients_returns_the_updates_on_request(gated):
+    """``return_updates=True``: also the updates ``update`` gives (zeros
+    where the window stays open), for a gate and a plain transformation."""
+    tx = oa.chain(oa.accumulate(2), optax.sgd(0.5)) if gated else optax.sgd(0.5)
+    params = jnp.ones(2)
+    fused_state = plain_state = tx.init(params)
+    for g in (jnp.ones(2), 3 * jnp.ones(2), jnp.ones(2)):
+        want, plain_state = tx.update(g, plain_state, params)
+        out = oa.apply_gradients(
+            tx, g, fused_state, params, return_updates=True
+        )
+        new_params, fused_state, updates = out
+        chex.assert_trees_all_close(updates, want)
+        chex.assert_trees_all_close(
+            new_params, optax.apply_updates(params, want)
+        )
+        two = oa.apply_gradients(tx, g, plain_state, params)
+        assert len(two) == 2

@@ -423,8 +423,13 @@ def apply_gradients(
     grads: optax.Updates,
     opt_state: optax.OptState,
     params: optax.Params,
+    *,
+    return_updates: bool = False,
     **extra_args: Any,
-) -> tuple[optax.Params, optax.OptState]:
+) -> (
+    tuple[optax.Params, optax.OptState]
+    | tuple[optax.Params, optax.OptState, optax.Updates]
+):
     """One fused optimizer step: ``update`` then ``optax.apply_updates``.
 
     Gives the same result as::
@@ -436,25 +441,25 @@ def apply_gradients(
     :func:`accumulate`) that stays closed, ``params`` are returned untouched
     and no tree of zero updates is built. Jitted with ``params`` and
     ``opt_state`` donated, a micro-step that does not close the window then
-    costs a single pass over the accumulator (read gradient, read accumulator,
-    write accumulator) and allocates no tree-sized temporary. Results equal
-    the plain protocol's up to float rounding (XLA may fuse the update into
-    the parameter add).
+    costs a single pass over the accumulator and allocates no tree-sized
+    temporary. Results equal the plain protocol's up to float rounding.
 
-    Give the jitted step its donated arguments in the order it returns
-    them, ``step(params, opt_state, grads) -> (params, opt_state)`` with
-    ``donate_argnums=(0, 1)`` (docs/concepts.md, "The fused step and
-    donation").
+    Donate ``params`` and ``opt_state`` in the order the step returns them
+    (docs/concepts.md, "The fused step and donation").
 
     Args:
       tx: any optax transformation; the fast path needs a gate.
       grads: the gradients of this micro-batch.
       opt_state: ``tx``'s state.
       params: the current parameters.
+      return_updates: also return the updates applied (zeros where the
+        gate stayed closed), as ``optax``'s ``update`` gives them. Under
+        ``jit`` a caller that does not use them pays nothing for them.
       **extra_args: passed to ``tx.update`` (e.g. ``accum_weight``).
 
     Returns:
-      ``(params, opt_state)`` after the step.
+      ``(params, opt_state)`` after the step; with ``return_updates``,
+      ``(params, opt_state, updates)``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -465,25 +470,26 @@ def apply_gradients(
       >>> step = jax.jit(lambda p, s, g: oa.apply_gradients(tx, g, s, p),
       ...                donate_argnums=(0, 1))
       >>> params, state = step(params, state, jnp.ones(2))
-      >>> params, state = step(params, state, 3 * jnp.ones(2))
-      >>> params
-      Array([0., 0.], dtype=float32)
+      >>> params, state, updates = oa.apply_gradients(
+      ...     tx, 3 * jnp.ones(2), state, params, return_updates=True)
+      >>> params, updates
+      (Array([0., 0.], dtype=float32), Array([-1., -1.], dtype=float32))
     """
-    params, opt_state, _ = fused_step(tx, grads, opt_state, params, extra_args)
-    return params, opt_state
+    out = _fused_step(tx, grads, opt_state, params, extra_args, return_updates)
+    return out if return_updates else out[:2]
 
 
-def fused_step(
+def _fused_step(
     tx: optax.GradientTransformation,
     grads: optax.Updates,
     opt_state: optax.OptState,
     params: optax.Params,
     extra_args: dict[str, Any],
-    with_updates: bool = False,
+    with_updates: bool,
 ) -> tuple[optax.Params, optax.OptState, optax.Updates | None]:
     """:func:`apply_gradients`, also returning the updates applied when
     ``with_updates`` (zeros where the gate stayed closed; ``None`` without
-    it). Under ``jit`` an unused updates output costs nothing."""
+    it)."""
     if not base.is_gate(tx):
         warn_if_wrapped(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
