@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import optaxaccum as oa
+from optaxaccum._src import base as _base
 from optaxaccum._src import hlo as _hlo
 
 
@@ -23,7 +24,11 @@ def _only_positive_gate():
         ok = sum(jnp.sum(x) for x in jax.tree.leaves(updates)) > 0
         ok = ok & ctx.passed  # a call an earlier gate refused does not count
         new = jnp.where(ok, state + 1, state)
-        return oa.GateResult(new, ok, lambda: (updates, new, True))
+
+        def emit():
+            return oa.Emitted(updates=updates, state=new)
+
+        return oa.GateResult(state=new, may_open=ok, emit=emit)
 
     return oa.GatedTransformation(init, gate_update)
 
@@ -285,14 +290,17 @@ def test_second_gate_closed_on_window_close_keeps_followers():
 
 
 def test_closed_opened_flag_gives_zeros_everywhere():
-    """A gate whose emit says opened=False emits zeros, alone, last in a
-    chain, and through apply_gradients (params untouched)."""
+    """A gate whose emission says opened=False (the private record an
+    accumulate across devices emits) emits zeros, alone, last in a chain,
+    and through apply_gradients (params untouched)."""
 
     def gate_update(updates, state, params, ctx, **extra_args):
-        return oa.GateResult(
-            state,
-            jnp.asarray(True),
-            lambda: (updates, state, jnp.asarray(False)),
+        return _base._Result(
+            state=state,
+            may_open=jnp.asarray(True),
+            emit=lambda: _base._Emission(
+                updates=updates, state=state, opened=jnp.asarray(False)
+            ),
         )
 
     gate = oa.GatedTransformation(lambda p: optax.EmptyState(), gate_update)

@@ -79,7 +79,13 @@ def test_no_import_circle_inside_the_package():
 def test_the_combinator_imports_no_gate_module():
     gates = {
         f"optaxaccum._src.{m}"
-        for m in ("accumulate", "loss_scale", "multisteps", "noise_scale")
+        for m in (
+            "accumulate",
+            "loss_scale",
+            "multisteps",
+            "noise_scale",
+            "zero",
+        )
     }
     imported = _graph()["optaxaccum._src.chain"]
     assert not imported & gates, imported & gates
@@ -176,3 +182,35 @@ def test_the_size_rule_sees_class_docstrings():
     once ran to 72 lines)."""
     docs = {where.rsplit(" ", 1)[1]: doc for where, _, doc in _sizes()}
     assert docs["AccumulateState"] > 5
+
+
+def test_the_gate_protocol_holds_at_most_seven_public_fields():
+    """``GateContext``, ``GateResult`` and ``Emitted`` hold what
+    docs/gates.md teaches and nothing more (the window bookkeeping between
+    accumulate and the chain is private), counted in the API snapshot."""
+    snapshot = pathlib.Path(__file__).with_name("api_snapshot.txt")
+    fields = {}
+    for line in snapshot.read_text().splitlines():
+        for name in ("GateContext", "GateResult", "Emitted"):
+            if line.startswith(f"class {name}("):
+                inside = line[len(f"class {name}(") : line.rindex(")")]
+                fields[name] = [
+                    part.split(":")[0].strip() for part in _split_params(inside)
+                ]
+    assert set(fields) == {"GateContext", "GateResult", "Emitted"}, fields
+    assert sum(map(len, fields.values())) <= 7, fields
+    assert fields["Emitted"] == ["updates", "state"], fields
+
+
+def _split_params(params: str) -> list[str]:
+    """The top-level comma-separated parts of a signature's parameters."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(params):
+        if c in "([":
+            depth += 1
+        elif c in ")]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(params[start:i])
+            start = i + 1
+    return parts + [params[start:]]
