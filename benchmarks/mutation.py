@@ -330,7 +330,8 @@ MUTANTS = {
     "nested_plain_chain_drops_window_weight": (  # item 1: positional
         "chain.py",
         "    return out._replace(updates=updates, state=tail)",
-        "    return base.Emitted(updates, tail, out.opened)",
+        "    return base._Emission(updates=updates, state=tail, "
+        "opened=out.opened)",
         _NESTED_0,
     ),
     "required_keyword_gate_refused": (  # item 6
