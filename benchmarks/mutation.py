@@ -202,7 +202,7 @@ MUTANTS = {
         ["tests/test_mesh.py", "-k", "emits_reduced"],
     ),
     "shard_update_followers_unsharded": (  # issue 27: ZeRO-1 state
-        "zero.py",
+        "chain.py",
         "    if at is None:\n        return optax.chain(*transforms).init",
         "    if True:\n        return optax.chain(*transforms).init",
         ["tests/test_shard_update.py", "-k", "born"],
@@ -316,8 +316,9 @@ MUTANTS = {
     # ----------------------------------------------- issue 35 (hardening 3)
     "nested_plain_chain_drops_empty": (  # item 1
         "chain.py",
-        "return base.GateResult(state, res.may_open, emit_plain, res.empty)",
-        "return base.GateResult(state, res.may_open, emit_plain)",
+        "return res._replace(state=state, emit=emit_plain)",
+        "return base._Result(state=state, may_open=res.may_open, "
+        "emit=emit_plain)",
         _NESTED_0,
     ),
     "empty_window_emit_steps_followers": (  # item 1: emit on weight 0
@@ -329,7 +330,8 @@ MUTANTS = {
     "nested_plain_chain_drops_window_weight": (  # item 1: positional
         "chain.py",
         "    return out._replace(updates=updates, state=tail)",
-        "    return base.Emitted(updates, tail, out.opened)",
+        "    return base._Emission(updates=updates, state=tail, "
+        "opened=out.opened)",
         _NESTED_0,
     ),
     "required_keyword_gate_refused": (  # item 6

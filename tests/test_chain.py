@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import optaxaccum as oa
+from optaxaccum._src import base as _base
 from optaxaccum._src import hlo as _hlo
 
 
@@ -23,7 +24,11 @@ def _only_positive_gate():
         ok = sum(jnp.sum(x) for x in jax.tree.leaves(updates)) > 0
         ok = ok & ctx.passed  # a call an earlier gate refused does not count
         new = jnp.where(ok, state + 1, state)
-        return oa.GateResult(new, ok, lambda: (updates, new, True))
+
+        def emit():
+            return oa.Emitted(updates=updates, state=new)
+
+        return oa.GateResult(state=new, may_open=ok, emit=emit)
 
     return oa.GatedTransformation(init, gate_update)
 
@@ -285,14 +290,17 @@ def test_second_gate_closed_on_window_close_keeps_followers():
 
 
 def test_closed_opened_flag_gives_zeros_everywhere():
-    """A gate whose emit says opened=False emits zeros, alone, last in a
-    chain, and through apply_gradients (params untouched)."""
+    """A gate whose emission says opened=False (the private record an
+    accumulate across devices emits) emits zeros, alone, last in a chain,
+    and through apply_gradients (params untouched)."""
 
     def gate_update(updates, state, params, ctx, **extra_args):
-        return oa.GateResult(
-            state,
-            jnp.asarray(True),
-            lambda: (updates, state, jnp.asarray(False)),
+        return _base._Result(
+            state=state,
+            may_open=jnp.asarray(True),
+            emit=lambda: _base._Emission(
+                updates=updates, state=state, opened=jnp.asarray(False)
+            ),
         )
 
     gate = oa.GatedTransformation(lambda p: optax.EmptyState(), gate_update)
@@ -807,3 +815,24 @@ def test_gate_with_a_non_boolean_may_open_is_named(build, jit):
         update(jnp.ones(1), s, p)
     assert "flawed_gate_update" in str(info.value)
     assert "int" in str(info.value)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_apply_gradients_returns_the_updates_on_request(gated):
+    """``return_updates=True``: also the updates ``update`` gives (zeros
+    where the window stays open), for a gate and a plain transformation."""
+    tx = oa.chain(oa.accumulate(2), optax.sgd(0.5)) if gated else optax.sgd(0.5)
+    params = jnp.ones(2)
+    fused_state = plain_state = tx.init(params)
+    for g in (jnp.ones(2), 3 * jnp.ones(2), jnp.ones(2)):
+        want, plain_state = tx.update(g, plain_state, params)
+        out = oa.apply_gradients(
+            tx, g, fused_state, params, return_updates=True
+        )
+        new_params, fused_state, updates = out
+        chex.assert_trees_all_close(updates, want)
+        chex.assert_trees_all_close(
+            new_params, optax.apply_updates(params, want)
+        )
+        two = oa.apply_gradients(tx, g, plain_state, params)
+        assert len(two) == 2

@@ -79,10 +79,46 @@ def test_no_import_circle_inside_the_package():
 def test_the_combinator_imports_no_gate_module():
     gates = {
         f"optaxaccum._src.{m}"
-        for m in ("accumulate", "loss_scale", "multisteps", "noise_scale")
+        for m in (
+            "accumulate",
+            "loss_scale",
+            "multisteps",
+            "noise_scale",
+            "zero",
+        )
     }
     imported = _graph()["optaxaccum._src.chain"]
     assert not imported & gates, imported & gates
+
+
+def test_the_flax_integration_calls_no_private_function_of_chain():
+    """``optaxaccum/flax`` steps through the public fused step
+    (``oa.apply_gradients(..., return_updates=True)``): of ``_src.chain`` it
+    uses only what the module exports (its ``__all__``)."""
+    from optaxaccum._src import chain
+
+    used = []
+    for path in sorted((PACKAGE / "flax").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = {"chain"}  # the names the chain module is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in (
+                "optaxaccum._src",
+                "optaxaccum._src.chain",
+            ):
+                for a in node.names:
+                    if node.module.endswith("chain"):
+                        used.append((path.name, a.name))
+                    elif a.name == "chain":
+                        aliases.add(a.asname or a.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(
+                node.value, ast.Name
+            ):
+                if node.value.id in aliases:
+                    used.append((path.name, node.attr))
+    private = [u for u in used if u[1] not in chain.__all__]
+    assert used and not private, private
 
 
 def test_the_protocol_module_imports_only_utils():
@@ -146,3 +182,35 @@ def test_the_size_rule_sees_class_docstrings():
     once ran to 72 lines)."""
     docs = {where.rsplit(" ", 1)[1]: doc for where, _, doc in _sizes()}
     assert docs["AccumulateState"] > 5
+
+
+def test_the_gate_protocol_holds_at_most_seven_public_fields():
+    """``GateContext``, ``GateResult`` and ``Emitted`` hold what
+    docs/gates.md teaches and nothing more (the window bookkeeping between
+    accumulate and the chain is private), counted in the API snapshot."""
+    snapshot = pathlib.Path(__file__).with_name("api_snapshot.txt")
+    fields = {}
+    for line in snapshot.read_text().splitlines():
+        for name in ("GateContext", "GateResult", "Emitted"):
+            if line.startswith(f"class {name}("):
+                inside = line[len(f"class {name}(") : line.rindex(")")]
+                fields[name] = [
+                    part.split(":")[0].strip() for part in _split_params(inside)
+                ]
+    assert set(fields) == {"GateContext", "GateResult", "Emitted"}, fields
+    assert sum(map(len, fields.values())) <= 7, fields
+    assert fields["Emitted"] == ["updates", "state"], fields
+
+
+def _split_params(params: str) -> list[str]:
+    """The top-level comma-separated parts of a signature's parameters."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(params):
+        if c in "([":
+            depth += 1
+        elif c in ")]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(params[start:i])
+            start = i + 1
+    return parts + [params[start:]]

@@ -8,6 +8,7 @@ dcn=2 x data=2 x fsdp=2), against the single-device big-batch reference of
 tests/test_mesh.py and the compiled HLO's collective census.
 """
 
+import copy
 import re
 
 import chex
@@ -445,12 +446,12 @@ def test_pytree_round_trip_of_the_gate_keeps_shard_update():
     mesh, axis = _mesh("data2xfsdp4")
     acc = oa.accumulate(K, axis_name=axis, shard_update=True)
     specs = []
-    for a in (acc, jax.tree.map(lambda x: x, acc)):
+    for a in (acc, jax.tree.map(lambda x: x, acc), copy.deepcopy(acc)):
         with jax.set_mesh(mesh):
             params = tm._put_params(mesh, tm._init_params())
             state = jax.eval_shape(oa.chain(a, optax.adam(0.05)).init, params)
         specs.append(state[1][0].mu["w1"].sharding.spec)
-    assert specs[0] == specs[1] == P("fsdp", "data"), specs
+    assert specs[0] == specs[1] == specs[2] == P("fsdp", "data"), specs
 
 
 def test_updates_come_back_at_the_params_sharding_when_fsdp_is_named():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -137,10 +137,12 @@ def accumulate(
         decay,
         _check_shard_update(shard_update, axis_name),
     )
+    # Its results carry the window bookkeeping (base._Result), which the
+    # chain reads; to anyone else they are GateResults.
     gate = base.GatedTransformation(
         functools.partial(_init, cfg),
-        functools.partial(_gate_update, cfg),
-        functools.partial(_gate_flush, cfg),
+        cast(base.GateUpdateFn, functools.partial(_gate_update, cfg)),
+        cast(base.GateFlushFn, functools.partial(_gate_flush, cfg)),
     )
     return zero.gathered(gate, axis_name) if shard_update else gate
 
@@ -226,7 +228,7 @@ def _gate_update(
     *,
     accum_weight: Any = 1.0,
     **extra_args: Any,
-) -> base.GateResult:
+) -> base._Result:
     """Adds one micro-batch (of weight ``ctx.window_weight``, an earlier
     window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
@@ -261,14 +263,16 @@ def _gate_update(
         # The weight is local: decide on it here so the chain branches once.
         # A window of weight 0 is ``empty``: a later gate counts it.
         nonzero = weight != 0
-        return base.GateResult(
-            new_state,
-            closing & nonzero,
-            _emitter(cfg, new_state, out_dtypes, weight_checked=True),
+        return base._Result(
+            state=new_state,
+            may_open=closing & nonzero,
+            emit=_emitter(cfg, new_state, out_dtypes, weight_checked=True),
             empty=closing & ~nonzero,
         )
-    return base.GateResult(
-        new_state, closing, _emitter(cfg, new_state, out_dtypes)
+    return base._Result(
+        state=new_state,
+        may_open=closing,
+        emit=_emitter(cfg, new_state, out_dtypes),
     )
 
 
@@ -338,7 +342,7 @@ def _emitter(
     state: AccumulateState,
     out_dtypes: Any,
     weight_checked: bool = False,
-) -> Callable[[], base.Emitted]:
+) -> Callable[[], base._Emission]:
     """The ``emit`` of a closing window; ``weight_checked`` promises that the
     caller already checked the window's weight is not 0 (then ``opened`` is
     the literal ``True`` and the chain needs no second branch on it), or
@@ -377,11 +381,11 @@ def _emitter(
             if cfg.reduction == "mean"
             else (weight != 0).astype(weight.dtype)
         )
-        return base.Emitted(
-            updates,
-            state._replace(updated=updated, noise_scale=noise),
-            opened,
-            follower_weight,
+        return base._Emission(
+            updates=updates,
+            state=state._replace(updated=updated, noise_scale=noise),
+            opened=opened,
+            window_weight=follower_weight,
         )
 
     return emit
@@ -389,7 +393,7 @@ def _emitter(
 
 def _gate_flush(
     cfg: _Config, state: AccumulateState, params: optax.Params, **extra_args
-) -> base.GateResult:
+) -> base._Result:
     """Closes the current window now, if it holds any micro-batch."""
     del extra_args  # the caller checks extra args (near-misses)
     params = _gradient_params(params)
@@ -404,8 +408,10 @@ def _gate_flush(
         gradient_step=optax.safe_increment(state.gradient_step),
     )
     out_dtypes = jax.tree.map(jnp.result_type, params)
-    return base.GateResult(
-        state, state.mini_step > 0, _emitter(cfg, closed_state, out_dtypes)
+    return base._Result(
+        state=state,
+        may_open=state.mini_step > 0,
+        emit=_emitter(cfg, closed_state, out_dtypes),
     )
 
 

@@ -55,26 +55,15 @@ class GateContext(NamedTuple):
 
 
 class Emitted(NamedTuple):
-    """What a gate emits when it opens (a plain 3-tuple is accepted too).
+    """What a gate emits when it opens.
 
     Attributes:
       updates: the updates passed on to the followers.
       state: the gate's state when it opens.
-      opened: a flag: whether the followers run after all (a decision that
-        needs the emit's work, e.g. a weight summed across devices); where
-        false the chain emits zeros and the followers' states stay.
-      window_weight: the total weight of the window this call closed (an
-        :func:`accumulate`), or ``None``: the followers get it as
-        ``accum_weight``, a later gate as ``ctx.window_weight``.
-      passed: a flag: whether the call got through every gate inside this
-        one (a chain); a later gate gets it as ``ctx.passed``.
     """
 
     updates: optax.Updates
     state: Any  # the gate's state (a pytree)
-    opened: Any = True
-    window_weight: Any = None
-    passed: Any = True
 
 
 class GateResult(NamedTuple):
@@ -82,7 +71,8 @@ class GateResult(NamedTuple):
 
     Attributes:
       state: the gate's state to keep when it stays closed (a pytree).
-      may_open: a flag: whether the gate opens (then ``emit`` is used).
+      may_open: a boolean scalar (a bool array or a Python bool): whether
+        the gate opens (then ``emit`` is used).
       emit: a function of no arguments returning the :class:`Emitted`; the
         chain calls it only inside the branch taken where ``may_open`` is
         true, so work that matters only then (dividing by the window's
@@ -90,16 +80,63 @@ class GateResult(NamedTuple):
         nothing (values it computed anyway) gives the :class:`Emitted`
         itself: an *eager* gate, which the chain merges with the next gate
         so that the fused step still branches once.
-      empty: a flag: the call closed a window of weight 0 (``may_open`` is
-        false): the followers do not step, but a later gate counts it as
-        one call of weight 0. ``emit`` is not called for it: ``state`` is
-        the gate's state after that window.
     """
 
     state: Any  # the gate's state (a pytree)
     may_open: Any
-    emit: Callable[[], Emitted | tuple] | Emitted | tuple
+    emit: Callable[[], Emitted] | Emitted
+
+
+class _Emission(NamedTuple):
+    """An :class:`Emitted` with the window bookkeeping that only
+    :func:`optaxaccum.accumulate` and the chain exchange (private)."""
+
+    updates: optax.Updates
+    state: Any
+    # Whether the followers run after all (a decision that needs the
+    # emit's work, e.g. a weight summed across devices); where false the
+    # chain emits zeros and the followers' states stay.
+    opened: Any = True
+    # The total weight of the window this call closed, or None: the
+    # followers get it as accum_weight, a later gate as ctx.window_weight.
+    window_weight: Any = None
+    # Whether the call got through every gate inside this one (a chain):
+    # a later gate gets it as ctx.passed.
+    passed: Any = True
+
+
+class _Result(NamedTuple):
+    """A :class:`GateResult` with the window bookkeeping that only
+    :func:`optaxaccum.accumulate` and the chain exchange (private): its
+    ``emit`` gives an :class:`_Emission`."""
+
+    state: Any
+    may_open: Any
+    emit: Any  # () -> _Emission, or the _Emission itself (eager)
+    # The call closed a window of weight 0 (may_open is false): the
+    # followers do not step, but a later gate counts it as one call of
+    # weight 0. emit is not called for it: state is the gate's state then.
     empty: Any = False
+
+
+def _as_emission(value: Any) -> _Emission:
+    """A gate's emission (an :class:`Emitted`, an :class:`_Emission` or a
+    plain tuple) as an :class:`_Emission`."""
+    if isinstance(value, _Emission):
+        return value
+    if isinstance(value, Emitted):
+        return _Emission(updates=value.updates, state=value.state)
+    return _Emission(*value)
+
+
+def _as_result(res: Any) -> _Result:
+    """A gate's result (a :class:`GateResult` or an :class:`_Result`) as an
+    :class:`_Result`: the one place where the chain reads what a gate
+    decided."""
+    if isinstance(res, _Result):
+        return res
+    state, may_open, emit = res
+    return _Result(state=state, may_open=may_open, emit=emit)
 
 
 class GateUpdateFn(Protocol):
@@ -127,26 +164,26 @@ class GateFlushFn(Protocol):
     ) -> GateResult: ...
 
 
-def emitted(res: GateResult) -> Emitted:
-    """The :class:`Emitted` of ``res`` (calling ``res.emit`` if lazy)."""
+def emitted(res: GateResult | _Result) -> _Emission:
+    """The emission of ``res`` (calling ``res.emit`` if lazy)."""
     emit = res.emit
-    value: Any = emit() if callable(emit) else emit
-    return Emitted(*value)
+    return _as_emission(emit() if callable(emit) else emit)
 
 
-def map_emit(emit: Any, fn: Callable[[Emitted], Emitted]) -> Any:
+def map_emit(emit: Any, fn: Callable[[_Emission], _Emission]) -> Any:
     """``emit`` followed by ``fn``: a value if ``emit`` is one (an eager
     gate stays eager), else a function of no arguments."""
     if callable(emit):
         lazy: Callable[[], Any] = emit
-        return lambda: fn(Emitted(*lazy()))
-    return fn(Emitted(*emit))
+        return lambda: fn(_as_emission(lazy()))
+    return fn(_as_emission(emit))
 
 
-def as_update(res: GateResult) -> tuple[optax.Updates, optax.OptState]:
+def as_update(res: GateResult | _Result) -> tuple[optax.Updates, Any]:
     """A gate's result as the plain ``(updates, state)`` of ``update``: zeros
     with the structure, shapes and dtypes of the emitted updates where the
     gate stays closed (or opens but does not let the followers run)."""
+    res = _as_result(res)
 
     def opened():
         out = emitted(res)
@@ -181,7 +218,10 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
       >>> import optaxaccum as oa
       >>> def gate_update(updates, state, params, ctx, **extra_args):
       ...   finite = jnp.all(jnp.isfinite(updates)) & ctx.passed
-      ...   return oa.GateResult(state, finite, oa.Emitted(updates, state))
+      ...   return oa.GateResult(
+      ...       state=state,
+      ...       may_open=finite,
+      ...       emit=oa.Emitted(updates=updates, state=state))
       >>> only_finite = oa.GatedTransformation(
       ...     lambda params: optax.EmptyState(), gate_update)
       >>> tx = oa.chain(only_finite, optax.sgd(1.0))
@@ -192,6 +232,7 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
 
     gate_update: GateUpdateFn
     gate_flush: GateFlushFn | None
+    _followers: _Followers | None  # where the chain runs the followers
 
     def __new__(
         cls,
@@ -216,6 +257,7 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         )
         self.gate_update = gate_update
         self.gate_flush = gate_flush
+        self._followers = None
         return self
 
     def __getnewargs__(self):
@@ -248,13 +290,40 @@ def _check_takes_ctx(gate_update: Any) -> None:
         ) from None
 
 
+class _Followers(NamedTuple):
+    """A gate's private hook for where :func:`optaxaccum.chain` runs the
+    elements after it (``shard_update``: on each device's piece)."""
+
+    gate: GatedTransformation  # what the chain runs in the gate's place
+    wrap: Callable[[Any], Any]  # the followers -> the followers, placed
+    place: Callable[[Any], Any]  # params -> the followers' init params
+
+
+def _with_followers(
+    tx: GatedTransformation, hook: _Followers | None
+) -> GatedTransformation:
+    """``tx`` with the follower hook ``hook`` (kept by pytree round trips,
+    copies and pickles)."""
+    tx._followers = hook
+    return tx
+
+
+def _followers_of(tx: Any) -> _Followers | None:
+    """The follower hook of ``tx``, or ``None`` (not a gate, or none)."""
+    return getattr(tx, "_followers", None) if is_gate(tx) else None
+
+
 def _flatten_gate(tx: GatedTransformation):
-    return (tx.init, tx.update), (tx.gate_update, tx.gate_flush)
+    aux = (tx.gate_update, tx.gate_flush, tx._followers)
+    return (tx.init, tx.update), aux
 
 
 def _unflatten_gate(aux, children) -> GatedTransformation:
     init, _ = children  # update is derived from gate_update again
-    return GatedTransformation(init, *aux)
+    gate_update, gate_flush, hook = aux
+    return _with_followers(
+        GatedTransformation(init, gate_update, gate_flush), hook
+    )
 
 
 # A NamedTuple subclass would otherwise be rebuilt by jax.tree functions as

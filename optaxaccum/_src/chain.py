@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, utils, zero
+from optaxaccum._src import base, utils
 from optaxaccum._src.windows import warn_if_wrapped
 
 __all__ = ["chain", "apply_gradients", "flush"]
@@ -70,10 +70,7 @@ def chain(
     if gate_at is None:  # a chain without gates is optax.chain
         return _checked(optax.chain(*transforms), declared, len(transforms))
     n, head = len(transforms), _plain(transforms[:gate_at])
-    # shard_update: the followers run on each device's shard (zero.py).
-    gate, rest = zero.split(
-        transforms[gate_at], _followers(transforms, gate_at)
-    )
+    gate, rest = _split(transforms[gate_at], _followers(transforms, gate_at))
     assert base.is_gate(gate)  # for the type checker: found as a gate
 
     def gate_update_fn(updates, state, params, ctx, **extra_args):
@@ -86,8 +83,8 @@ def chain(
         counts = utils.both(ctx.passed, _nonzero(ctx.window_weight))
         new_head = utils.select(counts, new_head, state[:gate_at])
         # The gate decides; the elements after it run where it opens.
-        res = gate.gate_update(
-            updates, state[gate_at], params, ctx, **extra_args
+        res = base._as_result(
+            gate.gate_update(updates, state[gate_at], params, ctx, **extra_args)
         )
         _check_flags(res, gate)
         plain = rest is not None and not base.is_gate(rest)
@@ -96,10 +93,40 @@ def chain(
         return _follow(res, new_head, tail, rest, params, extra_args)
 
     return base.GatedTransformation(
-        zero.chain_init(transforms),
+        _init(transforms),
         utils.with_signature(gate_update_fn, declared, gate=True),
         _flush_fn(transforms),
     )
+
+
+def _split(gate: Any, rest: Any) -> tuple[Any, Any]:
+    """The gate and followers the chain runs: as given, unless the gate has
+    a follower hook (``shard_update``: the followers run on each device's
+    piece) and followers."""
+    hook = base._followers_of(gate)
+    if hook is None or rest is None:
+        return gate, rest
+    return hook.gate, hook.wrap(rest)
+
+
+def _init(transforms: tuple) -> Any:
+    """``optax.chain(*transforms).init``, except that the elements after
+    the first gate with a follower hook are initialised on the params its
+    hook places (``shard_update``: their state sharded like them)."""
+    hooks = [base._followers_of(tx) for tx in transforms]
+    at = next((i for i, h in enumerate(hooks) if h is not None), None)
+    if at is None:
+        return optax.chain(*transforms).init
+    place = cast(base._Followers, hooks[at]).place
+
+    def init(params):
+        placed = place(params)
+        return (
+            *(tx.init(params) for tx in transforms[: at + 1]),
+            *(tx.init(placed) for tx in transforms[at + 1 :]),
+        )
+
+    return init
 
 
 def _check_elements(transforms):
@@ -112,7 +139,7 @@ def _check_elements(transforms):
             )
 
 
-def _check_flags(res: base.GateResult, gate: Any) -> None:
+def _check_flags(res: base._Result, gate: Any) -> None:
     """Raises ``TypeError`` naming the gate if its ``may_open`` (or
     ``empty``) is not a flag: a Python bool or a boolean scalar array
     (``ctx.passed & ~False`` is an int: ``~False`` is -1)."""
@@ -151,7 +178,7 @@ def _flush_fn(transforms) -> base.GateFlushFn | None:
     )
     if flush_at is None:
         return None
-    flusher, rest = zero.split(
+    flusher, rest = _split(
         transforms[flush_at], _followers(transforms, flush_at)
     )
     assert base.is_gate(flusher) and flusher.gate_flush is not None
@@ -159,11 +186,11 @@ def _flush_fn(transforms) -> base.GateFlushFn | None:
 
     def gate_flush_fn(state, params, **extra_args):
         _check_chain_state(state, n)
-        res = flush_fn(state[flush_at], params, **extra_args)
+        res = base._as_result(flush_fn(state[flush_at], params, **extra_args))
         head, tail = state[:flush_at], state[flush_at + 1 :]
         return _follow(res, head, tail, rest, params, extra_args)
 
-    return gate_flush_fn
+    return cast(base.GateFlushFn, gate_flush_fn)
 
 
 def _checked(tx, declared, n):
@@ -202,8 +229,8 @@ def _followers(transforms, i):
 
 
 def _inherit_window(
-    res: base.GateResult, window: Any, plain: bool
-) -> base.GateResult:
+    res: base._Result, window: Any, plain: bool
+) -> base._Result:
     """A gate that closes no window of its own (a loss scale, a user's gate)
     passes an earlier accumulate's window weight on to its followers: a
     later accumulate weighs the window by it (and counts one of weight 0),
@@ -212,7 +239,7 @@ def _inherit_window(
     if window is None:
         return res
 
-    def inherit(out: base.Emitted) -> base.Emitted:
+    def inherit(out: base._Emission) -> base._Emission:
         if out.window_weight is not None:  # the gate closed its own window
             return out
         out = out._replace(window_weight=window)
@@ -268,24 +295,22 @@ def _plain(transforms):
 
 
 def _follow(
-    res: base.GateResult,
+    res: base._Result,
     head: tuple,
     tail_state: tuple,
     rest: Any,
     params: optax.Params | None,
     extra_args: dict[str, Any],
-) -> base.GateResult:
+) -> base._Result:
     """Extends a gate's result with the elements that follow it (``rest``,
     see :func:`_followers`) and the states of those before it (``head``)."""
     if rest is None:  # emit adds only the head: an eager gate stays eager
 
-        def alone(out: base.Emitted) -> base.Emitted:
+        def alone(out: base._Emission) -> base._Emission:
             return out._replace(state=(*head, out.state))
 
         emit = base.map_emit(res.emit, alone)
-        return base.GateResult(
-            (*head, res.state), res.may_open, emit, res.empty
-        )
+        return res._replace(state=(*head, res.state), emit=emit)
     gated = base.is_gate(rest)
     if gated and not callable(res.emit):  # an eager gate, then a gate
         return _follow_eager(res, head, tail_state, rest, params, extra_args)
@@ -299,7 +324,7 @@ def _follow(
             e = _emit_into(out, tail_state, rest, params, args)
             return e._replace(state=(*head, out.state, *e.state))
 
-        return base.GateResult(state, res.may_open, emit_plain, res.empty)
+        return res._replace(state=state, emit=emit_plain)
 
     def emit():
         out = _passed_on(res)
@@ -308,10 +333,12 @@ def _follow(
         return e._replace(state=(*head, out.state, *e.state))
 
     # A later gate counts an empty window (weight 0) as one call.
-    return base.GateResult(state, utils.either(res.may_open, res.empty), emit)
+    return base._Result(
+        state=state, may_open=utils.either(res.may_open, res.empty), emit=emit
+    )
 
 
-def _passed_on(res: base.GateResult) -> base.Emitted:
+def _passed_on(res: base._Result) -> base._Emission:
     """What a gate passes on to a later gate where it opens or closed a
     window of weight 0 (``res.empty``), the chain's one place for such a
     window: its emission where it opens; for the empty window, one call of
@@ -337,10 +364,16 @@ def _passed_on(res: base.GateResult) -> base.Emitted:
     )
     # True in both branches: keep the literal (no select on the next state).
     passed = True if literal and all(literal) else passed
-    return base.Emitted(updates, state, is_open, weight, passed)
+    return base._Emission(
+        updates=updates,
+        state=state,
+        opened=is_open,
+        window_weight=weight,
+        passed=passed,
+    )
 
 
-def _emit_into(out, tail_state, rest, params, args) -> base.Emitted:
+def _emit_into(out, tail_state, rest, params, args) -> base._Emission:
     """The plain followers run where the gate ``opened`` after all."""
 
     def run():
@@ -354,15 +387,17 @@ def _emit_into(out, tail_state, rest, params, args) -> base.Emitted:
     return out._replace(updates=updates, state=tail)
 
 
-def _emit_into_gate(out, tail_state, rest, params, args) -> base.Emitted:
+def _emit_into_gate(out, tail_state, rest, params, args) -> base._Emission:
     """A later gate decides in turn (only where this one opened, e.g. once
     per window); its emit runs only where it opens too."""
     # An accumulate's window reaches the later gate as one call of the
     # window's weight (0 for an empty window), where it passed this gate.
     window = out.window_weight
     passed = True if window is None else out.passed
-    ctx = base.GateContext(passed, window)
-    res2 = rest.gate_update(out.updates, tail_state, params, ctx, **args)
+    ctx = base.GateContext(passed=passed, window_weight=window)
+    res2 = base._as_result(
+        rest.gate_update(out.updates, tail_state, params, ctx, **args)
+    )
     pred = utils.either(res2.may_open, res2.empty)
 
     def opened():
@@ -383,14 +418,20 @@ def _emit_into_gate(out, tail_state, rest, params, args) -> base.Emitted:
         pred, opened, closed
     )
     if window is not None:
-        return base.Emitted(updates, inner, opened2, weight2, passed2)
+        return base._Emission(
+            updates=updates,
+            state=inner,
+            opened=opened2,
+            window_weight=weight2,
+            passed=passed2,
+        )
     tail = utils.select(out.opened, inner, tail_state)
-    return base.Emitted(
-        updates,
-        tail,
-        utils.both(out.opened, opened2),
-        weight2,
-        utils.both(out.opened, passed2),
+    return base._Emission(
+        updates=updates,
+        state=tail,
+        opened=utils.both(out.opened, opened2),
+        window_weight=weight2,
+        passed=utils.both(out.opened, passed2),
     )
 
 
@@ -403,19 +444,45 @@ def _follow_eager(res, head, tail_state, rest, params, extra_args):
     gate_state = utils.select(res.may_open, out.state, res.state)
     # A call this gate refused does not count for the later gate (``passed``).
     window = out.window_weight
-    ctx = base.GateContext(passed, window)
+    ctx = base.GateContext(passed=passed, window_weight=window)
     args = _replaced(extra_args, window)
-    res2 = rest.gate_update(out.updates, tail_state, params, ctx, **args)
+    res2 = base._as_result(
+        rest.gate_update(out.updates, tail_state, params, ctx, **args)
+    )
 
-    def prepend(e: base.Emitted) -> base.Emitted:
+    def prepend(e: base._Emission) -> base._Emission:
         return e._replace(state=(*head, gate_state, *cast(tuple, e.state)))
 
-    return base.GateResult(
-        (*head, gate_state, *cast(tuple, res2.state)),
-        utils.both(passed, res2.may_open),
-        base.map_emit(res2.emit, prepend),
-        utils.both(passed, res2.empty),
+    return base._Result(
+        state=(*head, gate_state, *cast(tuple, res2.state)),
+        may_open=utils.both(passed, res2.may_open),
+        emit=base.map_emit(res2.emit, prepend),
+        empty=utils.both(passed, res2.empty),
     )
+
+
+@overload
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    *,
+    return_updates: Literal[False] = False,
+    **extra_args: Any,
+) -> tuple[optax.Params, optax.OptState]: ...
+
+
+@overload
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    *,
+    return_updates: Literal[True],
+    **extra_args: Any,
+) -> tuple[optax.Params, optax.OptState, optax.Updates]: ...
 
 
 def apply_gradients(
@@ -423,8 +490,13 @@ def apply_gradients(
     grads: optax.Updates,
     opt_state: optax.OptState,
     params: optax.Params,
+    *,
+    return_updates: bool = False,
     **extra_args: Any,
-) -> tuple[optax.Params, optax.OptState]:
+) -> (
+    tuple[optax.Params, optax.OptState]
+    | tuple[optax.Params, optax.OptState, optax.Updates]
+):
     """One fused optimizer step: ``update`` then ``optax.apply_updates``.
 
     Gives the same result as::
@@ -436,25 +508,25 @@ def apply_gradients(
     :func:`accumulate`) that stays closed, ``params`` are returned untouched
     and no tree of zero updates is built. Jitted with ``params`` and
     ``opt_state`` donated, a micro-step that does not close the window then
-    costs a single pass over the accumulator (read gradient, read accumulator,
-    write accumulator) and allocates no tree-sized temporary. Results equal
-    the plain protocol's up to float rounding (XLA may fuse the update into
-    the parameter add).
+    costs a single pass over the accumulator and allocates no tree-sized
+    temporary. Results equal the plain protocol's up to float rounding.
 
-    Give the jitted step its donated arguments in the order it returns
-    them, ``step(params, opt_state, grads) -> (params, opt_state)`` with
-    ``donate_argnums=(0, 1)`` (docs/concepts.md, "The fused step and
-    donation").
+    Donate ``params`` and ``opt_state`` in the order the step returns them
+    (docs/concepts.md, "The fused step and donation").
 
     Args:
       tx: any optax transformation; the fast path needs a gate.
       grads: the gradients of this micro-batch.
       opt_state: ``tx``'s state.
       params: the current parameters.
+      return_updates: also return the updates applied (zeros where the
+        gate stayed closed), as ``optax``'s ``update`` gives them. Under
+        ``jit`` a caller that does not use them pays nothing for them.
       **extra_args: passed to ``tx.update`` (e.g. ``accum_weight``).
 
     Returns:
-      ``(params, opt_state)`` after the step.
+      ``(params, opt_state)`` after the step; with ``return_updates``,
+      ``(params, opt_state, updates)``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -465,36 +537,39 @@ def apply_gradients(
       >>> step = jax.jit(lambda p, s, g: oa.apply_gradients(tx, g, s, p),
       ...                donate_argnums=(0, 1))
       >>> params, state = step(params, state, jnp.ones(2))
-      >>> params, state = step(params, state, 3 * jnp.ones(2))
-      >>> params
-      Array([0., 0.], dtype=float32)
+      >>> params, state, updates = oa.apply_gradients(
+      ...     tx, 3 * jnp.ones(2), state, params, return_updates=True)
+      >>> params, updates
+      (Array([0., 0.], dtype=float32), Array([-1., -1.], dtype=float32))
     """
-    params, opt_state, _ = fused_step(tx, grads, opt_state, params, extra_args)
-    return params, opt_state
+    out = _fused_step(tx, grads, opt_state, params, extra_args, return_updates)
+    return cast(Any, out if return_updates else out[:2])
 
 
-def fused_step(
+def _fused_step(
     tx: optax.GradientTransformation,
     grads: optax.Updates,
     opt_state: optax.OptState,
     params: optax.Params,
     extra_args: dict[str, Any],
-    with_updates: bool = False,
+    with_updates: bool,
 ) -> tuple[optax.Params, optax.OptState, optax.Updates | None]:
     """:func:`apply_gradients`, also returning the updates applied when
     ``with_updates`` (zeros where the gate stayed closed; ``None`` without
-    it). Under ``jit`` an unused updates output costs nothing."""
+    it)."""
     if not base.is_gate(tx):
         warn_if_wrapped(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         return optax.apply_updates(params, updates), opt_state, updates
     utils.check_extra_args(extra_args, utils.declared_extra_args(tx))
     ctx = base.GateContext()
-    result = tx.gate_update(grads, opt_state, params, ctx, **extra_args)
+    result = base._as_result(
+        tx.gate_update(grads, opt_state, params, ctx, **extra_args)
+    )
     return _apply(result, params, with_updates)
 
 
-def _apply(res: base.GateResult, params, with_updates: bool):
+def _apply(res: base._Result, params, with_updates: bool):
     def opened():
         updates, state, flag, *_ = base.emitted(res)
         new_params = optax.apply_updates(params, updates)

@@ -206,9 +206,11 @@ def dynamic_loss_scale(
         # A call an earlier gate refused (ctx.passed false) leaves it as is.
         new_state = utils.select(ctx.passed, new_state, state)
         # Eager: the Emitted itself (the unscaled gradients cost nothing).
-        emitted = base.Emitted(unscaled, new_state)
+        emitted = base.Emitted(updates=unscaled, state=new_state)
         return base.GateResult(
-            new_state, utils.both(ctx.passed, finite), emitted
+            state=new_state,
+            may_open=utils.both(ctx.passed, finite),
+            emit=emitted,
         )
 
     return base.GatedTransformation(init_fn, gate_update_fn, None)

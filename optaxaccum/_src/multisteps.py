@@ -10,7 +10,7 @@ the skip gate the window count (``gradient_step``) its function expects.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +95,8 @@ def _skip_gate(should_skip_update_fn: Callable) -> base.GatedTransformation:
         new = state._replace(skip_state=skip_state)
         opens = utils.both(ctx.passed, jnp.logical_not(should_skip))
         # Eager: it emits the updates it was given (nothing to compute).
-        return base.GateResult(new, opens, base.Emitted(updates, new))
+        emitted = base.Emitted(updates=updates, state=new)
+        return base.GateResult(state=new, may_open=opens, emit=emitted)
 
     return base.GatedTransformation(init_fn, gate_update_fn)
 
@@ -190,7 +191,7 @@ class MultiSteps(base.GatedTransformation):
             cls,
             init_fn,
             utils.with_signature(gate_update_fn, declared, gate=True),
-            gate_flush_fn,
+            cast(base.GateFlushFn, gate_flush_fn),
         )
         self._opt = optax.with_extra_args_support(opt)
         self._config = (
@@ -314,15 +315,14 @@ class _Views:
             updated=acc.updated,
         )
 
-    def result(self, res: base.GateResult) -> base.GateResult:
-        def outer(out: base.Emitted) -> base.Emitted:
+    def result(self, res: Any) -> base._Result:
+        res = base._as_result(res)  # an oa.chain's: with its window
+
+        def outer(out: base._Emission) -> base._Emission:
             return out._replace(state=self.outer(out.state))
 
-        return base.GateResult(
-            self.outer(res.state),
-            res.may_open,
-            base.map_emit(res.emit, outer),
-            res.empty,
+        return res._replace(
+            state=self.outer(res.state), emit=base.map_emit(res.emit, outer)
         )
 
 

@@ -18,13 +18,12 @@ import os
 import pathlib
 import traceback
 from collections.abc import Hashable, Iterator
-from typing import Any, NamedTuple, cast
+from typing import Any
 
 import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -183,85 +182,46 @@ def check_explicit(grads: Any, axis_name: Any) -> None:
         )
 
 
-class ShardUpdate(NamedTuple):
-    """What :func:`optaxaccum.chain` needs of a ``shard_update`` gate."""
-
-    gate: base.GatedTransformation  # emits updates placed by zero_spec
-    axis_name: Any
-
-
 def gathered(
     gate: base.GatedTransformation, axis_name: Any
 ) -> base.GatedTransformation:
     """``gate`` (whose emitted updates lie as :func:`place` puts them) with
     its emitted updates gathered back to the params' sharding, for use
-    alone or in ``optax.chain``. Its ``gate_update`` carries ``gate`` for
-    :func:`split` (as ``.shard_update``: a function attribute survives
-    the pytree round trips that rebuild the transformation)."""
-    update = _gathering(gate.gate_update, axis_name, params_at=2)
-    update.shard_update = ShardUpdate(gate, axis_name)  # pyright: ignore
+    alone or in ``optax.chain``. Its follower hook gives
+    :func:`optaxaccum.chain` ``gate`` itself and the followers run on each
+    device's piece (:func:`on_shard`), their state initialised on the
+    :func:`place`-d params."""
     flush = gate.gate_flush
-    return base.GatedTransformation(
+    tx = base.GatedTransformation(
         gate.init,
-        update,
+        _gathering(gate.gate_update, axis_name, params_at=2),
         None if flush is None else _gathering(flush, axis_name, params_at=1),
     )
-
-
-def found(tx: Any) -> ShardUpdate | None:
-    """The :class:`ShardUpdate` of a ``shard_update`` accumulate, else
-    ``None``."""
-    found = getattr(getattr(tx, "gate_update", None), "shard_update", None)
-    return found if isinstance(found, ShardUpdate) else None
+    hook = base._Followers(
+        gate=gate,
+        wrap=functools.partial(on_shard, axis_name=axis_name),
+        place=functools.partial(place, axis_name=axis_name),
+    )
+    return base._with_followers(tx, hook)
 
 
 def _gathering(fn: Any, axis_name: Any, params_at: int) -> Any:
     """A gate function whose result's emitted updates are :func:`gather`-ed
     to the sharding of its params (argument ``params_at``), if given."""
 
-    @functools.wraps(fn, updated=())  # not fn's attributes (.shard_update)
+    @functools.wraps(fn, updated=())  # not fn's attributes
     def wrapped(*args, **kwargs):
-        res = fn(*args, **kwargs)
+        res = base._as_result(fn(*args, **kwargs))
         params = args[params_at] if len(args) > params_at else None
         params = kwargs.get("params", params)
 
-        def gather_out(out: base.Emitted) -> base.Emitted:
+        def gather_out(out: base._Emission) -> base._Emission:
             updates = gather(out.updates, axis_name, like=params)
             return out._replace(updates=updates)
 
         return res._replace(emit=base.map_emit(res.emit, gather_out))
 
     return wrapped
-
-
-def split(gate: Any, rest: Any) -> tuple[Any, Any]:
-    """The gate and followers an :func:`optaxaccum.chain` runs: for a
-    ``shard_update`` accumulate with followers, its variant emitting
-    sharded updates and the followers run on each device's shard (see
-    :func:`on_shard`). Otherwise as given."""
-    shard = found(gate)
-    if shard is None or rest is None:
-        return gate, rest
-    return shard.gate, on_shard(rest, shard.axis_name)
-
-
-def chain_init(transforms: tuple) -> Any:
-    """``optax.chain(*transforms).init``, except that the elements after a
-    ``shard_update`` accumulate (the first, if any) are initialised on the
-    params :func:`place`-d over its axes: their state sharded like them."""
-    at = next((i for i, tx in enumerate(transforms) if found(tx)), None)
-    if at is None:
-        return optax.chain(*transforms).init
-    axis_name = cast(ShardUpdate, found(transforms[at])).axis_name
-
-    def init(params):
-        placed = place(params, axis_name)
-        return (
-            *(tx.init(params) for tx in transforms[: at + 1]),
-            *(tx.init(placed) for tx in transforms[at + 1 :]),
-        )
-
-    return init
 
 
 def on_shard(rest: Any, axis_name: Any) -> Any:

@@ -267,13 +267,13 @@ class Optimizer(nnx.Optimizer):
         """
         params, old_opt_state = self._pure(model)
         grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-        params, opt_state, updates = chain_lib.fused_step(
+        params, opt_state, updates = chain_lib.apply_gradients(
             self.tx,
             grads,
             old_opt_state,
             params,
-            nnx.as_pure(kwargs),
-            with_updates=True,
+            return_updates=True,
+            **nnx.as_pure(kwargs),
         )
         self._store(model, params, opt_state)
         for _, module in nnx.iter_modules(model):
