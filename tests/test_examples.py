@@ -180,3 +180,14 @@ def test_transformer_lm(tmp_path):
     for name in ("transformer_lm.png", "transformer_lm_noise_scale.png"):
         png = tmp_path / "figures" / name
         assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_equinox_batchnorm(tmp_path):
+    """An Equinox BatchNorm built on the framework-neutral helpers follows
+    the optimizer's windows of changing length (critical_batch_every_k)."""
+    stdout = _run("equinox_batchnorm.py", "--tiny", cwd=tmp_path)
+    match = re.search(r"^window lengths: \[([\d, ]+)\]$", stdout, re.MULTILINE)
+    assert match, stdout
+    assert len(set(match.group(1).split(", "))) > 1, stdout  # lengths change
+    assert "BatchNorm windows closed with the optimizer's: True" in stdout
+    assert _number(r"on the windows: error (\S+)$", stdout) < 1e-5
