@@ -6,6 +6,7 @@ promises and emit no warning. Where an example demonstrates an equality
 (token weighting, flushing) the printed numbers are checked too.
 """
 
+import ast
 import os
 import pathlib
 import re
@@ -191,3 +192,20 @@ def test_equinox_batchnorm(tmp_path):
     assert len(set(match.group(1).split(", "))) > 1, stdout  # lengths change
     assert "BatchNorm windows closed with the optimizer's: True" in stdout
     assert _number(r"on the windows: error (\S+)$", stdout) < 1e-5
+    # Written against the public and framework-neutral layers only.
+    tree = ast.parse((EXAMPLES / "equinox_batchnorm.py").read_text())
+    imported = {
+        a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import)
+        for a in n.names
+    }
+    imported |= {
+        f"{n.module}.{a.name}" if n.module == "optaxaccum._src" else n.module
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        for a in n.names
+    }
+    ours = {m for m in imported if m.startswith("optaxaccum")}
+    assert ours == {"optaxaccum", "optaxaccum._src.batch_stats"}, ours
+    assert not any(m.split(".")[0] == "flax" for m in imported), imported
