@@ -214,3 +214,41 @@ def _split_params(params: str) -> list[str]:
             parts.append(params[start:i])
             start = i + 1
     return parts + [params[start:]]
+
+
+_NO_FLAX = """
+import importlib.abc, sys
+
+class _NoFlax(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "flax" or name.startswith("flax."):
+            raise ImportError(f"flax is blocked ({name})")
+        return None
+
+sys.meta_path.insert(0, _NoFlax())
+import optaxaccum._src.batch_stats
+import optaxaccum._src.windows
+assert not any(m == "flax" or m.startswith("flax.") for m in sys.modules)
+try:
+    import optaxaccum.flax
+except ImportError:
+    pass
+else:
+    raise AssertionError("the flax blocker let flax through")
+"""
+
+
+def test_the_batch_stats_module_imports_without_flax():
+    """The BatchNorm window helpers are plain JAX: importable with flax
+    unavailable (any framework can use them, e.g. Equinox)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_FLAX],
+        capture_output=True,
+        text=True,
+        cwd=PACKAGE.parent,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
