@@ -419,6 +419,25 @@ MUTANTS = {
         "return lax.cond(pred, _kept(true_fn), false_fn)",
         ["tests/test_gpu_branch.py"],
     ),
+    # ----------------------------------------- one helper per idea
+    "divide_or_sees_the_excluded_divisor": (
+        "utils.py",
+        "return jnp.where(ok, x / jnp.where(ok, y, 1), otherwise)",
+        "return jnp.where(ok, x / y, otherwise)",
+        ["tests/test_utils.py", "-k", "divide_or"],
+    ),
+    "axis_name_checked_by_a_second_rule": (
+        "utils.py",
+        "    if value is not None:\n        axis_names(value)\n",
+        "    if value is not None:\n        hash(value)\n",
+        ["tests/test_utils.py", "-k", "axis_name"],
+    ),
+    "hlo_walk_forgets_branches": (
+        "hlo.py",
+        "inner = branches if index is None else (*branches, index)",
+        "inner = branches",
+        ["tests/test_utils.py", "-k", "hlo_walker"],
+    ),
 }
 
 
