@@ -17,13 +17,26 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "optaxaccum" / "_src"
-CORE_TESTS = [
-    "tests/test_hardening.py",
-    "tests/test_chain.py",
-    "tests/test_accumulate.py",
+# The edge cases of the loss scale and of MultiSteps that the core's
+# mutants must also pass (they run after the chain's and accumulate's tests).
+_EDGES = [
+    "tests/test_loss_scale.py::test_loss_scale_zero_weight_call_is_not_an_"
+    "overflow",
+    "tests/test_loss_scale.py::test_loss_scale_without_accumulate_passes_"
+    "zero_weight_call_on",
+    "tests/test_loss_scale.py::test_loss_scale_overflow_in_a_complex_part",
+    "tests/test_loss_scale.py::test_dynamic_loss_scale_replicas_agree_on_"
+    "one_device_overflow",
+    "tests/test_multisteps.py::test_multisteps_has_updated_on_an_optax_"
+    "state_answers_as_optax",
+    "tests/test_multisteps.py::test_multisteps_takes_accumulator_dtype_"
+    "fifth_positional",
 ]
+CORE_TESTS = ["tests/test_chain.py", "tests/test_accumulate.py", *_EDGES]
 
-_HARD = ["tests/test_hardening.py"]
+_ACC = ["tests/test_accumulate.py"]
+_CHAIN = ["tests/test_chain.py"]
+_LOSS_SCALE = ["tests/test_loss_scale.py"]
 # Nested chains and windows of weight 0 (API.md 2).
 _NESTED_0 = [
     "tests/test_chain.py",
@@ -103,25 +116,25 @@ MUTANTS = {
         "accumulate.py",
         "weight=jnp.zeros([], _weight_dtype(cfg, params)),",
         "weight=jnp.zeros([], jnp.float32),",
-        _HARD + ["-k", "float64_mean"],
+        _ACC + ["-k", "float64_mean"],
     ),
     "zero_weight_call_overflows": (  # item 4
         "loss_scale.py",
         "new_state = utils.select(empty, state, _adjust(state, finite))",
         "new_state = _adjust(state, finite)",
-        _HARD + ["-k", "zero_weight_call"],
+        _LOSS_SCALE + ["-k", "zero_weight_call"],
     ),
     "complex_explicit_real_accumulator": (  # item 5
         "accumulate.py",
         "        return utils.widen(jnp.complex64, cfg.accumulator_dtype)",
         "        return jnp.finfo(cfg.accumulator_dtype).dtype",
-        _HARD + ["-k", "complex"],
+        _ACC + _LOSS_SCALE + ["-k", "complex"],
     ),
     "loss_scale_ignores_imaginary_part": (  # item 5
         "loss_scale.py",
         "parts = (jnp.abs(g.real), jnp.abs(g.imag))",
         "parts = (jnp.abs(g.real),)",
-        _HARD + ["-k", "complex_part"],
+        _LOSS_SCALE + ["-k", "complex_part"],
     ),
     "nnx_refused_micro_batch_enters_bn": (  # item 6
         "../flax/nnx.py",
@@ -134,13 +147,13 @@ MUTANTS = {
         "        close = close or [d for d in declared "
         'if d.endswith(f"_{key}")]\n',
         "",
-        _HARD + ["-k", "bare_weight"],
+        _CHAIN + ["-k", "bare_weight"],
     ),
     "has_updated_flagless_optax_rule": (  # item 8
         "multisteps.py",
         "(jnp.asarray(mini_step) == 0) & (jnp.asarray(gradient_step) > 0)",
         "jnp.asarray(mini_step) == 0",
-        _HARD + ["-k", "multisteps_has_updated"],
+        ["tests/test_multisteps.py", "-k", "multisteps_has_updated"],
     ),
     "nnx_update_returns_none": (  # item 9
         "../flax/nnx.py",
@@ -158,14 +171,14 @@ MUTANTS = {
         "chain.py",
         "        return utils.zeros_of(jax.eval_shape(run)[0]), tail_state",
         "        return jax.tree.map(jnp.zeros_like, out.updates), tail_state",
-        _HARD + ["-k", "followers_output_dtype"],
+        _CHAIN + ["-k", "followers_output_dtype"],
     ),
     "closed_gate_zeros_grads_dtype": (  # a nested gate that stays closed
         "chain.py",
         "        zeros, weight2 = utils.zeros_of(shapes)\n",
         "        zeros, weight2 = utils.zeros_of(shapes)\n"
         "        zeros = jax.tree.map(jnp.zeros_like, out.updates)\n",
-        _HARD + ["-k", "nested_closed_gate"],
+        _CHAIN + ["-k", "nested_closed_gate"],
     ),
     "per_micro_step_pmean": (  # one reduction per window, not per call
         "accumulate.py",
@@ -244,7 +257,7 @@ MUTANTS = {
         "    return jax.tree.map(jnp.zeros_like, shapes)",
         "    return jax.tree.map(\n"
         "        lambda s: jnp.zeros(s.shape, s.dtype), shapes)",
-        _HARD + ["-k", "device_varying"],
+        _CHAIN + ["-k", "device_varying"],
     ),
     "state_shardings_masked_node": (  # issue 35 (2): optax.masked
         "sharding.py",
@@ -311,7 +324,7 @@ MUTANTS = {
         "loss_scale.py",
         "            finite = sharding.agree(finite, axis_name)\n",
         "",
-        _HARD + ["-k", "replicas_agree"],
+        _LOSS_SCALE + ["-k", "replicas_agree"],
     ),
     # ----------------------------------------------- issue 35 (hardening 3)
     "nested_plain_chain_drops_empty": (  # item 1
@@ -434,6 +447,25 @@ MUTANTS = {
         "return lax.cond(pred, _kept(true_fn), _kept(false_fn))",
         "return lax.cond(pred, _kept(true_fn), false_fn)",
         ["tests/test_gpu_branch.py"],
+    ),
+    # ----------------------------------------- one helper per idea
+    "divide_or_sees_the_excluded_divisor": (
+        "utils.py",
+        "return jnp.where(ok, x / jnp.where(ok, y, 1), otherwise)",
+        "return jnp.where(ok, x / y, otherwise)",
+        ["tests/test_utils.py", "-k", "divide_or"],
+    ),
+    "axis_name_checked_by_a_second_rule": (
+        "utils.py",
+        "    if value is not None:\n        axis_names(value)\n",
+        "    if value is not None:\n        hash(value)\n",
+        ["tests/test_utils.py", "-k", "axis_name"],
+    ),
+    "hlo_walk_forgets_branches": (
+        "hlo.py",
+        "inner = branches if index is None else (*branches, index)",
+        "inner = branches",
+        ["tests/test_utils.py", "-k", "hlo_walker"],
     ),
 }
 

@@ -1,6 +1,8 @@
 """Tests of ``oa.accumulate`` inside ``oa.chain``: numerics against the
 big-batch update and ``optax.MultiSteps``, windows, weights, flush."""
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -544,3 +546,272 @@ def test_gradient_leaf_of_another_shape_is_an_error():
     s = tx.init(params)
     with pytest.raises(ValueError, match=r"\['w'\].*\(1,\).*\(3,\)"):
         tx.update({"w": jnp.ones(1)}, s, params)
+
+
+# ----------------------------- windows of weight 0 with a non-finite gradient
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("jit", [False, True])
+def test_zero_weight_nonfinite_micro_batch_contributes_nothing(first, jit):
+    """A fully padded micro-batch (weight 0, 0/0 gradient) is not ``0 * nan``
+    in the window: the result is the weighted mean of the others, as
+    ``microbatched_value_and_grad(weight_fn=...)`` gives."""
+    tx = oa.chain(oa.accumulate(3), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    padded = (jnp.array([jnp.nan, jnp.inf]), 0.0)
+    seen = [(jnp.array([1.0, 2.0]), 2.0), (jnp.array([4.0, -1.0]), 1.0)]
+    calls = [padded, *seen] if first else [*seen[:1], padded, *seen[1:]]
+    for g, w in calls:
+        u, state = update(g, state, params, accum_weight=w)
+    want = -(2 * np.array([1.0, 2.0]) + np.array([4.0, -1.0])) / 3
+    np.testing.assert_allclose(u, want, rtol=1e-6)
+
+
+def test_zero_weight_nonfinite_not_dropped_by_skip_nonfinite():
+    """Under skip_nonfinite a weight-0 micro-batch is not non-finite: it
+    counts as seen (the window advances) and contributes nothing."""
+    tx = oa.chain(oa.accumulate(2, skip_nonfinite=True), optax.sgd(1.0))
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    _, state = tx.update(jnp.array([jnp.nan]), state, params, accum_weight=0.0)
+    u, state = tx.update(jnp.array([3.0]), state, params, accum_weight=1.0)
+    np.testing.assert_allclose(u, [-3.0])
+    assert bool(oa.has_updated(state))
+
+
+def test_fused_zero_weight_step_adds_no_tree_temporary():
+    """The select for weight 0 lives in the accumulator's fusion: the fused
+    non-closing step still needs no tree-sized temporary."""
+    params = {"w": jnp.zeros((256, 256))}
+    tx = oa.chain(oa.accumulate(4), optax.adam(1e-3))
+    state = tx.init(params)
+    step = jax.jit(
+        lambda p, s, g, w: oa.apply_gradients(tx, g, s, p, accum_weight=w),
+        donate_argnums=(0, 1),
+    )
+    mem = step.lower(params, state, params, 1.0).compile().memory_analysis()
+    assert mem.temp_size_in_bytes < 256 * 256 * 4 // 64, mem.temp_size_in_bytes
+
+
+# ---------------------------------------------------------- complex gradients
+
+
+def test_complex_gradients_keep_their_imaginary_part():
+    """Complex params and gradients accumulate in complex64 (float32
+    accumulator) and the window equals the big-batch mean; flush too."""
+    params = jnp.zeros(2, jnp.complex64)
+    gs = [
+        jnp.array([1 + 2j, -1j]),
+        jnp.array([3 - 1j, 2 + 2j]),
+        jnp.array([1j, 1.0]),
+    ]
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    state = tx.init(params)
+    assert state[0].acc.dtype == jnp.complex64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning / casting warning
+        _, state = tx.update(gs[0].astype(jnp.complex64), state, params)
+        u, state = tx.update(gs[1].astype(jnp.complex64), state, params)
+        np.testing.assert_allclose(u, -(gs[0] + gs[1]) / 2, rtol=1e-6)
+        assert u.dtype == jnp.complex64
+        _, state = tx.update(gs[2].astype(jnp.complex64), state, params)
+        u, state = oa.flush(tx, state, params)
+    np.testing.assert_allclose(u, -gs[2], rtol=1e-6)
+
+
+def test_complex_gradient_into_real_accumulator_is_an_error():
+    tx = oa.accumulate(2)
+    state = tx.init(jnp.zeros(2))
+    with pytest.raises(TypeError, match="complex"):
+        tx.update(jnp.array([1j, 1.0]), state)
+
+
+# ---------------------------------------------------- accum_weight validation
+
+
+@pytest.mark.parametrize(
+    "w",
+    [
+        -1.0,
+        float("nan"),
+        float("inf"),
+        True,
+        1 + 2j,
+        np.float32(-2.0),
+        jnp.array(float("nan")),
+        np.array(-1),
+    ],
+    ids=[
+        "neg",
+        "nan",
+        "inf",
+        "bool",
+        "complex",
+        "np-neg",
+        "jnp-nan",
+        "np-int-neg",
+    ],
+)
+def test_concrete_bad_weights_raise(w):
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    state = tx.init(jnp.zeros(1))
+    with pytest.raises(ValueError, match="accum_weight"):
+        tx.update(jnp.ones(1), state, accum_weight=w)
+
+
+def test_huge_python_int_weight_gives_a_clear_error():
+    tx = oa.accumulate(2)
+    state = tx.init(jnp.zeros(1))
+    with pytest.raises(ValueError, match="accum_weight"):
+        tx.update(jnp.ones(1), state, accum_weight=10**10)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")])
+def test_traced_bad_weight_is_dropped_under_skip_nonfinite(bad):
+    """A traced NaN/negative/inf weight is a non-finite micro-batch: dropped
+    with skip_nonfinite=True (the params stay finite), propagated without."""
+    params = jnp.zeros(1)
+    for skip in (True, False):
+        tx = oa.chain(oa.accumulate(2, skip_nonfinite=skip), optax.sgd(1.0))
+        update = jax.jit(
+            lambda g, s, p, w, tx=tx: tx.update(g, s, p, accum_weight=w)
+        )
+        state = tx.init(params)
+        _, state = update(jnp.array([1.0]), state, params, 1.0)
+        u, state = update(jnp.array([5.0]), state, params, bad)
+        if skip:
+            assert int(state[0].mini_step) == 1  # dropped, window still open
+            u, state = update(jnp.array([3.0]), state, params, 1.0)
+            np.testing.assert_allclose(u, [-2.0])
+        else:
+            assert not np.all(np.isfinite(u)), u
+
+
+# ------------------------------------ float0 and Python-float gradient leaves
+
+
+def test_float0_gradient_leaf_gives_a_clear_error():
+    params = {"w": jnp.ones(2), "n": jnp.array(3)}
+    grads = jax.grad(lambda p: jnp.sum(p["w"]) * p["n"], allow_int=True)(params)
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    with pytest.raises(TypeError, match=r"\['n'\].*float0"):
+        tx.update(grads, tx.init(params), params)
+
+
+def test_python_float_leaves_are_accepted_like_optax():
+    params = {"a": 1.0, "b": jnp.ones(2)}
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    state = tx.init(params)
+    _, state = tx.update({"a": 2.0, "b": jnp.ones(2)}, state, params)
+    u, state = tx.update({"a": 4.0, "b": jnp.ones(2)}, state, params)
+    np.testing.assert_allclose(u["a"], -3.0)
+
+
+# ------------------------------------------------ float64 gradients under x64
+
+
+def test_float64_gradients_accumulate_in_float64_under_x64():
+    """The accumulator is at least the gradient's precision: 1e8 + 1 - 1e8
+    survives in float64 (it is 0 in float32)."""
+    with jax.enable_x64(True):
+        params = jnp.zeros(1, jnp.float64)
+        tx = oa.chain(oa.accumulate(3, reduction="sum"), optax.sgd(1.0))
+        state = tx.init(params)
+        assert state[0].acc.dtype == jnp.float64
+        for g in (1e8, 1.0, -1e8):
+            u, state = tx.update(jnp.array([g], jnp.float64), state, params)
+        assert u.dtype == jnp.float64
+        np.testing.assert_allclose(u, [-1.0])
+
+
+# ---------------------------------------------------- float64 means under x64
+
+
+@pytest.mark.parametrize("accumulator_dtype", [None, jnp.float64])
+@pytest.mark.parametrize("case", ["k3", "flush3", "weights"])
+def test_float64_mean_is_exact_at_float64_rounding(case, accumulator_dtype):
+    """Issue 23, item 2: the window's weight and its division are in the
+    accumulator's dtype, so a float64 mean is off by float64 rounding only
+    (a float32 ``1 / weight`` left errors of ~3e-8 for k=3)."""
+    rng = np.random.default_rng(23)
+    gs = rng.normal(size=(3, 5))
+    ws = [0.3, 1.7, 2.9] if case == "weights" else [1.0, 1.0, 1.0]
+    with jax.enable_x64(True):
+        params = jnp.zeros(5, jnp.float64)
+        acc = oa.accumulate(
+            4 if case == "flush3" else 3, accumulator_dtype=accumulator_dtype
+        )
+        tx = oa.chain(acc, optax.sgd(1.0))
+        state = tx.init(params)
+        for g, w in zip(gs, ws):
+            u, state = tx.update(jnp.asarray(g), state, params, accum_weight=w)
+        if case == "flush3":
+            u, state = oa.flush(tx, state, params)
+        assert u.dtype == jnp.float64
+        want = -np.average(gs, axis=0, weights=ws)
+        # float64 rounding of a 3-term weighted sum and one division.
+        np.testing.assert_allclose(np.asarray(u), want, rtol=1e-14, atol=0)
+
+
+# ----------------------------------- complex gradients and accumulator dtypes
+
+
+_COMPLEX_GS = [
+    jnp.array([1 + 2j, -1j], jnp.complex64),
+    jnp.array([3 - 1j, 2 + 2j], jnp.complex64),
+]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: oa.chain(
+            oa.accumulate(2, accumulator_dtype=jnp.float32), optax.sgd(1.0)
+        ),
+        lambda: oa.chain(
+            oa.accumulate(2, accumulator_dtype=jnp.complex64), optax.sgd(1.0)
+        ),
+        lambda: oa.MultiSteps(optax.sgd(1.0), 2),  # explicit float32 default
+        lambda: oa.MultiSteps(optax.sgd(1.0), 2, True, None, jnp.complex64),
+    ],
+    ids=["float32", "complex64", "multisteps", "multisteps-complex64"],
+)
+def test_complex_gradients_with_explicit_accumulator_dtype(make):
+    """Issue 23, item 5: a real explicit ``accumulator_dtype`` means the
+    complex dtype of that precision for complex gradients (the imaginary part
+    is kept), and a complex one is accepted."""
+    tx = make()
+    params = jnp.zeros(2, jnp.complex64)
+    state = tx.init(params)
+    # The accumulator (the only leaf shaped like the params) is complex64.
+    accs = [x for x in jax.tree.leaves(state) if jnp.shape(x) == (2,)]
+    assert [x.dtype for x in accs] == [jnp.complex64], accs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning
+        _, state = tx.update(_COMPLEX_GS[0], state, params)
+        u, state = tx.update(_COMPLEX_GS[1], state, params)
+    assert u.dtype == jnp.complex64
+    want = -(np.asarray(_COMPLEX_GS[0]) + np.asarray(_COMPLEX_GS[1])) / 2
+    np.testing.assert_allclose(u, want, rtol=1e-6)
+
+
+def test_complex_accumulator_dtype_for_real_gradients_is_real():
+    """Issue 23, item 5: with a complex ``accumulator_dtype``, real leaves
+    accumulate in the real dtype of that precision."""
+    params = {"r": jnp.zeros(2), "c": jnp.zeros(2, jnp.complex64)}
+    tx = oa.chain(
+        oa.accumulate(2, accumulator_dtype=jnp.complex64), optax.sgd(1.0)
+    )
+    state = tx.init(params)
+    assert state[0].acc["r"].dtype == jnp.float32
+    assert state[0].acc["c"].dtype == jnp.complex64
+    grads = {"r": jnp.array([1.0, 3.0]), "c": _COMPLEX_GS[0]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning
+        _, state = tx.update(grads, state, params)
+        u, state = tx.update(grads, state, params)
+    np.testing.assert_allclose(u["r"], [-1.0, -3.0])
+    np.testing.assert_allclose(u["c"], -np.asarray(_COMPLEX_GS[0]))

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 from optaxaccum._src import base as _base
@@ -836,3 +838,398 @@ def test_apply_gradients_returns_the_updates_on_request(gated):
         )
         two = oa.apply_gradients(tx, g, plain_state, params)
         assert len(two) == 2
+
+
+# --------------------------------------------------------- nested accumulates
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_nested_accumulates_give_the_weighted_mean(fused):
+    """accumulate(2) inside accumulate(2): weights 1, 3, 5, 1 give the
+    weighted mean over all four micro-batches (2.6), not 2.104."""
+    tx = oa.chain(oa.accumulate(2), oa.accumulate(2), optax.sgd(1.0))
+    gs, ws = [1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 5.0, 1.0]
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    for g, w in zip(gs, ws):
+        if fused:
+            params, state = oa.apply_gradients(
+                tx, jnp.array([g]), state, params, accum_weight=w
+            )
+        else:
+            u, state = tx.update(jnp.array([g]), state, params, accum_weight=w)
+            params = optax.apply_updates(params, u)
+    want = -np.dot(gs, ws) / np.sum(ws)
+    np.testing.assert_allclose(params, [want], rtol=1e-6)
+
+
+def test_nested_chains_of_accumulates_equal_the_flat_window():
+    """oa.chain(acc(2), oa.chain(acc(3), adam)) == oa.chain(acc(6), adam)
+    with unequal weights, over two windows."""
+    rng = np.random.default_rng(0)
+    params = jnp.zeros(3)
+    nested = oa.chain(
+        oa.accumulate(2), oa.chain(oa.accumulate(3), optax.adam(0.1))
+    )
+    flat = oa.chain(oa.accumulate(6), optax.adam(0.1))
+    s1, s2 = nested.init(params), flat.init(params)
+    p1 = p2 = params
+    for _ in range(12):
+        g = jnp.asarray(rng.normal(size=3), jnp.float32)
+        w = float(rng.integers(1, 20))
+        u1, s1 = nested.update(g, s1, p1, accum_weight=w)
+        u2, s2 = flat.update(g, s2, p2, accum_weight=w)
+        p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
+    chex.assert_trees_all_close(p1, p2, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------- near-miss keywords
+
+
+@pytest.mark.parametrize("entry", ["update", "apply_gradients", "flush"])
+def test_near_miss_keyword_raises_naming_both(entry):
+    tx = oa.chain(oa.agc(0.1), oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.ones(1)
+    state = tx.init(params)
+    call = {
+        "update": lambda: tx.update(
+            jnp.ones(1), state, params, acum_weight=2.0
+        ),
+        "apply_gradients": lambda: oa.apply_gradients(
+            tx, jnp.ones(1), state, params, acum_weight=2.0
+        ),
+        "flush": lambda: oa.flush(tx, state, params, acum_weight=2.0),
+    }[entry]
+    with pytest.raises(TypeError, match="acum_weight.*accum_weight"):
+        call()
+
+
+def test_near_miss_of_a_follower_keyword_raises():
+    """``valeu=`` for reduce_on_plateau's ``value=`` inside a gated chain."""
+    tx = oa.chain(
+        oa.accumulate(1), optax.sgd(1.0), optax.contrib.reduce_on_plateau()
+    )
+    params = jnp.ones(1)
+    state = tx.init(params)
+    tx.update(jnp.ones(1), state, params, value=1.0)  # the right name works
+    with pytest.raises(TypeError, match="valeu.*value"):
+        tx.update(jnp.ones(1), state, params, valeu=1.0)
+
+
+def test_unrelated_extra_keywords_still_pass():
+    tx = oa.chain(oa.accumulate(1), optax.sgd(1.0))
+    state = tx.init(jnp.ones(1))
+    tx.update(jnp.ones(1), state, jnp.ones(1), loss=3.0)  # optax tolerates
+
+
+# ----------------------------- optax wrappers inside and around a gated chain
+
+
+def _schedule(count):
+    return 0.1 * (count + 1)
+
+
+def test_inject_hyperparams_inside_the_chain_advances_once_per_window():
+    """The right placement: the schedule counts windows (0.1, 0.2, 0.3)."""
+    tx = oa.chain(
+        oa.accumulate(2),
+        optax.inject_hyperparams(optax.sgd)(learning_rate=_schedule),
+    )
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    steps = []
+    for _ in range(6):
+        u, state = tx.update(jnp.ones(1), state, params)
+        if bool(oa.has_updated(state)):
+            steps.append(-float(u[0]))
+    np.testing.assert_allclose(steps, [0.1, 0.2, 0.3], rtol=1e-6)
+
+
+def test_inject_hyperparams_around_a_gated_chain_warns():
+    """The wrong placement counts micro-steps; it is detected."""
+    tx = optax.inject_hyperparams(
+        lambda learning_rate: oa.chain(
+            oa.accumulate(2), optax.sgd(learning_rate)
+        )
+    )(learning_rate=_schedule)
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    with pytest.warns(UserWarning, match="counts every call"):
+        oa.apply_gradients(tx, jnp.ones(1), state, params)
+    with pytest.warns(UserWarning, match="counts every call"):
+        oa.has_updated(state)
+
+
+def test_lookahead_inside_the_chain_syncs_once_per_sync_period_of_windows():
+    """lookahead inside oa.chain: equals lookahead driven by hand with the
+    window means, once per window."""
+    inner = optax.lookahead(optax.sgd(0.5), sync_period=2, slow_step_size=0.5)
+    tx = oa.chain(oa.accumulate(2), inner)
+    params = optax.LookaheadParams.init_synced(jnp.zeros(2))
+    ref_params, ref_state = params, inner.init(params)
+    state = tx.init(params)
+    rng = np.random.default_rng(1)
+    for _ in range(4):
+        gs = [jnp.asarray(rng.normal(size=2), jnp.float32) for _ in range(2)]
+        for g in gs:
+            params, state = oa.apply_gradients(tx, g, state, params)
+        u, ref_state = inner.update((gs[0] + gs[1]) / 2, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, u)
+    chex.assert_trees_all_close(params, ref_params, rtol=1e-6)
+
+
+# -------------------- gates that stay closed, fused steps, wrappers, keywords
+
+
+def _opens_only_on_positive_gate():
+    """May open on every call; lets the followers run only when the sum of
+    the updates is > 0 (``opened`` decided inside emit)."""
+
+    def gate_update(updates, state, params, ctx, **extra_args):
+        del params, ctx, extra_args  # first in its chain: ctx.passed is True
+        ok = jnp.sum(updates) > 0
+        return oa.GateResult(
+            state, jnp.array(True), lambda: (updates, state, ok)
+        )
+
+    return oa.GatedTransformation(
+        lambda params: optax.EmptyState(), gate_update
+    )
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_outer_gate_not_opened_leaves_inner_gate_state_untouched(fused):
+    """Mutant (a): the followers' state taken from the inner branch when the
+    outer gate's ``opened`` is false. The inner accumulate must not count a
+    micro-batch that the outer gate refused."""
+    tx = oa.chain(
+        _opens_only_on_positive_gate(), oa.accumulate(2), optax.sgd(1.0)
+    )
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    for g, pos in ((-1.0, 0), (2.0, 1), (-5.0, 1), (4.0, 0)):  # -: refused
+        if fused:
+            params, state = oa.apply_gradients(
+                tx, jnp.array([g]), state, params
+            )
+        else:
+            u, state = tx.update(jnp.array([g]), state, params)
+            params = optax.apply_updates(params, u)
+        acc = state[1]
+        assert int(acc.mini_step) == pos, (g, acc)
+    np.testing.assert_allclose(params, [-3.0])  # mean of 2 and 4
+
+
+def test_fused_closed_step_returns_params_bit_for_bit():
+    """Mutant (b): the closed branch computing ``params + zeros`` instead of
+    returning ``params``: equal values except the sign of -0.0."""
+    tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
+    params = {"w": jnp.array([-0.0, 1.0, -0.0]), "b": jnp.array([-0.0])}
+    state = tx.init(params)
+    # Eager: under jit XLA folds ``x + 0`` to ``x`` and hides the mutant.
+    new, _ = oa.apply_gradients(
+        tx, jax.tree.map(jnp.ones_like, params), state, params
+    )
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32)
+        )
+
+
+@pytest.mark.parametrize("wrap", ["lookahead", "multisteps"])
+def test_other_counting_wrappers_around_a_gated_chain_warn(wrap):
+    """optax.lookahead / optax.MultiSteps around an oa.chain count
+    micro-batches too (lookahead syncs, MultiSteps steps per call): warned."""
+    inner = oa.chain(oa.accumulate(2), optax.sgd(0.1))
+    params = jnp.zeros(1)
+    if wrap == "lookahead":
+        tx = optax.lookahead(inner, sync_period=2, slow_step_size=0.5)
+        params = optax.LookaheadParams.init_synced(params)
+        grads = jnp.ones(1)
+    else:
+        tx = optax.MultiSteps(
+            inner, every_k_schedule=2
+        ).gradient_transformation()
+        grads = jnp.ones(1)
+    state = tx.init(params)
+    with pytest.warns(UserWarning, match="counts every call"):
+        oa.apply_gradients(tx, grads, state, params)
+
+
+def test_user_keyword_passed_cannot_drop_a_micro_batch():
+    """'passed' used to be a keyword of the gate protocol inside the user's
+    own extra arguments, where a user's passed=False would have silently
+    dropped the micro-batch. The protocol's flag now travels in
+    ``oa.GateContext`` (issue 25): a user's ``passed`` is an ordinary
+    keyword that no gate reads, and the micro-batch counts."""
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    _, s = tx.update(jnp.ones(1), state, params, passed=jnp.array(False))
+    assert int(s[0].mini_step) == 1
+    _, s = oa.apply_gradients(tx, jnp.ones(1), state, params, passed=False)
+    assert int(s[0].mini_step) == 1
+
+
+def test_follower_keyword_close_to_accum_weight_is_not_a_near_miss():
+    """A keyword some element declares is never taken for a typo of another
+    element's (accumulate used to check against accum_weight alone)."""
+
+    def update(updates, state, params=None, *, accum_weights=None, **extra):
+        del params, extra
+        return jax.tree.map(lambda u: u * accum_weights, updates), state
+
+    scaler = optax.GradientTransformationExtraArgs(
+        lambda p: optax.EmptyState(), update
+    )
+    tx = oa.chain(oa.accumulate(1), scaler)
+    params = jnp.zeros(1)
+    u, _ = tx.update(jnp.ones(1), tx.init(params), params, accum_weights=3.0)
+    np.testing.assert_allclose(u, [3.0])
+
+
+# --------------------------------- bare `weight` and non-numeric accum_weight
+
+
+@pytest.mark.parametrize(
+    "entry", ["update", "apply_gradients", "flush", "nnx", "trainstate"]
+)
+def test_bare_weight_keyword_is_a_near_miss_of_accum_weight(entry):
+    """Issue 23, item 7: ``weight=3.`` was silently ignored."""
+    tx = oa.chain(oa.agc(0.1), oa.accumulate(2), optax.sgd(1.0))
+    params = {"w": jnp.ones(1)}
+    state = tx.init(params)
+    grads = {"w": jnp.ones(1)}
+
+    def call():
+        if entry == "update":
+            return tx.update(grads, state, params, weight=3.0)
+        if entry == "apply_gradients":
+            return oa.apply_gradients(tx, grads, state, params, weight=3.0)
+        if entry == "flush":
+            return oa.flush(tx, state, params, weight=3.0)
+        if entry == "nnx":
+            from flax import nnx
+
+            from optaxaccum.flax import nnx as oa_nnx
+
+            model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+            opt = oa_nnx.Optimizer(model, tx)
+            g = nnx.grad(lambda m: m(jnp.ones((1, 1))).sum())(model)
+            return opt.update(model, g, weight=3.0)
+        from optaxaccum.flax import TrainState
+
+        ts = TrainState.create(apply_fn=None, params=params, tx=tx)
+        return ts.apply_gradients(grads=grads, weight=3.0)
+
+    with pytest.raises(TypeError, match="'weight'.*'accum_weight'"):
+        call()
+
+
+@pytest.mark.parametrize("loss_scale", [False, True])
+@pytest.mark.parametrize("entry", ["update", "apply_gradients"])
+def test_string_accum_weight_raises_naming_it(entry, loss_scale):
+    """Issue 23, item 7: a string ``accum_weight`` gave numpy's raw
+    ``ufunc 'isfinite' not supported``."""
+    head = (oa.dynamic_loss_scale(),) if loss_scale else ()
+    tx = oa.chain(*head, oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.ones(1)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match="accum_weight"):
+        if entry == "update":
+            tx.update(jnp.ones(1), state, params, accum_weight="2")
+        else:
+            oa.apply_gradients(tx, jnp.ones(1), state, params, accum_weight="2")
+
+
+# ---------------------- zeros of a closed gate: the followers' dtype and type
+
+
+def _to_float32():
+    """A follower that casts the updates to float32 (as Adam does for bf16
+    gradients of float32 params)."""
+    return optax.GradientTransformationExtraArgs(
+        lambda params: optax.EmptyState(),
+        lambda u, s, p=None, **kw: (
+            jax.tree.map(lambda x: x.astype(jnp.float32), u),
+            s,
+        ),
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_zeros_take_the_followers_output_dtype(jit):
+    """Issue 23, tests the suite lacks: bf16 gradients, a follower casting to
+    float32. Every call emits float32: a non-closing call (the closed gate's
+    zeros), a closing one, and a flush of an all-weight-0 window (the gate
+    opens with ``opened=False``): never zeros in the gradients' dtype."""
+    tx = oa.chain(oa.accumulate(2), _to_float32(), optax.sgd(1.0))
+    params = jnp.zeros(2, jnp.bfloat16)
+    state = tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    flush = (
+        jax.jit(lambda s, p: oa.flush(tx, s, p))
+        if jit
+        else (lambda s, p: oa.flush(tx, s, p))
+    )
+    g = jnp.ones(2, jnp.bfloat16)
+    dtypes = []
+    u, state = update(g, state, params)  # non-closing: the closed gate
+    dtypes.append(u.dtype)
+    u, state = update(g, state, params)  # closing
+    dtypes.append(u.dtype)
+    np.testing.assert_array_equal(u, [-1.0, -1.0])
+    _, state = update(g, state, params, accum_weight=0.0)
+    u, state = flush(state, params)  # opens with opened=False: weight 0
+    dtypes.append(u.dtype)
+    np.testing.assert_array_equal(u, [0.0, 0.0])
+    assert dtypes == [jnp.float32] * 3, dtypes
+
+
+def test_nested_closed_gate_zeros_take_the_followers_output_dtype():
+    """Issue 23, tests the suite lacks: where the outer window closes but an
+    inner gate after a float32-casting follower stays closed, the zeros are
+    float32 (the followers' output), not the bf16 gradients' dtype."""
+    # The outer window closes on every call (so no branch is traced before
+    # the dtype is checked); the inner one on every second.
+    tx = oa.chain(
+        oa.accumulate(1), _to_float32(), oa.accumulate(2), optax.sgd(1.0)
+    )
+    params = jnp.zeros(2, jnp.bfloat16)
+    state = tx.init(params)
+    dtypes = []
+    for i in range(2):
+        u, state = tx.update(jnp.full(2, i + 1.0, jnp.bfloat16), state, params)
+        dtypes.append(u.dtype)
+    assert dtypes == [jnp.float32] * 2, dtypes
+    np.testing.assert_array_equal(u, [-1.5, -1.5])
+
+
+@pytest.mark.devices(4)
+def test_closed_gate_zeros_keep_the_device_varying_type_under_shard_map():
+    """Issue 23, tests the suite lacks (a kill that was only a crash): inside
+    ``shard_map`` the zeros a closed gate emits are built from the shapes of
+    what the open branch would emit, so they keep its device-varying type
+    (``vma``) and dtype; zeros typed as the incoming gradients, or built
+    without the varying type, make ``lax.cond``'s branches disagree. Checked
+    on the helper the chain builds its zeros with, before any branch."""
+    from optaxaccum._src import utils
+    from optaxaccum._src.microbatch import _vma as _varying
+
+    mesh = jax.make_mesh((4,), ("d",))
+    seen = {}
+
+    def body(g):
+        shapes = jax.eval_shape(lambda: g.astype(jnp.float32))
+        zeros = utils.zeros_of(shapes)
+        seen["want"] = (_varying(g), jnp.float32)
+        seen["got"] = (_varying(zeros), zeros.dtype)
+        return zeros
+
+    g = jax.device_put(jnp.ones(8, jnp.bfloat16), NamedSharding(mesh, P("d")))
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(
+        g
+    )
+    assert seen["want"][0] == frozenset({"d"}), seen
+    assert seen["got"] == seen["want"], seen

@@ -608,3 +608,104 @@ def test_scaled_value_and_grad_traced_scale_is_accepted():
     )
     loss, g = f(jnp.float32(4.0), jnp.ones(2))
     np.testing.assert_allclose(g, 4.0 * 2.0 * np.ones(2))
+
+
+# ------------------------------------------------ calls of weight 0 (padding)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_loss_scale_zero_weight_call_is_not_an_overflow(fused, jit):
+    """Issue 23, item 4: a weight-0 micro-batch's NaN gradient (0/0 of an
+    empty mask) behind ``dynamic_loss_scale`` leaves the scale and its
+    counter as they were and passes on: the window is the one of
+    ``oa.accumulate`` alone on the unscaled gradients."""
+    scale = 8.0
+    nan = jnp.array([jnp.nan, jnp.nan])
+    calls = [
+        (jnp.array([1.0, 2.0]), 1.0),
+        (nan, 0.0),
+        (jnp.array([3.0, 1.0]), 2.0),
+        (jnp.array([jnp.nan, jnp.inf]), 0.0),
+        (jnp.array([2.0, -2.0]), 1.0),
+        (jnp.array([5.0, 1.0]), 3.0),
+    ]
+    tx = oa.chain(
+        oa.dynamic_loss_scale(scale, period=2), oa.accumulate(2), optax.sgd(1.0)
+    )
+    ref = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    params = ref_params = jnp.zeros(2)
+    state, ref_state = tx.init(params), ref.init(params)
+
+    def step(params, state, g, w):
+        if fused:
+            return oa.apply_gradients(tx, g, state, params, accum_weight=w)
+        u, state = tx.update(g, state, params, accum_weight=w)
+        return optax.apply_updates(params, u), state
+
+    step = jax.jit(step) if jit else step
+    for g, w in calls:
+        before = state[0]
+        params, state = step(params, state, g * oa.loss_scale(state), w)
+        u, ref_state = ref.update(g, ref_state, ref_params, accum_weight=w)
+        ref_params = optax.apply_updates(ref_params, u)
+        if w == 0:
+            chex.assert_trees_all_equal(state[0], before)
+        np.testing.assert_array_equal(
+            state[1].mini_step, ref_state[0].mini_step
+        )
+        np.testing.assert_allclose(params, ref_params, rtol=1e-6)
+    # 4 calls with data, all finite: grown twice (period 2).
+    assert float(oa.loss_scale(state)) == scale * 4
+
+
+def test_loss_scale_without_accumulate_passes_zero_weight_call_on():
+    """Issue 23, item 4: the loss scale alone (no accumulate) also reads a
+    weight-0 call as no data: the scale stays, the followers run."""
+    tx = oa.chain(oa.dynamic_loss_scale(4.0), optax.scale(0.5))
+    state = tx.init(jnp.zeros(1))
+    u, new = tx.update(jnp.array([8.0]), state, accum_weight=0)
+    np.testing.assert_allclose(u, [1.0])
+    chex.assert_trees_all_equal(new, state)
+
+
+# ---------------------------------------------------------- complex gradients
+
+
+@pytest.mark.parametrize("part", ["imag", "real"])
+def test_loss_scale_overflow_in_a_complex_part(part):
+    """Issue 23, item 5: an ``inf`` in the imaginary part of a complex
+    gradient is an overflow: scale halved, micro-batch not counted."""
+    tx = oa.chain(oa.dynamic_loss_scale(4.0), oa.accumulate(2), optax.sgd(1.0))
+    params = jnp.zeros(2, jnp.complex64)
+    state = tx.init(params)
+    bad = complex(1, np.inf) if part == "imag" else complex(np.inf, 1)
+    g = jnp.array([bad, 1j], jnp.complex64)
+    _, state = tx.update(g, state, params)
+    assert float(oa.loss_scale(state)) == 2.0
+    assert int(state[1].mini_step) == 0
+
+
+# ---------------------------------------------- replicas agree on an overflow
+
+
+@pytest.mark.devices(4)
+def test_dynamic_loss_scale_replicas_agree_on_one_device_overflow():
+    """Issue 23, tests the suite lacks: with ``axis_name``, one device's
+    overflow skips the step on all and every replica's scale and params
+    stay equal (no collective after the gate, so a disagreement shows as
+    values, not as a crash)."""
+    n = 4
+    tx = oa.chain(oa.dynamic_loss_scale(16.0, axis_name="d"), optax.sgd(1.0))
+    params = jnp.ones(2)
+    rep = lambda t: jax.tree.map(lambda a: jnp.stack([a] * n), t)  # noqa: E731
+    params_r, state_r = rep(params), rep(tx.init(params))
+    step = jax.pmap(
+        lambda g, s, p: oa.apply_gradients(tx, g, s, p),
+        axis_name="d",
+        devices=jax.devices()[:n],
+    )
+    g = jnp.ones((n, 2)).at[2, 1].set(jnp.inf)
+    params_r, state_r = step(g, state_r, params_r)
+    np.testing.assert_array_equal(state_r[0].scale, np.full(n, 8.0))
+    np.testing.assert_array_equal(params_r, np.ones((n, 2)))

@@ -591,3 +591,36 @@ def test_oa_has_updated_reads_a_multisteps_state():
     assert not bool(oa.has_updated(state))
     _, state = ms.update(jnp.ones(1), state, params)
     assert bool(oa.has_updated(state)) and bool(ms.has_updated(state))
+
+
+# ------------------------------ optax drop-in: has_updated, constructor order
+
+
+def test_multisteps_has_updated_on_an_optax_state_answers_as_optax():
+    """Issue 23, item 8: ``has_updated`` of a state made by
+    ``optax.MultiSteps`` (no ``updated`` flag) answers as optax's does,
+    on every call of a window, and ``oa.has_updated`` finds our state."""
+    params = jnp.zeros(2)
+    theirs = optax.MultiSteps(optax.adam(0.1), 3)
+    ours = oa.MultiSteps(optax.adam(0.1), 3)
+    state = theirs.init(params)
+    for i in range(4):
+        np.testing.assert_array_equal(
+            ours.has_updated(state), theirs.has_updated(state)
+        )
+        _, state = theirs.update(jnp.full(2, i + 1.0), state, params)
+        assert bool(ours.has_updated(state)) == (i == 2)
+    our_state = ours.init(params)
+    for _ in range(3):
+        _, our_state = ours.update(jnp.ones(2), our_state, params)
+    assert bool(oa.has_updated(our_state)) and bool(ours.has_updated(our_state))
+
+
+def test_multisteps_takes_accumulator_dtype_fifth_positional():
+    """Issue 23, item 8: optax's constructor order, ``accumulator_dtype``
+    fifth positional included."""
+    ms = oa.MultiSteps(optax.adam(0.1), 3, True, None, jnp.bfloat16)
+    theirs = optax.MultiSteps(optax.adam(0.1), 3, True, None, jnp.bfloat16)
+    params = jnp.zeros(2)
+    assert ms.init(params).acc_grads.dtype == jnp.bfloat16
+    assert theirs.init(params).acc_grads.dtype == jnp.bfloat16

@@ -67,15 +67,15 @@ def _normalize_axes(spec: Any, shape: tuple[int, ...], where: str) -> tuple:
             f"The axis for {where} must be None, an int or a tuple of ints, "
             f"got {spec!r} of type {type(spec).__name__}"
         )
-    out = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise ValueError(
-                f"The axis {spec!r} for {where} is out of range for a leaf of "
-                f"shape {shape} (ndim={ndim}); valid axes are "
-                f"{-ndim}..{ndim - 1}"
-            )
-        out.append(int(a) % ndim)
+    out = utils.wrap_indices(
+        axes,
+        ndim,
+        lambda _: (
+            f"The axis {spec!r} for {where} is out of range for a leaf "
+            f"of shape {shape} (ndim={ndim}); valid axes are "
+            f"{-ndim}..{ndim - 1}"
+        ),
+    )
     if len(set(out)) != len(out):
         raise ValueError(
             f"The axis {spec!r} for {where} repeats an axis (shape {shape})"

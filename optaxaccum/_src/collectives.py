@@ -119,34 +119,19 @@ def collective_census(compiled: Any, mesh: Any) -> list[dict]:
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     mesh_ids = np.vectorize(lambda d: d.id)(mesh.devices)
     names = tuple(mesh.axis_names)
-    comps, entry = hlo.parse_hlo(text)
     found: list[dict] = []
-    seen: set = set()
-
-    def visit(name, branches):
-        if (name, branches) in seen or name not in comps:
-            return
-        seen.add((name, branches))
-        for line in comps[name]:
-            parsed = hlo.split_instruction(line)
-            if parsed is None:
-                continue
-            shape, opcode = parsed
-            op = opcode.removesuffix("-start")
-            if op in OPS:
-                groups = replica_groups(line, mesh_ids.size)
-                found.append(
-                    dict(
-                        op=op,
-                        bytes=hlo.shape_bytes(shape),
-                        axes=group_axes(groups, mesh_ids, names),
-                        branches=branches,
-                    )
+    for _, branches, line, shape, opcode in hlo.instructions(text):
+        op = opcode.removesuffix("-start")
+        if op in OPS:
+            groups = replica_groups(line, mesh_ids.size)
+            found.append(
+                dict(
+                    op=op,
+                    bytes=hlo.shape_bytes(shape),
+                    axes=group_axes(groups, mesh_ids, names),
+                    branches=branches,
                 )
-            for callee, index in hlo.callees(line):
-                visit(callee, branches if index is None else (*branches, index))
-
-    visit(entry, ())
+            )
     return found
 
 

@@ -117,6 +117,38 @@ def callees(line: str) -> Iterator[tuple[str, int | None]]:
         yield name, None
 
 
+def instructions(
+    text: str,
+) -> Iterator[tuple[str, tuple[int, ...], str, str, str]]:
+    """Every instruction of an HLO module reachable from its entry, with
+    where it runs.
+
+    Yields:
+      ``(computation, branches, line, shape, opcode)`` per instruction, in
+      the order of a depth-first walk from the entry computation (a
+      callee's instructions right after the instruction calling it);
+      ``branches`` are the ``conditional`` branches (index; 1 is
+      ``lax.cond``'s true branch) that lead to it, ``()`` when it runs on
+      every call. A computation is walked once per such path.
+    """
+    comps, entry = parse_hlo(text)
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+
+    def visit(name: str, branches: tuple[int, ...]) -> Iterator:
+        if (name, branches) in seen or name not in comps:
+            return
+        seen.add((name, branches))
+        for line in comps[name]:
+            parsed = split_instruction(line)
+            if parsed is not None:
+                yield (name, branches, line, *parsed)
+            for callee, index in callees(line):
+                inner = branches if index is None else (*branches, index)
+                yield from visit(callee, inner)
+
+    yield from visit(entry, ())
+
+
 def all_reduces(text: str) -> list[dict]:
     """Every all-reduce of an HLO module, with where it runs.
 
@@ -125,34 +157,13 @@ def all_reduces(text: str) -> list[dict]:
       ``bytes`` it reduces, ``computation`` holding it and ``branches``: the
       ``conditional`` branches (index; 1 is ``lax.cond``'s true branch) that
       lead to it from the entry computation, ``()`` when it runs on every
-      call.
+      call (see :func:`instructions`).
     """
-    comps, entry = parse_hlo(text)
-    found: list[dict] = []
-    seen: set[tuple[str, tuple[int, ...]]] = set()
-
-    def visit(name: str, branches: tuple[int, ...]) -> None:
-        if (name, branches) in seen or name not in comps:
-            return
-        seen.add((name, branches))
-        for line in comps[name]:
-            parsed = split_instruction(line)
-            if parsed is None:
-                continue
-            shape, opcode = parsed
-            if opcode in _ALL_REDUCE_OPS:
-                found.append(
-                    dict(
-                        bytes=shape_bytes(shape),
-                        computation=name,
-                        branches=branches,
-                    )
-                )
-            for callee, index in callees(line):
-                visit(callee, branches if index is None else (*branches, index))
-
-    visit(entry, ())
-    return found
+    return [
+        dict(bytes=shape_bytes(shape), computation=name, branches=branches)
+        for name, branches, _, shape, opcode in instructions(text)
+        if opcode in _ALL_REDUCE_OPS
+    ]
 
 
 def summarize(text: str) -> dict:

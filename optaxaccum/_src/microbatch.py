@@ -81,15 +81,14 @@ def _check_argnums(
 def _normalize(
     indices: tuple[int, ...], nargs: int, name: str
 ) -> tuple[int, ...]:
-    out = []
-    for i in indices:
-        if not -nargs <= i < nargs:
-            raise ValueError(
-                f"{name} refers to argument {i}, but the function was called "
-                f"with {nargs} positional argument(s)"
-            )
-        out.append(i % nargs)
-    return tuple(out)
+    return utils.wrap_indices(
+        indices,
+        nargs,
+        lambda i: (
+            f"{name} refers to argument {i}, but the function was "
+            f"called with {nargs} positional argument(s)"
+        ),
+    )
 
 
 def _check_disjoint(named: dict[str, tuple[int, ...]]) -> None:
@@ -256,7 +255,7 @@ def _add_grads(acc: Any, grads: Any, w: jax.Array | None) -> Any:
     return jax.tree.map(add, acc, grads)
 
 
-def _reduce(
+def _weighted_mean(
     losses: jax.Array, ws: jax.Array | None, acc: Any, n: int
 ) -> tuple[jax.Array, Any]:
     """The (weighted) mean loss and gradients from the scan's outputs."""
@@ -267,9 +266,7 @@ def _reduce(
             lambda a: sharding.times(jnp.asarray(1 / n, a.dtype), a), acc
         )
         return loss.astype(losses.dtype), grads
-    total = jnp.sum(ws)
-    nonzero = total != 0
-    scale = jnp.where(nonzero, 1 / jnp.where(nonzero, total, 1), 0)
+    scale = utils.divide_or(1, jnp.sum(ws))
     terms = ws.astype(loss_acc) * losses.astype(loss_acc)
     loss = jnp.sum(jnp.where(ws != 0, terms, 0)) * scale.astype(loss_acc)
     grads = jax.tree.map(
@@ -332,15 +329,10 @@ def microbatched_value_and_grad(
       >>> print(*step(w, x))  # as jax.value_and_grad(loss_fn)(w, x)
       1615.5 [1008. 1077. 1146.]
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got loss_fn={loss_fn!r}")
+    utils.check_callable("loss_fn", loss_fn)
     n = utils.check_positive_int("num_microbatches", num_microbatches)
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"has_aux must be a bool, got has_aux={has_aux!r}")
-    if not isinstance(interleave, bool):
-        raise TypeError(
-            f"interleave must be a bool, got interleave={interleave!r}"
-        )
+    utils.check_bool("has_aux", has_aux)
+    utils.check_bool("interleave", interleave)
     split_shape = (lambda m: (m, n)) if interleave else (lambda m: (n, m))
     split_axis = 1 if interleave else 0
     named = {
@@ -351,10 +343,7 @@ def microbatched_value_and_grad(
         ),
     }
     diff, batch, state_nums = named.values()
-    if weight_fn is not None and not callable(weight_fn):
-        raise TypeError(
-            f"weight_fn must be callable or None, got weight_fn={weight_fn!r}"
-        )
+    utils.check_callable("weight_fn", weight_fn, none_ok=True)
     # Catches what can be seen before the number of arguments is known
     # (negative indices are checked again at call time).
     _check_disjoint({k: a.indices for k, a in named.items()})
@@ -405,7 +394,7 @@ def microbatched_value_and_grad(
         (acc, state), (losses, ws, auxs) = lax.scan(
             body, (acc0, state0), jnp.arange(n)
         )
-        loss, grads = _reduce(losses, ws, acc, n)
+        loss, grads = _weighted_mean(losses, ws, acc, n)
         grads = jax.tree.map(
             lambda g, p: g.astype(jnp.result_type(p)), grads, diff_args
         )

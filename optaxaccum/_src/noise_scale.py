@@ -152,10 +152,12 @@ def micro_step(
     state = _loaded(state)
     if any(sharding.unreduced_axes(g) for g in jax.tree.leaves(grads)):
         sq, n = _device_sq(grads, acc)
-        state = state._replace(sq_sum=_like(state.sq_sum, sq))
+        state = state._replace(
+            sq_sum=sharding.match_unreduced(state.sq_sum, sq)
+        )
     else:  # the global micro-batch gradient: one small batch
         sq = optax.tree.sum(jax.tree.map(_leaf_sq, grads, acc))
-        sq = _like(jnp.asarray(sq), state.sq_sum)
+        sq = sharding.match_unreduced(jnp.asarray(sq), state.sq_sum)
         n = 1
     sq = sq.astype(w.dtype)
     wsq = sharding.times(n * w, sq)
@@ -207,7 +209,7 @@ def _device_sq(grads: Any, acc: Any) -> tuple[jax.Array, int]:
     for g, a in zip(leaves, jax.tree.leaves(acc)):
         g = jnp.asarray(g).astype(a.dtype)
         spec = jax.typeof(g).sharding.spec
-        copies = every - spec.unreduced - _sharded_axes(spec)
+        copies = every - spec.unreduced - sharding.sharded_axes(spec.partitions)
 
         def local(x, copies=copies):
             s = optax.tree.norm(x, squared=True)
@@ -224,23 +226,6 @@ def _device_sq(grads: Any, acc: Any) -> tuple[jax.Array, int]:
         total = sq if total is None else total + sq
     assert total is not None  # for the type checker: first is a leaf
     return total, n
-
-
-def _like(x: jax.Array, unreduced: jax.Array) -> jax.Array:
-    """``x`` cast to the unreduced sharding of ``unreduced`` if it has
-    none (a local cast, as :func:`sharding.match_grads` does)."""
-    if sharding.unreduced_axes(x) or not sharding.unreduced_axes(unreduced):
-        return x
-    return jax.reshard(x, jax.typeof(unreduced).sharding.spec)
-
-
-def _sharded_axes(spec: P) -> set:
-    """The mesh axes that shard some dimension of ``spec``."""
-    names = set()
-    for entry in spec.partitions:
-        if entry is not None:
-            names.update(entry if isinstance(entry, tuple) else (entry,))
-    return names
 
 
 def close(
@@ -295,8 +280,7 @@ def _is_mapped(acc: Any, axis_name: Any) -> bool:
     axis of ``jit``'s global view."""
     if axis_name is None:
         return False
-    leaves = jax.tree.leaves(acc)
-    return not (leaves and sharding.is_explicit(leaves[0], axis_name))
+    return not sharding.tree_is_explicit(acc, axis_name)
 
 
 def _reduce(
@@ -366,9 +350,7 @@ def b_simple(state: NoiseScaleState) -> jax.Array:
     trace_cov, grad_sq, norm = (
         jnp.asarray(x) for x in (state.trace_cov, state.grad_sq, state.norm)
     )
-    ratio = jnp.where(
-        grad_sq > 0, trace_cov / jnp.where(grad_sq > 0, grad_sq, 1), jnp.inf
-    )
+    ratio = utils.divide_or(trace_cov, grad_sq, grad_sq > 0, jnp.inf)
     return jnp.where(norm == 0, jnp.nan, ratio)
 
 

@@ -14,7 +14,7 @@ locally and reduces them once, when the window closes
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -35,17 +35,7 @@ __all__ = [
 ]
 
 
-def axis_names(axis_name: Any) -> tuple[Hashable, ...]:
-    """``axis_name`` (one mesh axis name or a tuple of them) as a tuple."""
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    if not names or any(
-        n is None or not isinstance(n, Hashable) for n in names
-    ):
-        raise TypeError(
-            "axis_name must be a mesh axis name or a non-empty tuple of "
-            f"them, got {axis_name=!r}"
-        )
-    return names
+axis_names = utils.axis_names  # the one rule; zero.py reads it here
 
 
 def _sharding(x: Any) -> NamedSharding | None:
@@ -79,14 +69,25 @@ def without_unreduced(spec: P) -> P:
     return P(*spec.partitions, reduced=spec.reduced)
 
 
+def _all_explicit(mesh: Any, axis_name: Any) -> bool:
+    """Whether every axis of ``axis_name`` is an Explicit axis of ``mesh``."""
+    explicit = set(mesh.explicit_axes)
+    return all(n in explicit for n in utils.axis_names(axis_name))
+
+
 def is_explicit(x: Any, axis_name: Any) -> bool:
     """Whether every axis of ``axis_name`` is an Explicit axis of the mesh of
     ``x``'s type: ``jit``'s global view, not ``pmap``/``shard_map``."""
     sharding = _sharding(x)
     if sharding is None or axis_name is None:
         return False
-    explicit = set(sharding.mesh.explicit_axes)
-    return all(n in explicit for n in axis_names(axis_name))
+    return _all_explicit(sharding.mesh, axis_name)
+
+
+def tree_is_explicit(tree: Any, axis_name: Any) -> bool:
+    """:func:`is_explicit` of the first leaf of ``tree`` (False for none)."""
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and is_explicit(leaves[0], axis_name)
 
 
 def unreduced_axes(x: Any) -> frozenset:
@@ -107,7 +108,7 @@ def check_mesh_axes(axis_name: Any, caller: str, tree: Any = ()) -> None:
     meshes = [jax.sharding.get_abstract_mesh()]
     meshes += [s.mesh for s in map(_sharding, jax.tree.leaves(tree)) if s]
     known = {n for m in meshes for n in m.axis_names}
-    for name in axis_names(axis_name):
+    for name in utils.axis_names(axis_name):
         if not known or name in known:  # no mesh: pmap, or JAX's own error
             continue
         try:
@@ -134,7 +135,7 @@ def check_gradients(grads: Any, axis_name: Any) -> None:
     micro-batch was then reduced already, and the accumulation's point lost.
     """
     check_mesh_axes(axis_name, "oa.accumulate", grads)
-    names = () if axis_name is None else axis_names(axis_name)
+    names = () if axis_name is None else utils.axis_names(axis_name)
     leaves = [g for g in jax.tree.leaves(grads) if _sharding(g) is not None]
     stray = set().union(*map(unreduced_axes, leaves)) - set(names)
     if stray:
@@ -163,19 +164,26 @@ def check_gradients(grads: Any, axis_name: Any) -> None:
             )
 
 
+def _dim_axes(entry: Any) -> tuple[Hashable, ...]:
+    """The mesh axes of one partition-spec entry."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def sharded_axes(entries: Iterable[Any]) -> frozenset:
+    """The mesh axes that shard some dimension of a spec, given its entries
+    (``spec.partitions``, padded or not)."""
+    return frozenset(a for entry in entries for a in _dim_axes(entry))
+
+
 def deferred_spec(spec: P, names: Sequence[Hashable], kind: str) -> P:
     """``spec`` with the axes ``names`` taken out of its dimensions and added
     to its ``kind`` (``"reduced"`` or ``"unreduced"``) set."""
     taken = frozenset(names)
 
     def drop(entry):
-        if entry is None:
-            return None
-        kept = tuple(
-            a
-            for a in (entry if isinstance(entry, tuple) else (entry,))
-            if a not in taken
-        )
+        kept = tuple(a for a in _dim_axes(entry) if a not in taken)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     dims = tuple(drop(e) for e in spec.partitions)
@@ -247,7 +255,7 @@ def unreduced_value_and_grad(
       ...   print(jax.typeof(g), jax.reshard(g, P()))
       float32[3]{U:data} [1. 1. 1.]
     """
-    names = axis_names(axis_name)
+    names = utils.axis_names(axis_name)
     grad_fn = value_and_grad(loss_fn, argnums=argnums, has_aux=has_aux)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
@@ -265,13 +273,6 @@ def unreduced_value_and_grad(
     return wrapped
 
 
-def _dim_axes(entry: Any) -> tuple[Hashable, ...]:
-    """The mesh axes of one partition-spec entry."""
-    if entry is None:
-        return ()
-    return entry if isinstance(entry, tuple) else (entry,)
-
-
 def _padded_dims(spec: P, ndim: int) -> tuple[Any, ...]:
     """The entries of ``spec``, one per dimension of an ``ndim`` array."""
     return tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
@@ -286,7 +287,7 @@ def _scatter_back(
     (``psum_scatter``) over each sharded dimension's axes, a ``psum`` over
     any other unreduced axis the parameter is not reduced over."""
     unreduced = unreduced_axes(ct)
-    sharded = {a for d in dims for a in _dim_axes(d)}
+    sharded = sharded_axes(dims)
     rest = _ordered(mesh, unreduced - sharded - spec.reduced)
 
     def body(c):
@@ -330,11 +331,11 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> import optaxaccum as oa
-      >>> from jax.sharding import AxisType, PartitionSpec as P
-      >>> mesh = jax.make_mesh((1,), ("fsdp",), (AxisType.Explicit,),
-      ...                      devices=jax.devices()[:1])
+      >>> from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+      >>> axis_types, one = (AxisType.Explicit,), jax.devices()[:1]
+      >>> mesh = jax.make_mesh((1,), ("fsdp",), axis_types, devices=one)
+      >>> w = jax.device_put(jnp.ones((2, 3)), NamedSharding(mesh, P("fsdp")))
       >>> with jax.set_mesh(mesh):
-      ...   w = jax.device_put(jnp.ones((2, 3)), P("fsdp", None))
       ...   print(jax.jit(oa.fsdp_gather)(w).shape)
       (2, 3)
     """
@@ -347,10 +348,12 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
             "jax.set_mesh(mesh)"
         )
     mesh, spec = sharding.mesh, sharding.spec
-    names = mesh.axis_names if batch_axes is None else axis_names(batch_axes)
+    names = (
+        mesh.axis_names if batch_axes is None else utils.axis_names(batch_axes)
+    )
     check_mesh_axes(names, "oa.fsdp_gather", w)
-    dims = tuple(spec.partitions) + (None,) * (w.ndim - len(spec.partitions))
-    other = {a for d in dims for a in _dim_axes(d)} - set(names)
+    dims = _padded_dims(spec, w.ndim)
+    other = sharded_axes(dims) - set(names)
     if other:
         raise ValueError(
             f"oa.fsdp_gather: w is sharded over {sorted(map(str, other))}, "
@@ -402,10 +405,8 @@ def stacked_axes(a: Any, axis_name: Any) -> tuple[Hashable, ...]:
         return ()
     if not is_explicit(a, axis_name) or not sharding.spec.partitions:
         return ()
-    axes = _ordered(sharding.mesh, axis_names(axis_name))
-    first = sharding.spec.partitions[0]
-    first = first if isinstance(first, tuple) else (first,)
-    return axes if first == axes else ()
+    axes = _ordered(sharding.mesh, utils.axis_names(axis_name))
+    return axes if _dim_axes(sharding.spec.partitions[0]) == axes else ()
 
 
 def stack_partials(tree: Any) -> Any:
@@ -464,8 +465,7 @@ def _in_explicit_context(axis_name: Any) -> bool:
     ``axis_name``, all Explicit."""
     if axis_name is None:
         return False
-    explicit = set(jax.sharding.get_abstract_mesh().explicit_axes)
-    return all(n in explicit for n in axis_names(axis_name))
+    return _all_explicit(jax.sharding.get_abstract_mesh(), axis_name)
 
 
 def window_zeros(zeros: Any, axis_name: Any) -> Any:
@@ -483,7 +483,7 @@ def window_zeros(zeros: Any, axis_name: Any) -> Any:
         if not is_explicit(z, axis_name):
             return z
         sharding = _named(z)
-        axes = _ordered(sharding.mesh, axis_names(axis_name))
+        axes = _ordered(sharding.mesh, utils.axis_names(axis_name))
         n = int(np.prod([sharding.mesh.shape[a] for a in axes]))
         spec = deferred_spec(sharding.spec, axes, "unreduced")
         spec = _stacked_spec(without_unreduced(spec), axes)
@@ -510,25 +510,27 @@ def grad_zeros(p: Any, dtype: Any) -> jax.Array:
     )
 
 
+def match_unreduced(x: Any, like: Any) -> Any:
+    """``x`` cast to the unreduced sharding of ``like`` if ``like`` is
+    unreduced and ``x`` is not (a local cast: no data moves between
+    devices); else ``x``."""
+    if unreduced_axes(like) and not unreduced_axes(x):
+        return jax.reshard(x, _spec(like))
+    return x
+
+
 def match_grads(acc: Any, grads: Any) -> Any:
     """``acc`` (unstacked) with each plain leaf cast to the unreduced
-    sharding of the corresponding gradient (a local cast: no data moves
-    between devices)."""
-
-    def match(a, g):
-        if unreduced_axes(g) and not unreduced_axes(a):
-            return jax.reshard(a, _spec(g))
-        return a
-
-    return jax.tree.map(match, acc, grads)
+    sharding of the corresponding gradient (:func:`match_unreduced`)."""
+    return jax.tree.map(match_unreduced, acc, grads)
 
 
 def times(s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
     """``s * x`` for a scalar ``s``, also when ``x`` is unreduced (``s`` is
     then cast to reduced); with ``like`` (an unreduced accumulator) a plain
     ``x`` is first cast to ``like``'s sharding."""
-    if like is not None and unreduced_axes(like) and not unreduced_axes(x):
-        x = jax.reshard(x, _spec(like))
+    if like is not None:
+        x = match_unreduced(x, like)
     axes = unreduced_axes(x)
     if axes:
         s = jax.reshard(s, P(reduced=axes))
@@ -588,8 +590,7 @@ def reduce_window(
     function of each unreduced leaf and ``axis_name`` instead.
     """
     acc = unstack_partials(acc, axis_name)
-    leaves = jax.tree.leaves(acc)
-    if leaves and is_explicit(leaves[0], axis_name):
+    if tree_is_explicit(acc, axis_name):
 
         def reduce(a):
             axes = unreduced_axes(a)

@@ -18,20 +18,27 @@ __all__ = [
     "NO_PARAMS_MSG",
     "all_finite",
     "all_true",
+    "axis_names",
     "check_axis_name",
     "check_bool",
+    "check_callable",
     "check_extra_args",
     "check_float_dtype",
     "check_positive_int",
     "check_real",
     "check_same_structure",
+    "check_state_type",
     "check_weight",
+    "concrete",
     "cond_or_call",
     "declared_extra_args",
+    "divide_or",
     "either",
     "both",
     "mask",
+    "optax_has_updated",
     "select",
+    "wrap_indices",
     "zeros_of",
     "find_state",
     "widen",
@@ -76,6 +83,32 @@ def widen(dtype: Any, at_least: Any = jnp.float32) -> np.dtype:
     return floor
 
 
+def concrete(value: Any, dtype: Any = None) -> np.ndarray | None:
+    """``value`` as a NumPy array if it is known now, ``None`` if it is
+    traced (inside ``jax.jit``, ``vmap``, ``grad``...).
+
+    Args:
+      value: a Python or NumPy number, or an array (concrete or traced).
+      dtype: optional NumPy dtype to convert to.
+
+    Returns:
+      ``np.asarray(value, dtype)``, or ``None`` for a traced value.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optaxaccum._src.utils import concrete
+      >>> concrete(jnp.ones(2))
+      array([1., 1.], dtype=float32)
+    """
+    try:
+        return np.asarray(value, dtype)
+    except (
+        jax.errors.TracerArrayConversionError,
+        jax.errors.ConcretizationTypeError,
+    ):
+        return None
+
+
 def check_weight(name: str, value: Any) -> None:
     """Raises ``ValueError`` if a concrete weight is not a finite real >= 0
     (``TypeError`` if it is not a number at all, e.g. a string).
@@ -87,9 +120,8 @@ def check_weight(name: str, value: Any) -> None:
       name: the argument's name, for the message.
       value: a Python or NumPy number, or an array (concrete or traced).
     """
-    try:
-        number = np.asarray(value)
-    except jax.errors.TracerArrayConversionError:  # traced: decided later
+    number = concrete(value)
+    if number is None:  # traced: decided later
         return
     if number.dtype == np.bool_:
         raise ValueError(
@@ -329,32 +361,129 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def check_axis_name(value: Any) -> Any:
-    """Returns ``axis_name`` if it is ``None`` or hashable."""
-    if value is not None and not isinstance(value, Hashable):
-        raise TypeError(f"axis_name must be hashable, got axis_name={value!r}")
+def check_callable(name: str, value: Any, *, none_ok: bool = False) -> Any:
+    """Returns ``value`` if it is callable (or ``None``, with ``none_ok``),
+    else raises ``TypeError`` naming ``name``."""
+    if none_ok and value is None:
+        return value
+    if not callable(value):
+        allowed = "callable or None" if none_ok else "callable"
+        raise TypeError(f"{name} must be {allowed}, got {name}={value!r}")
     return value
 
 
-def find_state(state: Any, cls: type | tuple[type, ...], caller: str) -> Any:
-    """The first (outermost, leftmost) instance of ``cls`` inside ``state``.
+def axis_names(axis_name: Any) -> tuple[Hashable, ...]:
+    """``axis_name`` (one mesh axis name or a non-empty tuple of them) as a
+    tuple; ``TypeError`` for anything else (``None``, ``()``, a list)."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or any(
+        n is None or not isinstance(n, Hashable) for n in names
+    ):
+        raise TypeError(
+            "axis_name must be a mesh axis name or a non-empty tuple of "
+            f"them, got {axis_name=!r}"
+        )
+    return names
+
+
+def check_axis_name(value: Any) -> Any:
+    """Returns ``axis_name`` if it is ``None`` or what :func:`axis_names`
+    accepts."""
+    if value is not None:
+        axis_names(value)
+    return value
+
+
+def check_state_type(
+    state: Any, cls: type, caller: str, what: str = "", hint: str = ""
+) -> None:
+    """Raises ``TypeError`` (``"{caller} expects a {what}, got ..."``) if
+    ``state`` is not an instance of ``cls``.
+
+    Args:
+      state: the state given to an ``update``.
+      cls: the state class it must be.
+      caller: the transformation, for the message (``"oa.accumulate"``).
+      what: how the message names ``cls`` (default: its name).
+      hint: appended to the message (e.g. how to convert a state).
+    """
+    if isinstance(state, cls):
+        return
+    what = what or cls.__name__
+    article = "an" if what[0].lower() in "aeiou" else "a"
+    raise TypeError(
+        f"{caller} expects {article} {what}, got {type(state).__name__}{hint}"
+    )
+
+
+def find_state(
+    state: Any,
+    kind: type | tuple[type, ...] | Callable[[Any], bool],
+    caller: str,
+    names: str = "",
+) -> Any:
+    """The first (outermost, leftmost) node of ``state`` of ``kind``.
+
+    Args:
+      state: a (nested) optimizer state.
+      kind: a class, a tuple of classes, or a predicate of a node.
+      caller: the function asking, for the message.
+      names: what the message calls the nodes sought (default: the names
+        of the classes of ``kind``).
+
+    Returns:
+      The first node found, in ``jax.tree.leaves`` order.
 
     Raises:
       ValueError: naming ``caller`` if there is none.
     """
-    found = [
-        s
-        for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls))
-        if isinstance(s, cls)
-    ]
-    if not found:
-        classes = cls if isinstance(cls, tuple) else (cls,)
-        names = " or ".join(c.__name__ for c in classes)
-        raise ValueError(
-            f"{caller} found no {names} in the state given "
-            f"({jax.tree.structure(state)})"
-        )
-    return found[0]
+    if isinstance(kind, (type, tuple)):
+        classes = kind if isinstance(kind, tuple) else (kind,)
+        names = names or " or ".join(c.__name__ for c in classes)
+        match = lambda x: isinstance(x, classes)  # noqa: E731
+    else:
+        match = kind
+    for node in jax.tree.leaves(state, is_leaf=match):
+        if match(node):
+            return node
+    raise ValueError(
+        f"{caller} found no {names} in the state given "
+        f"({jax.tree.structure(state)})"
+    )
+
+
+def optax_has_updated(mini_step: Any, gradient_step: Any) -> jax.Array:
+    """optax's ``MultiSteps.has_updated`` rule, for states without an
+    ``updated`` flag: the window position is 0 after at least one step."""
+    return (jnp.asarray(mini_step) == 0) & (jnp.asarray(gradient_step) > 0)
+
+
+def divide_or(x: Any, y: Any, ok: Any = None, otherwise: Any = 0) -> Any:
+    """``x / y`` where ``ok`` (default ``y != 0``), else ``otherwise``; the
+    division never sees the excluded ``y`` (no NaN in a gradient of it).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from optaxaccum._src.utils import divide_or
+      >>> divide_or(jnp.array([1.0, 1.0]), jnp.array([2.0, 0.0]))
+      Array([0.5, 0. ], dtype=float32)
+    """
+    ok = y != 0 if ok is None else ok
+    return jnp.where(ok, x / jnp.where(ok, y, 1), otherwise)
+
+
+def wrap_indices(
+    indices: Iterable[int], size: int, out_of_range: Callable[[int], str]
+) -> tuple[int, ...]:
+    """``indices`` in ``range(size)``, negative ones counted from the end;
+    ``ValueError(out_of_range(i))`` for the first ``i`` outside
+    ``[-size, size)``."""
+    out = []
+    for i in indices:
+        if not -size <= i < size:
+            raise ValueError(out_of_range(i))
+        out.append(int(i) % size)
+    return tuple(out)
 
 
 # ------------------------------------------------------------ flags
