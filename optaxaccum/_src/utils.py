@@ -531,28 +531,15 @@ def zeros_of(shapes: Any) -> Any:
     return jax.tree.map(jnp.zeros_like, shapes)
 
 
-def _manual_type(x: Any) -> Any:
-    """How ``x`` varies over manual mesh axes (``shard_map``), as a hashable
-    key: ``aval.mat`` on JAX 0.10 and later, ``aval.vma`` before."""
-    aval = jax.typeof(x)
-    return getattr(aval, "mat", getattr(aval, "vma", None))
-
-
 def _barrier(tree: Any) -> Any:
-    """``tree`` through ``lax.optimization_barrier``: one barrier per group
-    of leaves that vary alike over manual axes (one barrier over all would
-    make every leaf as varying as the most varying one, so a replicated
-    counter would no longer be known replicated under ``shard_map``)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    groups: dict[Any, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        groups.setdefault(_manual_type(leaf), []).append(i)
-    out = list(leaves)
-    for idx in groups.values():
-        kept = lax.optimization_barrier([leaves[i] for i in idx])
-        for i, leaf in zip(idx, kept, strict=True):
-            out[i] = leaf
-    return jax.tree.unflatten(treedef, out)
+    """``tree`` with each leaf through its own ``lax.optimization_barrier``.
+
+    One barrier per leaf: an output the caller does not use is dropped with
+    its barrier (a barrier over a group keeps every member alive: the
+    updates nnx's Optimizer discards became a tree-sized temporary on jax
+    0.12), and each leaf keeps its own device-varying type under
+    ``shard_map``."""
+    return jax.tree.map(lax.optimization_barrier, tree)
 
 
 def _kept(fn: Callable) -> Callable:
