@@ -150,7 +150,7 @@ MUTANTS = {
         _CHAIN + ["-k", "bare_weight"],
     ),
     "has_updated_flagless_optax_rule": (  # item 8
-        "multisteps.py",
+        "utils.py",
         "(jnp.asarray(mini_step) == 0) & (jnp.asarray(gradient_step) > 0)",
         "jnp.asarray(mini_step) == 0",
         ["tests/test_multisteps.py", "-k", "multisteps_has_updated"],
@@ -397,9 +397,9 @@ MUTANTS = {
         ["tests/test_nnx_optimizer.py", "-k", "counts_every_call"],
     ),
     "has_updated_reads_the_last_window": (  # item 18
-        "windows.py",
-        "    for s in jax.tree.leaves(state, is_leaf=_is_window):",
-        "    for s in reversed(jax.tree.leaves(state, is_leaf=_is_window)):",
+        "utils.py",
+        "    for node in jax.tree.leaves(state, is_leaf=match):",
+        "    for node in reversed(jax.tree.leaves(state, is_leaf=match)):",
         ["tests/test_accumulate.py", "-k", "answers_for_the_first"],
     ),
     "nnx_flush_not_recorded_as_counted": (  # item 19

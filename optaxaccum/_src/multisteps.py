@@ -227,8 +227,7 @@ class MultiSteps(base.GatedTransformation):
         if updated is not None:
             return updated
         # optax's rule, for states without the flag (e.g. optax's own).
-        mini_step, gradient_step = state.mini_step, state.gradient_step
-        return (jnp.asarray(mini_step) == 0) & (jnp.asarray(gradient_step) > 0)
+        return utils.optax_has_updated(state.mini_step, state.gradient_step)
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """Itself: it already is an optax (and gated) transformation."""

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxaccum._src import utils
+
 __all__ = ["closed", "counted", "has_updated", "warn_if_wrapped"]
 
 
@@ -28,12 +30,8 @@ def _is_window(x: Any) -> bool:
 
 def _find_window(state: Any, caller: str) -> Any:
     """The first (outermost, leftmost) window state inside ``state``."""
-    for s in jax.tree.leaves(state, is_leaf=_is_window):
-        if _is_window(s):
-            return s
-    raise ValueError(
-        f"{caller} found no AccumulateState or MultiStepsState in the state "
-        f"given ({jax.tree.structure(state)})"
+    return utils.find_state(
+        state, _is_window, caller, "AccumulateState or MultiStepsState"
     )
 
 
@@ -65,7 +63,7 @@ def has_updated(state: optax.OptState) -> jax.Array:
     warn_if_wrapped(state)
     found = _find_window(state, "oa.has_updated")
     if found.updated is None:  # e.g. converted from optax's MultiStepsState
-        return (found.mini_step == 0) & (found.gradient_step > 0)
+        return utils.optax_has_updated(found.mini_step, found.gradient_step)
     return found.updated
 
 
