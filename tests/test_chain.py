@@ -780,13 +780,11 @@ def test_gate_with_a_required_keyword_only_argument(fused):
 
 
 def _int_flag_gate():
-    """A gate whose ``may_open`` is an integer: ``-1`` (what ``~False`` gives),
-    so ``ctx.passed & ~False`` is int32 (or the int 1), not a bool."""
+    """A gate whose ``may_open`` is an integer: ``ctx.passed & -1`` (-1 is
+    what ``~False`` gives) is int32 (or the int 1), not a bool."""
 
     def flawed_gate_update(updates, state, params, ctx, **extra_args):
-        return oa.GateResult(
-            state, ctx.passed & -1, oa.Emitted(updates, state)
-        )
+        return oa.GateResult(state, ctx.passed & -1, oa.Emitted(updates, state))
 
     return oa.GatedTransformation(
         lambda p: optax.EmptyState(), flawed_gate_update
