@@ -35,9 +35,6 @@ class AccumulateState(NamedTuple):
         overflow float16). Stale when ``mini_step`` is 0.
       updated: whether the most recent call that reached this transformation
         closed a window and stepped the followers; ``shape=(), bool``.
-      counted: whether the most recent call that reached this transformation
-        was taken into its window (not refused by an earlier gate, nor
-        dropped by ``skip_nonfinite``); ``shape=(), bool``.
       noise_scale: the gradient noise scale's sums and averages
         (``noise_scale_decay``); ``None`` (no leaves) when off.
     """
@@ -47,7 +44,6 @@ class AccumulateState(NamedTuple):
     acc: optax.Updates  # like params, accumulator dtype (see accumulate)
     weight: jax.Array  # shape=(), widest accumulator precision, >= float32
     updated: jax.Array  # shape=(), bool
-    counted: jax.Array  # shape=(), bool
     noise_scale: Any = None  # noise_scale.NoiseScaleState, or None (off)
 
     _holds_window = True  # found by oa.has_updated (windows.py); no field
@@ -217,7 +213,6 @@ def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
         ),
         weight=jnp.zeros([], _weight_dtype(cfg, params)),
         updated=jnp.zeros([], bool),
-        counted=jnp.zeros([], bool),
         noise_scale=noise_scale.init(
             cfg.noise_scale_decay, _weight_dtype(cfg, params), cfg.axis_name
         ),
@@ -261,7 +256,6 @@ def _gate_update(
         updated=utils.select(
             counted, jnp.zeros_like(state.updated), state.updated
         ),
-        counted=jnp.zeros_like(state.counted) | counted,
         noise_scale=noise,
     )
     out_dtypes = jax.tree.map(jnp.result_type, updates)

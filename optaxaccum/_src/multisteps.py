@@ -43,8 +43,6 @@ class MultiStepsState(NamedTuple):
         ``accumulator_dtype``). Stale when ``mini_step`` is 0.
       updated: whether the most recent counted call closed a window and
         stepped the inner optimizer; ``shape=(), bool``.
-      counted: whether the most recent call was taken into the window (not
-        refused by ``should_skip_update_fn``); ``shape=(), bool``.
     """
 
     mini_step: jax.Array  # shape=(), int32
@@ -54,7 +52,6 @@ class MultiStepsState(NamedTuple):
     skip_state: Any = ()
     acc_weight: jax.Array | None = None  # shape=(), float32 or wider
     updated: jax.Array | None = None  # shape=(), bool
-    counted: jax.Array | None = None  # shape=(), bool
 
     _holds_window = True  # found by oa.has_updated (windows.py); no field
 
@@ -266,7 +263,6 @@ class MultiSteps(base.GatedTransformation):
             skip_state=state.skip_state,
             acc_weight=n.astype(like.acc_weight.dtype),
             updated=jnp.logical_and(n == 0, gradient_step > 0),
-            counted=jnp.logical_or(n > 0, gradient_step > 0),
         )
 
 
@@ -296,9 +292,6 @@ class _Views:
             acc=state.acc_grads,
             weight=state.acc_weight,
             updated=state.updated,
-            counted=jnp.zeros_like(state.updated)
-            if state.counted is None
-            else state.counted,
         )
         if not self.skip:
             return (acc, state.inner_opt_state)
@@ -319,7 +312,6 @@ class _Views:
             skip_state=skip_state,
             acc_weight=acc.weight,
             updated=acc.updated,
-            counted=acc.counted,
         )
 
     def result(self, res: Any) -> base._Result:

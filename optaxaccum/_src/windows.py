@@ -1,8 +1,7 @@
 """Questions about an accumulation window, asked of a (nested) chain state.
 
-A *window state* is a state class with ``mini_step``, ``gradient_step``,
-``updated`` and ``counted`` that sets the class attribute
-``_holds_window = True``
+A *window state* is a state class with ``mini_step``, ``gradient_step``
+and ``updated`` that sets the class attribute ``_holds_window = True``
 (:class:`AccumulateState`, :class:`MultiStepsState`): this module finds
 them without importing the modules that define them, so the combinator
 (``chain.py``) and the layers above (``optaxaccum.flax``) depend on it and
@@ -11,17 +10,15 @@ not on a gate module.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from optaxaccum._src import utils
 
-__all__ = ["closed", "counted", "has_updated", "warn_if_wrapped"]
+__all__ = ["counted", "has_updated", "warn_if_wrapped"]
 
 
 def _is_window(x: Any) -> bool:
@@ -67,44 +64,24 @@ def has_updated(state: optax.OptState) -> jax.Array:
     return found.updated
 
 
-def counted(state: optax.OptState) -> Any:
-    """Whether the last call took its micro-batch into the window of the
-    first (outermost) accumulate of ``state`` (``True`` when the state holds
-    no window: every call counts).
+def counted(old_state: optax.OptState, new_state: optax.OptState) -> Any:
+    """Whether the outermost accumulate of a chain took the call that turned
+    ``old_state`` into ``new_state`` into its window (``True`` when the state
+    holds no window: every call counts).
 
-    The core's one answer to "did this micro-batch count", read from the
-    window state's ``counted`` flag (the Flax layers keep their BatchNorm
-    windows aligned with it). :func:`has_updated` cannot tell: a dropped call
-    leaves its flag as it was, like a counted call that does not close the
-    window.
+    The core's one answer to "did this micro-batch count" (the Flax layers
+    keep their BatchNorm windows aligned with it). :func:`has_updated` cannot
+    tell: a dropped call leaves its flag as it was, like a counted call that
+    does not close the window.
     """
     try:
-        found = _find_window(state, "counted")
+        old = _find_window(old_state, "counted")
     except ValueError:
         return True
-    if found.counted is None:  # a MultiStepsState built by hand
-        raise ValueError(
-            "this oa.MultiStepsState has no counted flag: build it with "
-            "ms.init(params), or convert optax's state with "
-            "ms.from_optax_state(state)"
-        )
-    return found.counted
-
-
-def closed(state: optax.OptState) -> Any:
-    """Whether the last call closed the optimizer's window: every window
-    state of ``state`` (nested accumulates: the last is reached only where
-    the one before it closed) counted the call and is back at position 0 (a
-    window of weight 0 included). ``False`` when ``state`` holds no window.
-    """
-    leaves = jax.tree.leaves(state, is_leaf=_is_window)
-    found = [s for s in leaves if _is_window(s)]
-    if not found:
-        return False
-    if any(s.counted is None for s in found):
-        counted(state)  # raises: a MultiStepsState built by hand
-    flags = [s.counted & (s.mini_step == 0) for s in found]
-    return functools.reduce(jnp.logical_and, flags)
+    new = _find_window(new_state, "counted")
+    return (new.mini_step != old.mini_step) | (
+        new.gradient_step != old.gradient_step
+    )
 
 
 # optax wrappers that count their own calls: around a gated chain they count

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax.linen import module as linen_module
 
-from optaxaccum._src import batch_stats as _stats
 from optaxaccum._src import utils
+from optaxaccum.flax import _stats
 
 
 class AccumBatchNorm(nn.BatchNorm):
@@ -28,11 +28,8 @@ class AccumBatchNorm(nn.BatchNorm):
 
     Args:
       use_running_average: as in ``nn.BatchNorm``.
-      accum_steps: micro-batches per window, an int >= 1 (keyword): the
-        layer closes its window after that many. Under
-        :class:`optaxaccum.flax.TrainState` the window also closes where the
-        optimizer's closes, so for a window whose length changes
-        (:func:`optaxaccum.critical_batch_every_k`) give the longest.
+      accum_steps: micro-batches per window, an int >= 1 (keyword). Keep it
+        equal to the ``every_k`` of :func:`optaxaccum.accumulate`.
       **kwargs: every other ``nn.BatchNorm`` field, with its meaning.
 
     Raises:

@@ -14,9 +14,9 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from optaxaccum._src import batch_stats as _stats
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
+from optaxaccum.flax import _stats
 
 
 def _rebuild(like: Mapping, out: dict[str, Any]) -> Any:
@@ -109,14 +109,11 @@ class TrainState(train_state.TrainState):
           windows).
 
         .. note::
-          When the chain holds an :func:`optaxaccum.accumulate`, the
-          :class:`AccumBatchNorm` windows in a ``batch_stats`` passed here
-          follow the optimizer's window: where this call was not taken into
-          it (a loss-scale gate or ``skip_nonfinite`` dropped the
-          micro-batch) the ``batch_stats`` are not kept, and where the call
-          closed it the BatchNorm windows close too (any window length, a
-          callable ``every_k`` such as
-          :func:`optaxaccum.critical_batch_every_k` included).
+          When the chain holds an :func:`optaxaccum.accumulate` and this call
+          was not taken into its window (a loss-scale gate or
+          ``skip_nonfinite`` dropped the micro-batch), a ``batch_stats``
+          passed here is not kept either, so the BatchNorm window of
+          :class:`AccumBatchNorm` stays aligned with the optimizer's window.
         """
         fields = {f.name for f in dataclasses.fields(self)}
         utils.check_extra_args(
@@ -137,8 +134,12 @@ class TrainState(train_state.TrainState):
                 OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT],
             }
         if "batch_stats" in replace and self.batch_stats is not None:
-            replace["batch_stats"] = _follow_window(
-                self.batch_stats, replace["batch_stats"], new_opt_state
+            new_bs = replace["batch_stats"]
+            replace["batch_stats"] = _stats.keep_counted(
+                self.opt_state,
+                new_opt_state,
+                new_bs,
+                _with_windows_like(self.batch_stats, new_bs),
             )
         return self.replace(
             step=self.step + 1,
@@ -188,16 +189,6 @@ class TrainState(train_state.TrainState):
                 batch_stats=_flush_batch_stats(self.batch_stats, momentum, "")
             )
         return new
-
-
-def _follow_window(old: Any, new: Any, opt_state: Any) -> Any:
-    """The ``new`` batch_stats kept where the optimizer counted the call
-    (else ``old``'s), their windows closed where its window closed."""
-    new = _stats.keep_counted(opt_state, new, _with_windows_like(old, new))
-    closed = _stats.closes_with(opt_state)
-    if closed is False or not _has_windows(new):
-        return new
-    return _flush_batch_stats(new, None, "", where=closed)
 
 
 def _has_windows(batch_stats: Any) -> bool:
@@ -253,12 +244,9 @@ def _layer_momentum(recorded: Any, given: Any, path: str) -> Any:
     return given  # deprecated: the value passed, as before
 
 
-def _flush_batch_stats(
-    batch_stats: Mapping, momentum: Any, path: str, where: Any = True
-) -> Any:
-    """Closes every window of ``batch_stats`` where ``where``."""
+def _flush_batch_stats(batch_stats: Mapping, momentum: Any, path: str) -> Any:
     out = {
-        key: _flush_batch_stats(value, momentum, f"{path}[{key!r}]", where)
+        key: _flush_batch_stats(value, momentum, f"{path}[{key!r}]")
         if isinstance(value, Mapping)
         else value
         for key, value in batch_stats.items()
@@ -269,7 +257,7 @@ def _flush_batch_stats(
         )
         window = _stats.Window(*(out[k] for k in _stats.WINDOW_KEYS))
         out["mean"], out["var"], window = _stats.flush(
-            window, out["mean"], out["var"], layer_momentum, where
+            window, out["mean"], out["var"], layer_momentum
         )
         out.update(zip(_stats.WINDOW_KEYS, window, strict=True))
     return _rebuild(batch_stats, out)

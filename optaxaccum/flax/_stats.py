@@ -1,12 +1,10 @@
 """Pooled BatchNorm statistics over an accumulation window (pure JAX).
 
-Shared by the linen and nnx ``AccumBatchNorm`` and usable by any framework
-(it imports no flax: examples/equinox_batchnorm.py uses it with Equinox). A
-window's statistics are kept as per-feature ``count``, ``mean`` and ``m2``
-(sum of squared deviations from the mean) in float32 and merged micro-batch
-by micro-batch with the parallel-variance formula of Chan, Golub and
-LeVeque, so the pooled variance is exact for micro-batches of any sizes --
-not an average of variances.
+Shared by the linen and nnx ``AccumBatchNorm``. A window's statistics are
+kept as per-feature ``count``, ``mean`` and ``m2`` (sum of squared deviations
+from the mean) in float32 and merged micro-batch by micro-batch with the
+parallel-variance formula of Chan, Golub and LeVeque, so the pooled variance is
+exact for micro-batches of any sizes -- not an average of variances.
 """
 
 from __future__ import annotations
@@ -235,37 +233,19 @@ def train_step(
 
 
 def flush(
-    window: Window,
-    ra_mean: jax.Array,
-    ra_var: jax.Array,
-    momentum: float,
-    where: Any = True,
+    window: Window, ra_mean: jax.Array, ra_var: jax.Array, momentum: float
 ) -> tuple[jax.Array, jax.Array, Window]:
-    """Closes a partial window where ``where`` (no-op for an empty one)."""
-    return close(
-        window,
-        ra_mean,
-        ra_var,
-        momentum,
-        jnp.logical_and(where, window.step > 0),
-    )
+    """Closes a partial window (no-op for an empty one)."""
+    return close(window, ra_mean, ra_var, momentum, window.step > 0)
 
 
-def keep_counted(opt_state: Any, new: Any, old: Any) -> Any:
-    """``new`` statistics if the optimizer's last call (the one that returned
-    ``opt_state``) counted its micro-batch, else ``old`` ones (as they were
-    before its forward pass): the BatchNorm windows stay aligned with the
-    optimizer's (API.md 6). Used by linen's ``TrainState`` and nnx's
+def keep_counted(old_opt_state: Any, new_opt_state: Any, new: Any, old: Any):
+    """``new`` statistics if the chain counted the micro-batch that turned
+    ``old_opt_state`` into ``new_opt_state``, else ``old`` ones (as they
+    were before its forward pass): the BatchNorm windows stay aligned with
+    the optimizer's (API.md 6). Used by linen's ``TrainState`` and nnx's
     ``Optimizer`` alike."""
-    counted = windows.counted(opt_state)
+    counted = windows.counted(old_opt_state, new_opt_state)
     if counted is True:  # no accumulate: every call counts
         return new
     return jax.tree.map(lambda n, o: jnp.where(counted, n, o), new, old)
-
-
-def closes_with(opt_state: Any) -> Any:
-    """Where the BatchNorm windows close because the optimizer's window
-    closed on its last call (``opt_state``): the layers then follow any
-    window length, a callable ``every_k`` included; ``False`` when the state
-    holds no window (the layers close on their own ``accum_steps``)."""
-    return windows.closed(opt_state)
