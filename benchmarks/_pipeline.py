@@ -45,17 +45,27 @@ def tree(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, Any]:
     }
 
 
-def _fused(tx):
-    def step(params, state, grads):
-        return oa.apply_gradients(tx, grads, state, params)
+# The donated arguments come first, in the order of the outputs: JAX pairs
+# each donated input buffer with the first not yet paired output of the same
+# shape and dtype, so ``step(grads, opt_state, params) -> (params, opt_state)``
+# would pair the accumulator's buffers with the new params, Adam's moments
+# with the accumulator, ... and XLA would copy every tree on every call.
+def fused_step(tx):
+    """``step(params, opt_state, grads)`` through ``oa.apply_gradients``."""
+
+    def step(params, opt_state, grads):
+        return oa.apply_gradients(tx, grads, opt_state, params)
 
     return step
 
 
-def _plain(tx):
-    def step(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+def plain_step(tx):
+    """``step(params, opt_state, grads)``: ``tx.update`` then
+    ``optax.apply_updates``."""
+
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
 
     return step
 
@@ -71,23 +81,23 @@ def steps() -> dict[str, tuple[Callable, Any, bool]]:
         oa.dynamic_loss_scale(), oa.agc(0.01), oa.accumulate(NEVER), adam
     )
     table = {
-        "Adam step alone": (_fused(adam), adam, False),
-        "fused non-closing": (_fused(acc(NEVER)), acc(NEVER), True),
-        "fused closing": (_fused(acc(1)), acc(1), True),
+        "Adam step alone": (fused_step(adam), adam, False),
+        "fused non-closing": (fused_step(acc(NEVER)), acc(NEVER), True),
+        "fused closing": (fused_step(acc(1)), acc(1), True),
         "fused+noise_scale non-closing": (
-            _fused(acc(NEVER, noise_scale_decay=0.9)),
+            fused_step(acc(NEVER, noise_scale_decay=0.9)),
             acc(NEVER, noise_scale_decay=0.9),
             True,
         ),
-        "README chain fused non-closing": (_fused(readme), readme, True),
-        "plain non-closing": (_plain(acc(NEVER)), acc(NEVER), True),
+        "README chain fused non-closing": (fused_step(readme), readme, True),
+        "plain non-closing": (plain_step(acc(NEVER)), acc(NEVER), True),
         "oa.MultiSteps fused non-closing": (
-            _fused(oa.MultiSteps(adam, NEVER)),
+            fused_step(oa.MultiSteps(adam, NEVER)),
             oa.MultiSteps(adam, NEVER),
             True,
         ),
         "optax.MultiSteps non-closing": (
-            _plain(optax.MultiSteps(adam, NEVER)),
+            plain_step(optax.MultiSteps(adam, NEVER)),
             optax.MultiSteps(adam, NEVER),
             False,
         ),

@@ -101,26 +101,6 @@ def _mini_step(state):
     return int(next(s for s in leaves if isinstance(s, _STATE_TYPES)).mini_step)
 
 
-# The donated arguments come first, in the order of the outputs: JAX pairs
-# each donated input buffer with the first not yet paired output of the same
-# shape and dtype, so ``step(grads, opt_state, params) -> (params, opt_state)``
-# would pair the accumulator's buffers with the new params, Adam's moments
-# with the accumulator, ... and XLA would copy every tree on every call.
-def _fused_step(tx):
-    def step(params, opt_state, grads):
-        return oa.apply_gradients(tx, grads, opt_state, params)
-
-    return step
-
-
-def _plain_step(tx):
-    def step(params, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
-
-
 def _tree_copies(compiled, shapes):
     """How many ``copy`` instructions of a params leaf the program holds."""
     dims = {",".join(map(str, shape)) for shape in shapes.values()}
@@ -187,26 +167,42 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     p0 = params()
     compiled = {
         "fused": compile_step(
-            _fused_step(ours), p0, ours.init(p0), grads, donate=(0, 1)
+            _pipeline.fused_step(ours), p0, ours.init(p0), grads, donate=(0, 1)
         ),
         "fused+noise_scale": compile_step(
-            _fused_step(noisy), p0, noisy.init(p0), grads, donate=(0, 1)
+            _pipeline.fused_step(noisy),
+            p0,
+            noisy.init(p0),
+            grads,
+            donate=(0, 1),
         ),
         "plain": compile_step(
-            _plain_step(ours), p0, ours.init(p0), grads, donate=(0, 1)
+            _pipeline.plain_step(ours), p0, ours.init(p0), grads, donate=(0, 1)
         ),
         "MultiSteps": compile_step(
-            _plain_step(multi), p0, multi.init(p0), grads, donate=(0, 1)
+            _pipeline.plain_step(multi),
+            p0,
+            multi.init(p0),
+            grads,
+            donate=(0, 1),
         ),
         "oa.MultiSteps(fused)": compile_step(
-            _fused_step(drop_in), p0, drop_in.init(p0), grads, donate=(0, 1)
+            _pipeline.fused_step(drop_in),
+            p0,
+            drop_in.init(p0),
+            grads,
+            donate=(0, 1),
         ),
         "oa.MultiSteps(plain)": compile_step(
-            _plain_step(drop_in), p0, drop_in.init(p0), grads, donate=(0, 1)
+            _pipeline.plain_step(drop_in),
+            p0,
+            drop_in.init(p0),
+            grads,
+            donate=(0, 1),
         ),
     }
     compiled_adam = compile_step(
-        _fused_step(adam), p0, adam.init(p0), grads, donate=(0, 1)
+        _pipeline.fused_step(adam), p0, adam.init(p0), grads, donate=(0, 1)
     )
     inits = {
         "fused": ours.init,
