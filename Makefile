@@ -32,6 +32,21 @@ dist: $(VENV)/.installed-dev
 	$(PY) -m build -q --outdir $(DIST) .
 	$(PY) -m twine check --strict $(DIST)/*
 
+# The suite from a copy of tests/ (with the examples and benchmarks some
+# tests run) in $(1)/run, where no source tree can be imported, run by the
+# python $(2) of the leg named $(3) (tests/test_packaging.py reads it).
+define suite-from-copy
+	mkdir -p $(1)/run/.ci $(1)/run/docs
+	cp -R tests examples benchmarks pyproject.toml CHANGELOG.md LICENSE \
+		$(1)/run/
+	cp docs/*.md $(1)/run/docs/
+	cp .ci/floors.txt $(1)/run/.ci/
+	cd $(1)/run && OPTAXACCUM_TEST_INSTALLED=$(3) \
+		OPTAXACCUM_DIST=$(abspath $(DIST)) $(abspath $(2)) \
+		-m pytest -n 2 -p no:cacheprovider -c pyproject.toml --rootdir . \
+		$(PYTEST_ARGS) tests --pyargs optaxaccum
+endef
+
 # The suite against the wheel as users install it: not editable, in a fresh
 # virtual environment, with jax, jaxlib, optax and flax at the floors
 # pyproject declares (.ci/floors.txt; tests/test_packaging.py keeps the two
@@ -46,15 +61,7 @@ test-floors: $(VENV)/.installed-dev
 	$(FLOORS_PY) -m pip install -q --upgrade pip
 	$(FLOORS_PY) -m pip install -q -c .ci/floors.txt \
 		"$$(ls $(DIST)/optaxaccum-*.whl)[test]"
-	mkdir -p $(FLOORS_DIR)/run/.ci $(FLOORS_DIR)/run/docs
-	cp -R tests examples benchmarks pyproject.toml CHANGELOG.md LICENSE \
-		$(FLOORS_DIR)/run/
-	cp docs/*.md $(FLOORS_DIR)/run/docs/
-	cp .ci/floors.txt $(FLOORS_DIR)/run/.ci/
-	cd $(FLOORS_DIR)/run && OPTAXACCUM_TEST_INSTALLED=floors \
-		OPTAXACCUM_DIST=$(abspath $(DIST)) $(abspath $(FLOORS_PY)) \
-		-m pytest -n 2 -p no:cacheprovider -c pyproject.toml --rootdir . \
-		$(PYTEST_ARGS) tests --pyargs optaxaccum
+	$(call suite-from-copy,$(FLOORS_DIR),$(FLOORS_PY),floors)
 
 # The suite against the wheel on the newest releases: as test-floors, but in
 # a virtual environment of the newest Python the package declares (jax 0.12
@@ -79,15 +86,7 @@ test-newest: $(VENV)/.installed-dev
 	$(NEWEST_PY) -c 'import sys; print("Python", sys.version.split()[0])'
 	$(NEWEST_PY) -m pip list --format=freeze \
 		| grep -iE '^(jax|jaxlib|flax|optax|numpy)=='
-	mkdir -p $(NEWEST_DIR)/run/.ci $(NEWEST_DIR)/run/docs
-	cp -R tests examples benchmarks pyproject.toml CHANGELOG.md LICENSE \
-		$(NEWEST_DIR)/run/
-	cp docs/*.md $(NEWEST_DIR)/run/docs/
-	cp .ci/floors.txt $(NEWEST_DIR)/run/.ci/
-	cd $(NEWEST_DIR)/run && OPTAXACCUM_TEST_INSTALLED=newest \
-		OPTAXACCUM_DIST=$(abspath $(DIST)) $(abspath $(NEWEST_PY)) \
-		-m pytest -n 2 -p no:cacheprovider -c pyproject.toml --rootdir . \
-		$(PYTEST_ARGS) tests --pyargs optaxaccum
+	$(call suite-from-copy,$(NEWEST_DIR),$(NEWEST_PY),newest)
 
 # The HTML build, a check of the built pages as a reader sees them (code
 # lines, table widths, no remote assets; tests/docs_site_check.py), and the
