@@ -6,6 +6,8 @@ A *gate* decides, on each call, whether the transformations after it in an
 ``gate_update(updates, state, params, ctx, **extra_args) -> GateResult``
 (and optionally ``gate_flush``); docs/gates.md shows how to write one. The
 chain's machinery (conditionals, zeros, followers) lives in ``chain.py``.
+The package exports the protocol's public names (``optaxaccum.__all__``);
+``as_update``, ``emitted`` and ``map_emit`` serve the gates of ``_src``.
 """
 
 from __future__ import annotations
@@ -18,19 +20,6 @@ import jax
 import optax
 
 from optaxaccum._src import utils
-
-__all__ = [
-    "Emitted",
-    "GateContext",
-    "GateFlushFn",
-    "GateResult",
-    "GateUpdateFn",
-    "GatedTransformation",
-    "as_update",
-    "emitted",
-    "is_gate",
-    "map_emit",
-]
 
 
 class GateContext(NamedTuple):

@@ -351,23 +351,33 @@ def _passed_on(res: base._Result) -> base._Emission:
     def opened():
         out = base.emitted(res)
         literal.append(out.passed is True)
-        flags = (jnp.asarray(out.opened, bool), jnp.asarray(out.passed, bool))
-        return out.updates, out.window_weight, *flags, out.state
+        return out._replace(
+            opened=jnp.asarray(out.opened, bool),
+            passed=jnp.asarray(out.passed, bool),
+        )
 
     def empty():
-        updates, weight, *_ = jax.eval_shape(opened)
-        zeros = utils.zeros_of((updates, weight))
-        return *zeros, jnp.asarray(False), jnp.asarray(True), res.state
+        false, true = jnp.asarray(False), jnp.asarray(True)
+        return _shut(
+            jax.eval_shape(opened), res.state, opened=false, passed=true
+        )
 
-    updates, weight, is_open, passed, state = utils.cond_or_call(
-        res.may_open, opened, empty
-    )
+    out = utils.cond_or_call(res.may_open, opened, empty)
     # True in both branches: keep the literal (no select on the next state).
-    passed = True if literal and all(literal) else passed
+    return out._replace(passed=True if literal and all(literal) else out.passed)
+
+
+def _shut(
+    shapes: Any, state: Any, *, opened: Any, passed: Any
+) -> base._Emission:
+    """The emission of a branch that does not step the followers: zero
+    updates and window weight shaped as in ``shapes`` (an emission's
+    shapes), ``state``, ``opened`` and ``passed`` as given."""
+    updates, weight = utils.zeros_of((shapes.updates, shapes.window_weight))
     return base._Emission(
         updates=updates,
         state=state,
-        opened=is_open,
+        opened=opened,
         window_weight=weight,
         passed=passed,
     )
@@ -402,36 +412,23 @@ def _emit_into_gate(out, tail_state, rest, params, args) -> base._Emission:
 
     def opened():
         out2 = _passed_on(res2)
-        flag = utils.both(res2.may_open, out2.opened)
-        passed2 = jnp.logical_or(pred, True) & out2.passed
-        return out2.updates, out2.state, flag, out2.window_weight, passed2
+        return out2._replace(
+            opened=utils.both(res2.may_open, out2.opened),
+            passed=jnp.logical_or(pred, True) & out2.passed,
+        )
 
     def closed():
-        shapes = jax.eval_shape(
-            lambda: (lambda e: (e.updates, e.window_weight))(base.emitted(res2))
-        )
-        zeros, weight2 = utils.zeros_of(shapes)
         false = jnp.logical_and(pred, False)
-        return zeros, res2.state, false, weight2, false
+        shapes = jax.eval_shape(lambda: base.emitted(res2))
+        return _shut(shapes, res2.state, opened=false, passed=false)
 
-    updates, inner, opened2, weight2, passed2 = utils.cond_or_call(
-        pred, opened, closed
-    )
+    e = utils.cond_or_call(pred, opened, closed)
     if window is not None:
-        return base._Emission(
-            updates=updates,
-            state=inner,
-            opened=opened2,
-            window_weight=weight2,
-            passed=passed2,
-        )
-    tail = utils.select(out.opened, inner, tail_state)
-    return base._Emission(
-        updates=updates,
-        state=tail,
-        opened=utils.both(out.opened, opened2),
-        window_weight=weight2,
-        passed=utils.both(out.opened, passed2),
+        return e
+    return e._replace(
+        state=utils.select(out.opened, e.state, tail_state),
+        opened=utils.both(out.opened, e.opened),
+        passed=utils.both(out.opened, e.passed),
     )
 
 

@@ -141,7 +141,10 @@ def dynamic_loss_scale(
       A :class:`GatedTransformation` with a :class:`DynamicLossScaleState`.
 
     Raises:
-      TypeError, ValueError: for a bad argument, naming it.
+      ValueError: ``init_scale``, ``factor`` or ``min_scale`` not finite in
+        float32 or out of range, ``min_scale > init_scale``, or
+        ``period < 1``; the message names the argument and its value.
+      TypeError: an argument that is not a number, or a bad ``axis_name``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optaxaccum as oa
@@ -181,11 +184,9 @@ def dynamic_loss_scale(
         updates, state, params, ctx, *, accum_weight=1.0, **extra_args
     ):
         del params, extra_args
-        if not isinstance(state, DynamicLossScaleState):
-            raise TypeError(
-                "oa.dynamic_loss_scale expects a DynamicLossScaleState, got "
-                f"{type(state).__name__}"
-            )
+        utils.check_state_type(
+            state, DynamicLossScaleState, "oa.dynamic_loss_scale"
+        )
         sharding.check_mesh_axes(axis_name, "oa.dynamic_loss_scale", updates)
         unscaled = _unscale(updates, state.scale)
         finite = sharding.globally_finite(
@@ -221,10 +222,10 @@ def _carries_no_data(accum_weight: Any) -> Any:
     a Python bool for a concrete weight (``False``: nothing to select), a
     boolean scalar array for a traced one."""
     utils.check_weight("accum_weight", accum_weight)
-    try:
-        return bool(np.asarray(accum_weight) == 0)
-    except jax.errors.TracerArrayConversionError:
+    known = utils.concrete(accum_weight)
+    if known is None:  # traced
         return jnp.asarray(accum_weight) == 0
+    return bool(known == 0)
 
 
 def _adjust(state: DynamicLossScaleState, finite: jax.Array):
@@ -331,11 +332,9 @@ def _scale_argument(value: Any) -> jax.Array:
                 "opt_state_or_scale must be a scalar loss scale, got an array "
                 f"of shape {jnp.shape(value)}"
             )
-        try:
-            concrete = float(value)
-        except jax.errors.ConcretizationTypeError:  # traced: checked by jit
-            return jnp.asarray(value)
-        _check_float32("scale", concrete, lower=0.0)
+        known = utils.concrete(value)
+        if known is not None:  # a traced scale is checked by jit
+            _check_float32("scale", float(known), lower=0.0)
         return jnp.asarray(value)
     return loss_scale(value)
 

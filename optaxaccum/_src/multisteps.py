@@ -274,12 +274,13 @@ class _Views:
         self.skip = skip
 
     def inner(self, state):
-        if not isinstance(state, MultiStepsState):
-            raise TypeError(
-                "oa.MultiSteps expects an oa.MultiStepsState, got "
-                f"{type(state).__name__} (convert an optax.MultiStepsState "
-                "with ms.from_optax_state)"
-            )
+        utils.check_state_type(
+            state,
+            MultiStepsState,
+            "oa.MultiSteps",
+            "oa.MultiStepsState",
+            hint=" (convert an optax.MultiStepsState with ms.from_optax_state)",
+        )
         if state.acc_weight is None or state.updated is None:
             raise ValueError(
                 "This oa.MultiStepsState has no acc_weight/updated: build it "
@@ -337,13 +338,9 @@ def _check_args(opt, every_k_schedule, use_grad_mean, should_skip_update_fn):
         raise TypeError(
             f"use_grad_mean must be a bool, got use_grad_mean={use_grad_mean!r}"
         )
-    if should_skip_update_fn is not None and not callable(
-        should_skip_update_fn
-    ):
-        raise TypeError(
-            "should_skip_update_fn must be None or a function, got "
-            f"should_skip_update_fn={should_skip_update_fn!r}"
-        )
+    utils.check_callable(
+        "should_skip_update_fn", should_skip_update_fn, none_ok=True
+    )
 
 
 def _flatten(ms: MultiSteps):
