@@ -50,8 +50,8 @@ _NESTED_0 = [
 MUTANTS = {
     "nested_tail": (  # issue 10 (a): followers' state from the inner branch
         "chain.py",
-        "tail = utils.select(out.opened, inner, tail_state)",
-        "tail = inner",
+        "state=utils.select(out.opened, e.state, tail_state),",
+        "state=e.state,",
         CORE_TESTS,
     ),
     "closed_params_plus_zeros": (  # issue 10 (b)
@@ -175,9 +175,9 @@ MUTANTS = {
     ),
     "closed_gate_zeros_grads_dtype": (  # a nested gate that stays closed
         "chain.py",
-        "        zeros, weight2 = utils.zeros_of(shapes)\n",
-        "        zeros, weight2 = utils.zeros_of(shapes)\n"
-        "        zeros = jax.tree.map(jnp.zeros_like, out.updates)\n",
+        "        return _shut(shapes, res2.state, opened=false, passed=false)\n",
+        "        shapes = shapes._replace(updates=out.updates)\n"
+        "        return _shut(shapes, res2.state, opened=false, passed=false)\n",
         _CHAIN + ["-k", "nested_closed_gate"],
     ),
     "per_micro_step_pmean": (  # one reduction per window, not per call

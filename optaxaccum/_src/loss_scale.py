@@ -196,14 +196,16 @@ def dynamic_loss_scale(
         weight = (
             accum_weight if ctx.window_weight is None else ctx.window_weight
         )
-        empty = _carries_no_data(weight)
-        if empty is not False:
-            finite = finite | empty
+        no_data = _carries_no_data(weight)
+        if no_data is not False:
+            finite = finite | no_data
         if axis_name is not None:
             finite = sharding.agree(finite, axis_name)
-            if empty is not False:  # the scale moves unless all are empty
-                empty = sharding.agree(jnp.asarray(empty), axis_name)
-        new_state = utils.select(empty, state, _adjust(state, finite))
+            if (
+                no_data is not False
+            ):  # the scale moves unless no device has data
+                no_data = sharding.agree(jnp.asarray(no_data), axis_name)
+        new_state = utils.select(no_data, state, _adjust(state, finite))
         # A call an earlier gate refused (ctx.passed false) leaves it as is.
         new_state = utils.select(ctx.passed, new_state, state)
         # Eager: the Emitted itself (the unscaled gradients cost nothing).
