@@ -120,7 +120,7 @@ MUTANTS = {
     ),
     "zero_weight_call_overflows": (  # item 4
         "loss_scale.py",
-        "new_state = utils.select(empty, state, _adjust(state, finite))",
+        "new_state = utils.select(no_data, state, _adjust(state, finite))",
         "new_state = _adjust(state, finite)",
         _LOSS_SCALE + ["-k", "zero_weight_call"],
     ),
