@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax.linen import module as linen_module
 
+from optaxaccum._src import batch_stats as _stats
 from optaxaccum._src import utils
-from optaxaccum.flax import _stats
 
 
 class AccumBatchNorm(nn.BatchNorm):

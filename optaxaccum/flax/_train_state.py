@@ -14,9 +14,9 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
+from optaxaccum._src import batch_stats as _stats
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
-from optaxaccum.flax import _stats
 
 
 def _rebuild(like: Mapping, out: dict[str, Any]) -> Any:

@@ -11,9 +11,9 @@ from flax import nnx
 from flax.nnx import filterlib
 
 import optaxaccum as oa
+from optaxaccum._src import batch_stats as _stats
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
-from optaxaccum.flax import _stats
 
 __all__ = ["AccumBatchNorm", "Optimizer", "flush_batch_stats"]
 

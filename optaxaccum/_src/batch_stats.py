@@ -1,10 +1,12 @@
 """Pooled BatchNorm statistics over an accumulation window (pure JAX).
 
-Shared by the linen and nnx ``AccumBatchNorm``. A window's statistics are
-kept as per-feature ``count``, ``mean`` and ``m2`` (sum of squared deviations
-from the mean) in float32 and merged micro-batch by micro-batch with the
-parallel-variance formula of Chan, Golub and LeVeque, so the pooled variance is
-exact for micro-batches of any sizes -- not an average of variances.
+Shared by the linen and nnx ``AccumBatchNorm`` and usable from any framework:
+it imports no flax (examples/equinox_batchnorm.py uses it with Equinox). A
+window's statistics are kept as per-feature ``count``, ``mean`` and ``m2``
+(sum of squared deviations from the mean) in float32 and merged micro-batch
+by micro-batch with the parallel-variance formula of Chan, Golub and
+LeVeque, so the pooled variance is exact for micro-batches of any sizes --
+not an average of variances.
 """
 
 from __future__ import annotations
