@@ -235,10 +235,20 @@ def train_step(
 
 
 def flush(
-    window: Window, ra_mean: jax.Array, ra_var: jax.Array, momentum: float
+    window: Window,
+    ra_mean: jax.Array,
+    ra_var: jax.Array,
+    momentum: float,
+    where: Any = True,
 ) -> tuple[jax.Array, jax.Array, Window]:
-    """Closes a partial window (no-op for an empty one)."""
-    return close(window, ra_mean, ra_var, momentum, window.step > 0)
+    """Closes a partial window where ``where`` (no-op for an empty one)."""
+    return close(
+        window,
+        ra_mean,
+        ra_var,
+        momentum,
+        jnp.logical_and(where, window.step > 0),
+    )
 
 
 def keep_counted(old_opt_state: Any, new_opt_state: Any, new: Any, old: Any):
@@ -251,3 +261,12 @@ def keep_counted(old_opt_state: Any, new_opt_state: Any, new: Any, old: Any):
     if counted is True:  # no accumulate: every call counts
         return new
     return jax.tree.map(lambda n, o: jnp.where(counted, n, o), new, old)
+
+
+def closes_with(old_opt_state: Any, new_opt_state: Any) -> Any:
+    """Where the BatchNorm windows close because the call that turned
+    ``old_opt_state`` into ``new_opt_state`` closed the optimizer's window
+    (:func:`windows.closed`): the layers then follow any window length, a
+    callable ``every_k`` included. ``False`` when the state holds no window
+    (the layers close on their own ``accum_steps``)."""
+    return windows.closed(old_opt_state, new_opt_state)

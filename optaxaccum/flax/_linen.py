@@ -28,8 +28,11 @@ class AccumBatchNorm(nn.BatchNorm):
 
     Args:
       use_running_average: as in ``nn.BatchNorm``.
-      accum_steps: micro-batches per window, an int >= 1 (keyword). Keep it
-        equal to the ``every_k`` of :func:`optaxaccum.accumulate`.
+      accum_steps: micro-batches per window, an int >= 1 (keyword): the
+        layer closes its window after that many. Under
+        :class:`optaxaccum.flax.TrainState` the window also closes where the
+        optimizer's closes, so for a window whose length changes
+        (:func:`optaxaccum.critical_batch_every_k`) give the longest.
       **kwargs: every other ``nn.BatchNorm`` field, with its meaning.
 
     Raises:

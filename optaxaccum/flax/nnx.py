@@ -43,8 +43,11 @@ class AccumBatchNorm(nnx.BatchNorm):
 
     Args:
       num_features: the number of features.
-      accum_steps: micro-batches per window, an int >= 1 (keyword). Keep it
-        equal to the ``every_k`` of :func:`optaxaccum.accumulate`.
+      accum_steps: micro-batches per window, an int >= 1 (keyword): the
+        layer closes its window after that many. Under :class:`Optimizer`
+        the window also closes where the optimizer's closes, so for a
+        window whose length changes (:func:`optaxaccum.critical_batch_every_k`)
+        give the longest.
       rngs: the ``nnx.Rngs`` for the parameters.
       **kwargs: every other ``nnx.BatchNorm`` keyword (``momentum``,
         ``epsilon``, ``axis_name``, ``use_running_average``, ...).
@@ -94,20 +97,24 @@ class AccumBatchNorm(nnx.BatchNorm):
 
     def keep_counted(self, old_opt_state: Any, new_opt_state: Any) -> None:
         """Keeps this layer's window aligned with the optimizer's: where the
-        chain did not count the micro-batch (``old_opt_state`` to
-        ``new_opt_state``), restores the statistics to those of the last
-        counted one; else records them as counted. Called by
-        :meth:`Optimizer.update` (and :meth:`flush`) on every layer."""
+        chain did not count the micro-batch (the call that turned
+        ``old_opt_state`` into ``new_opt_state``), restores the statistics
+        to those of the last counted one; where the call closed the
+        optimizer's window, closes this layer's too (so it follows any
+        window length, :func:`optaxaccum.critical_batch_every_k`
+        included); then records them as counted. Called by
+        :meth:`Optimizer.update` on every layer."""
         if self.accum_steps == 1:
             return
-        self._record(
-            _stats.keep_counted(
-                old_opt_state,
-                new_opt_state,
-                self._stats(),
-                self._stats(_COUNTED),
-            )
+        stats = _stats.keep_counted(
+            old_opt_state, new_opt_state, self._stats(), self._stats(_COUNTED)
         )
+        for key, value in zip(_stats.STAT_KEYS, stats):
+            getattr(self, key)[...] = value
+        closed = _stats.closes_with(old_opt_state, new_opt_state)
+        if closed is not False:
+            self._flush(closed)
+        self._record(self._stats())
 
     def _record(self, stats: list[jax.Array]) -> None:
         """Sets the statistics and records them as counted."""
@@ -161,14 +168,21 @@ class AccumBatchNorm(nnx.BatchNorm):
         )
         return y
 
+    def _flush(self, where: Any = True) -> None:
+        self._set(
+            *_stats.flush(
+                self._window(),
+                self.mean[...],
+                self.var[...],
+                self.momentum,
+                where,
+            )
+        )
+
     def flush(self) -> None:
         """Closes a partial window (end of an epoch); no-op when empty."""
         if self.accum_steps > 1:
-            self._set(
-                *_stats.flush(
-                    self._window(), self.mean[...], self.var[...], self.momentum
-                )
-            )
+            self._flush()
             self._record(self._stats())  # a flush always counts
 
 
