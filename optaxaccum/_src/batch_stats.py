@@ -108,8 +108,7 @@ def micro_batch_stats(
         return tuple(out)
 
     def per_element(v, n):
-        seen = n > 0
-        return jnp.where(seen, v / jnp.where(seen, n, 1), 0)
+        return utils.divide_or(v, n, n > 0)
 
     if use_fast_variance:
         n, s1, s2 = psum(n, total(x), total(x * x))
@@ -130,7 +129,7 @@ def merge(
     """Adds a micro-batch with ``n`` elements, ``mean`` and ``var``."""
     n, mean, var = (v.astype(jnp.float32) for v in (n, mean, var))
     total = window.elements + n
-    frac = jnp.where(total > 0, n / jnp.where(total > 0, total, 1.0), 0.0)
+    frac = utils.divide_or(n, total, total > 0)
     delta = mean - window.mean
     return Window(
         elements=total,
@@ -154,7 +153,7 @@ def close(
     emptied where it closed.
     """
     seen = window.elements > 0
-    pooled_var = window.m2 / jnp.where(seen, window.elements, 1.0)
+    pooled_var = utils.divide_or(window.m2, window.elements, seen)
     use = do_close & seen
 
     def ema(ra, stat):

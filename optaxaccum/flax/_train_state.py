@@ -227,16 +227,6 @@ def _warn_deprecated(what: str) -> None:
     )
 
 
-def _concrete(x: Any) -> np.ndarray | None:
-    try:
-        return np.asarray(x, np.float32)
-    except (
-        jax.errors.TracerArrayConversionError,
-        jax.errors.ConcretizationTypeError,
-    ):
-        return None
-
-
 def _layer_momentum(recorded: Any, given: Any, path: str) -> Any:
     """The momentum that closes the window of the layer at ``path``."""
     if given is None:
@@ -249,7 +239,10 @@ def _layer_momentum(recorded: Any, given: Any, path: str) -> Any:
             )
         return recorded
     if recorded is not None:
-        r, g = _concrete(recorded), _concrete(given)
+        r, g = (
+            utils.concrete(recorded, np.float32),
+            utils.concrete(given, np.float32),
+        )
         if r is not None and g is not None and r != g:
             raise ValueError(
                 f"the momentum passed ({given!r}) is not the momentum of the "

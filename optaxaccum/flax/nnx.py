@@ -14,6 +14,7 @@ import optaxaccum as oa
 from optaxaccum._src import batch_stats as _stats
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
+from optaxaccum.flax import _shared
 
 __all__ = ["AccumBatchNorm", "Optimizer", "flush_batch_stats"]
 
@@ -130,34 +131,18 @@ class AccumBatchNorm(nnx.BatchNorm):
         for key, value in zip(_stats.WINDOW_KEYS, window):
             getattr(self, key)[...] = value
 
-    def __call__(
-        self,
-        x: jax.Array,
-        use_running_average: bool | None = None,
-        *,
-        mask: jax.Array | None = None,
-    ) -> jax.Array:
-        """Normalizes ``x``; see :class:`flax.nnx.BatchNorm`.
+    __call__ = _shared.accum_call()
 
-        Args:
-          x: the input.
-          use_running_average: if true, normalize with the running statistics;
-            overrides the attribute of the same name.
-          mask: optional boolean array broadcastable to ``x``: which elements
-            count toward the statistics.
+    def _stock_call(self, x, use_running_average, mask):
+        return super().__call__(x, use_running_average, mask=mask)
 
-        Returns:
-          The normalized input, of the same shape.
-        """
-        if self.accum_steps == 1:
-            return super().__call__(x, use_running_average, mask=mask)
-        use_ra = (
-            use_running_average
-            if use_running_average is not None
-            else self.use_running_average
-        )
-        if use_ra is None or use_ra:
-            return super().__call__(x, use_running_average, mask=mask)
+    def _pools(self, use_running_average: bool | None) -> bool:
+        """Whether this call updates the window: in training."""
+        if use_running_average is None:
+            use_running_average = self.use_running_average
+        return use_running_average is not None and not use_running_average
+
+    def _pooled_call(self, x, use_running_average, mask):
         ra_mean, ra_var = self.mean[...], self.var[...]
         y = super().__call__(x, use_running_average, mask=mask)
         # nnx.BatchNorm computes its statistics on x promoted to self.dtype.
