@@ -115,6 +115,24 @@ def closed(old_state: optax.OptState, new_state: optax.OptState) -> Any:
 
     The Flax layers close their BatchNorm windows on it, so that these
     follow any window length (a callable ``every_k`` included).
+
+    Args:
+      old_state: the optimizer's state before the call.
+      new_state: its state after the call.
+
+    Returns:
+      A boolean scalar array, or the literal ``False`` (no window state).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> from optaxaccum._src import windows
+      >>> tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+      >>> s0 = tx.init(jnp.zeros(1))
+      >>> _, s1 = tx.update(jnp.ones(1), s0)
+      >>> _, s2 = tx.update(jnp.ones(1), s1)
+      >>> bool(windows.closed(s0, s1)), bool(windows.closed(s1, s2))
+      (False, True)
     """
     found = _window_states(old_state)
     if not found:
