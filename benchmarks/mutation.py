@@ -393,8 +393,8 @@ MUTANTS = {
     ),
     "plain_optimizer_calls_not_counted": (  # item 17
         "windows.py",
-        "    except ValueError:\n        return True\n    new =",
-        "    except ValueError:\n        return False\n    new =",
+        "    except ValueError:\n        return True\n    return _moved",
+        "    except ValueError:\n        return False\n    return _moved",
         ["tests/test_nnx_optimizer.py", "-k", "counts_every_call"],
     ),
     "has_updated_reads_the_last_window": (  # item 18
@@ -408,6 +408,30 @@ MUTANTS = {
         "            self._record(self._stats())  # a flush always counts",
         "            pass",
         ["tests/test_nnx_optimizer.py", "-k", "right_after_flush"],
+    ),
+    "closed_ignores_nesting": (  # BN windows close with the first window
+        "windows.py",
+        "    return functools.reduce(jnp.logical_and, flags)",
+        "    return flags[0]",
+        ["tests/test_nnx_optimizer.py", "-k", "window_of_one_in_front"],
+    ),
+    "closed_on_every_counted_call": (  # the window's position ignored
+        "windows.py",
+        "_moved(old, new) & (new.mini_step == 0)",
+        "_moved(old, new)",
+        ["tests/test_nnx_optimizer.py", "-k", "critical_batch"],
+    ),
+    "trainstate_bn_windows_not_closed_with_the_optimizer": (
+        "../flax/_train_state.py",
+        '    return _flush_batch_stats(kept, None, "", where=closed)',
+        "    return kept",
+        ["tests/test_flax.py", "-k", "critical_batch"],
+    ),
+    "nnx_bn_windows_not_closed_with_the_optimizer": (
+        "../flax/nnx.py",
+        "        if closed is not False:\n            self._flush(closed)",
+        "        if False:\n            self._flush(closed)",
+        ["tests/test_nnx_optimizer.py", "-k", "critical_batch"],
     ),
     "gate_branch_not_kept": (  # XLA:GPU would turn the gate into a select
         "utils.py",

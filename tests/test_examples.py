@@ -6,6 +6,7 @@ promises and emit no warning. Where an example demonstrates an equality
 (token weighting, flushing) the printed numbers are checked too.
 """
 
+import ast
 import os
 import pathlib
 import re
@@ -180,3 +181,31 @@ def test_transformer_lm(tmp_path):
     for name in ("transformer_lm.png", "transformer_lm_noise_scale.png"):
         png = tmp_path / "figures" / name
         assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_equinox_batchnorm(tmp_path):
+    """An Equinox BatchNorm built on the framework-neutral helpers follows
+    the optimizer's windows of changing length (critical_batch_every_k)."""
+    stdout = _run("equinox_batchnorm.py", "--tiny", cwd=tmp_path)
+    match = re.search(r"^window lengths: \[([\d, ]+)\]$", stdout, re.MULTILINE)
+    assert match, stdout
+    assert len(set(match.group(1).split(", "))) > 1, stdout  # lengths change
+    assert "BatchNorm windows closed with the optimizer's: True" in stdout
+    assert _number(r"on the windows: error (\S+)$", stdout) < 1e-5
+    # Written against the public and framework-neutral layers only.
+    tree = ast.parse((EXAMPLES / "equinox_batchnorm.py").read_text())
+    imported = {
+        a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import)
+        for a in n.names
+    }
+    imported |= {
+        f"{n.module}.{a.name}" if n.module == "optaxaccum._src" else n.module
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        for a in n.names
+    }
+    ours = {m for m in imported if m.startswith("optaxaccum")}
+    assert ours == {"optaxaccum", "optaxaccum._src.batch_stats"}, ours
+    assert not any(m.split(".")[0] == "flax" for m in imported), imported

@@ -1284,3 +1284,93 @@ def test_recorded_momentum_follows_the_layer():
     _, upd = new.apply(variables, x, mutable=["batch_stats"])
     assert upd["batch_stats"]["momentum"].dtype == jnp.float32
     np.testing.assert_allclose(upd["batch_stats"]["momentum"], 0.9)
+
+
+# ------------------------------- BatchNorm windows follow the optimizer's --
+
+
+class _BNHead(nn.Module):
+    """AccumBatchNorm on the input, then a linear head."""
+
+    accum_steps: int = 1
+
+    @nn.compact
+    def __call__(self, x, train):
+        x = AccumBatchNorm(
+            not train, momentum=0.8, accum_steps=self.accum_steps
+        )(x)
+        return nn.Dense(1)(x)[:, 0]
+
+
+def _critical_batch_tx():
+    """Windows of 2 to 5 micro-batches, sized from the noise scale."""
+    every_k = oa.critical_batch_every_k(2, 5, micro_batch_weight=1)
+    return oa.chain(
+        oa.accumulate(every_k, noise_scale_decay=0.0), optax.sgd(0.1)
+    )
+
+
+def _windows_of(closed):
+    """The calls of each window, from the calls that closed one."""
+    ends = [i for i, c in enumerate(closed) if c]
+    return [range(a + 1, b + 1) for a, b in zip([-1, *ends], ends)]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_trainstate_batchnorm_windows_close_with_a_critical_batch_window(jit):
+    """With ``every_k=oa.critical_batch_every_k(...)`` the optimizer's
+    windows change length; the AccumBatchNorm windows (``accum_steps`` the
+    longest) close exactly on the calls where the optimizer's closes, and
+    the running statistics equal ``nn.BatchNorm`` on each concatenated
+    window."""
+    model = _BNHead(accum_steps=5)
+    batches = [
+        (
+            3.0 + 2.0 * jax.random.normal(jax.random.key(i), (6, 4)),
+            jax.random.normal(jax.random.key(100 + i), (6,)),
+        )
+        for i in range(18)
+    ]
+    variables = model.init(jax.random.key(0), batches[0][0], False)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=_critical_batch_tx(),
+        batch_stats=variables["batch_stats"],
+    )
+
+    def step(state, x, y):
+        def loss(params):
+            out, upd = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats},
+                x,
+                True,
+                mutable=["batch_stats"],
+            )
+            return ((out - y) ** 2).mean(), upd["batch_stats"]
+
+        grads, bs = jax.grad(loss, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, batch_stats=bs)
+
+    step = jax.jit(step) if jit else step
+    opt_closed, bn_closed = [], []
+    for x, y in batches:
+        state = step(state, x, y)
+        opt_closed.append(bool(oa.has_updated(state.opt_state)))
+        bn = state.batch_stats["AccumBatchNorm_0"]
+        bn_closed.append(int(bn["window_step"]) == 0)
+    windows = _windows_of(opt_closed)
+    assert len({len(w) for w in windows}) > 1, windows  # lengths change
+    assert bn_closed == opt_closed
+    ref = nn.BatchNorm(False, momentum=0.8)
+    ref_vars = ref.init(jax.random.key(0), batches[0][0])
+    ref_stats = ref_vars["batch_stats"]
+    for w in windows:
+        _, upd = ref.apply(
+            {**ref_vars, "batch_stats": ref_stats},
+            jnp.concatenate([batches[i][0] for i in w]),
+            mutable=["batch_stats"],
+        )
+        ref_stats = upd["batch_stats"]
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(bn[name], ref_stats[name], **TOL)

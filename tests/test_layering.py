@@ -214,3 +214,94 @@ def _split_params(params: str) -> list[str]:
             parts.append(params[start:i])
             start = i + 1
     return parts + [params[start:]]
+
+
+_WITHOUT_FLAX = """
+import importlib.abc, sys
+
+class _NoFlax(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "flax" or name.startswith("flax."):
+            raise ImportError(f"flax is blocked ({name})")
+        return None
+
+sys.meta_path.insert(0, _NoFlax())
+import optaxaccum._src.batch_stats
+import optaxaccum._src.windows
+assert not any(m == "flax" or m.startswith("flax.") for m in sys.modules)
+try:
+    import optaxaccum.flax
+except ImportError:
+    pass
+else:
+    raise AssertionError("the flax blocker let flax through")
+"""
+
+
+def test_the_batch_stats_module_imports_without_flax():
+    """The BatchNorm window helpers are plain JAX: importable with flax
+    unavailable, so that any framework can use them (an Equinox layer in
+    examples/equinox_batchnorm.py does)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(PACKAGE.parent), env.get("PYTHONPATH", "")]
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_FLAX],
+        capture_output=True,
+        text=True,
+        cwd=PACKAGE.parent,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def _private_uses_of(module: str, tree: ast.AST) -> list[str]:
+    """The private (underscore) names of ``module`` that ``tree`` imports
+    or reads through an alias of the module."""
+    parent, _, leaf = module.rpartition(".")
+    aliases, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update(a.asname for a in node.names if a.name == module)
+        elif isinstance(node, ast.ImportFrom) and node.module == parent:
+            aliases.update(
+                a.asname or leaf for a in node.names if a.name == leaf
+            )
+        elif isinstance(node, ast.ImportFrom) and node.module == module:
+            found += [a.name for a in node.names if a.name.startswith("_")]
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_the_flax_layer_uses_no_private_function_of_the_chain():
+    """``optaxaccum.flax`` steps through the public ``oa.apply_gradients``
+    (``return_updates=True`` for the nnx Optimizer) and ``oa.flush``: a
+    framework layer needs nothing private of the combinator."""
+    for path in sorted((PACKAGE / "flax").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        used = _private_uses_of("optaxaccum._src.chain", tree)
+        assert not used, f"{path.name} uses {used}"
+
+
+def test_the_private_use_finder_sees_an_alias():
+    """The check above finds ``chain_lib._fused_step`` (no vacuous pass)."""
+    tree = ast.parse(
+        "from optaxaccum._src import chain as chain_lib\n"
+        "chain_lib._fused_step()\n"
+        "from optaxaccum._src.chain import _apply\n"
+    )
+    used = _private_uses_of("optaxaccum._src.chain", tree)
+    assert used == ["_apply", "chain_lib._fused_step"]

@@ -634,3 +634,31 @@ def test_micro_batch_refused_right_after_flush_keeps_flushed_statistics(jit):
         step(model, opt, x, y, False)
     ref.bn(jnp.concatenate([x for x, _ in batches[3:]]))
     _assert_bn_equals(model, ref)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_batchnorm_windows_close_with_a_critical_batch_window(jit):
+    """With ``every_k=oa.critical_batch_every_k(...)`` the optimizer's
+    windows change length; the AccumBatchNorm windows (``accum_steps`` the
+    longest) close exactly on the calls where the optimizer's closes, and
+    the running statistics equal ``nnx.BatchNorm`` on each concatenated
+    window."""
+    every_k = oa.critical_batch_every_k(2, 5, micro_batch_weight=1)
+    tx = oa.chain(oa.accumulate(every_k, noise_scale_decay=0.0), optax.sgd(0.1))
+    model = BNFirst(nnx.Rngs(0), accum_steps=5)
+    opt = oa_nnx.Optimizer(model, tx)
+    ref = BNFirst(nnx.Rngs(0), bn=nnx.BatchNorm)
+    step = _bn_step(jit)
+    batches = [_batch(i) for i in range(18)]
+    opt_closed, bn_closed = [], []
+    for x, y in batches:
+        step(model, opt, x, y, False)
+        opt_closed.append(bool(oa.has_updated(nnx.as_pure(opt.opt_state))))
+        bn_closed.append(int(model.bn.window_step[...]) == 0)
+    ends = [i for i, c in enumerate(opt_closed) if c]
+    windows = [range(a + 1, b + 1) for a, b in zip([-1, *ends], ends)]
+    assert len({len(w) for w in windows}) > 1, windows  # lengths change
+    assert bn_closed == opt_closed
+    for w in windows:
+        ref.bn(jnp.concatenate([batches[i][0] for i in w]))
+    _assert_bn_equals(model, ref)

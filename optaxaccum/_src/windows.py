@@ -6,19 +6,29 @@ and ``updated`` that sets the class attribute ``_holds_window = True``
 them without importing the modules that define them, so the combinator
 (``chain.py``) and the layers above (``optaxaccum.flax``) depend on it and
 not on a gate module.
+
+Whether a call counted (:func:`counted`) and whether it closed the
+optimizer's window (:func:`closed`) are derived from the states before and
+after the call, not stored in them: a gate that does not run leaves its
+followers' states bit-for-bit unchanged (API.md 1), so a stored "counted"
+flag could not be cleared on a call that an earlier gate refused (a
+loss-scale overflow). Under that contract "the window state changed" is
+exactly "the call counted".
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optaxaccum._src import utils
 
-__all__ = ["counted", "has_updated", "warn_if_wrapped"]
+__all__ = ["closed", "counted", "has_updated", "warn_if_wrapped"]
 
 
 def _is_window(x: Any) -> bool:
@@ -64,6 +74,21 @@ def has_updated(state: optax.OptState) -> jax.Array:
     return found.updated
 
 
+def _window_states(state: Any) -> list[Any]:
+    """Every window state inside ``state``, outermost first."""
+    return [
+        s for s in jax.tree.leaves(state, is_leaf=_is_window) if _is_window(s)
+    ]
+
+
+def _moved(old: Any, new: Any) -> jax.Array:
+    """Whether one window state counted the call that turned ``old`` into
+    ``new`` (its position or its window count moved)."""
+    return (new.mini_step != old.mini_step) | (
+        new.gradient_step != old.gradient_step
+    )
+
+
 def counted(old_state: optax.OptState, new_state: optax.OptState) -> Any:
     """Whether the outermost accumulate of a chain took the call that turned
     ``old_state`` into ``new_state`` into its window (``True`` when the state
@@ -78,10 +103,45 @@ def counted(old_state: optax.OptState, new_state: optax.OptState) -> Any:
         old = _find_window(old_state, "counted")
     except ValueError:
         return True
-    new = _find_window(new_state, "counted")
-    return (new.mini_step != old.mini_step) | (
-        new.gradient_step != old.gradient_step
-    )
+    return _moved(old, _find_window(new_state, "counted"))
+
+
+def closed(old_state: optax.OptState, new_state: optax.OptState) -> Any:
+    """Whether the call that turned ``old_state`` into ``new_state`` closed
+    the optimizer's window: every window state of the (nested) chain counted
+    it and is back at position 0 (the last of nested accumulates is reached
+    only where those before it closed). ``False`` when the state holds no
+    window (the caller keeps its own window length).
+
+    The Flax layers close their BatchNorm windows on it, so that these
+    follow any window length (a callable ``every_k`` included).
+
+    Args:
+      old_state: the optimizer's state before the call.
+      new_state: its state after the call.
+
+    Returns:
+      A boolean scalar array, or the literal ``False`` (no window state).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> from optaxaccum._src import windows
+      >>> tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+      >>> s0 = tx.init(jnp.zeros(1))
+      >>> _, s1 = tx.update(jnp.ones(1), s0)
+      >>> _, s2 = tx.update(jnp.ones(1), s1)
+      >>> bool(windows.closed(s0, s1)), bool(windows.closed(s1, s2))
+      (False, True)
+    """
+    found = _window_states(old_state)
+    if not found:
+        return False
+    flags = [
+        _moved(old, new) & (new.mini_step == 0)
+        for old, new in zip(found, _window_states(new_state), strict=True)
+    ]
+    return functools.reduce(jnp.logical_and, flags)
 
 
 # optax wrappers that count their own calls: around a gated chain they count

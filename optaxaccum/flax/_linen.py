@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from flax.linen import module as linen_module
 
+from optaxaccum._src import batch_stats as _stats
 from optaxaccum._src import utils
-from optaxaccum.flax import _stats
+from optaxaccum.flax import _shared
 
 
 class AccumBatchNorm(nn.BatchNorm):
@@ -28,8 +28,11 @@ class AccumBatchNorm(nn.BatchNorm):
 
     Args:
       use_running_average: as in ``nn.BatchNorm``.
-      accum_steps: micro-batches per window, an int >= 1 (keyword). Keep it
-        equal to the ``every_k`` of :func:`optaxaccum.accumulate`.
+      accum_steps: micro-batches per window, an int >= 1 (keyword): the
+        layer closes its window after that many. Under
+        :class:`optaxaccum.flax.TrainState` the window also closes where the
+        optimizer's closes, so for a window whose length changes
+        (:func:`optaxaccum.critical_batch_every_k`) give the longest.
       **kwargs: every other ``nn.BatchNorm`` field, with its meaning.
 
     Raises:
@@ -62,36 +65,23 @@ class AccumBatchNorm(nn.BatchNorm):
         )
         super().__post_init__()
 
-    @nn.compact
-    def __call__(
-        self,
-        x: jax.Array,
-        use_running_average: bool | None = None,
-        *,
-        mask: jax.Array | None = None,
-    ) -> jax.Array:
-        """Normalizes ``x``; see :class:`flax.linen.BatchNorm`.
+    __call__ = nn.compact(_shared.accum_call())
 
-        Args:
-          x: the input.
-          use_running_average: if true, normalize with the running statistics
-            (evaluation); overrides the field of the same name.
-          mask: optional boolean array broadcastable to ``x``: which elements
-            count toward the statistics.
+    def _stock_call(self, x, use_running_average, mask):
+        return super().__call__(x, use_running_average, mask=mask)
 
-        Returns:
-          The normalized input, of the same shape.
-        """
-        if self.accum_steps == 1:
-            return super().__call__(x, use_running_average, mask=mask)
+    def _pools(self, use_running_average: bool | None) -> bool:
+        """Whether this call updates the window: in training, and at init
+        (which creates the window's variables)."""
         training = not linen_module.merge_param(
             "use_running_average", self.use_running_average, use_running_average
         )
+        return self.is_initializing() or training
+
+    def _pooled_call(self, x, use_running_average, mask):
         feature_shape = tuple(
             x.shape[i] for i in _stats.canonical_axes(x.ndim, self.axis)
         )
-        if not (self.is_initializing() or training):
-            return super().__call__(x, use_running_average, mask=mask)
         # Created by init, or on the first training call for variables
         # of a plain nn.BatchNorm (see flax.convert_batch_stats).
         empty = _stats.empty_window(feature_shape)

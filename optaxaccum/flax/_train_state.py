@@ -14,9 +14,9 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
+from optaxaccum._src import batch_stats as _stats
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
-from optaxaccum.flax import _stats
 
 
 def _rebuild(like: Mapping, out: dict[str, Any]) -> Any:
@@ -109,11 +109,14 @@ class TrainState(train_state.TrainState):
           windows).
 
         .. note::
-          When the chain holds an :func:`optaxaccum.accumulate` and this call
-          was not taken into its window (a loss-scale gate or
-          ``skip_nonfinite`` dropped the micro-batch), a ``batch_stats``
-          passed here is not kept either, so the BatchNorm window of
-          :class:`AccumBatchNorm` stays aligned with the optimizer's window.
+          When the chain holds an :func:`optaxaccum.accumulate`, the
+          :class:`AccumBatchNorm` windows in a ``batch_stats`` passed here
+          follow the optimizer's window: where this call was not taken into
+          it (a loss-scale gate or ``skip_nonfinite`` dropped the
+          micro-batch) the ``batch_stats`` are not kept, and where the call
+          closed it the BatchNorm windows close too (any window length, a
+          callable ``every_k`` such as
+          :func:`optaxaccum.critical_batch_every_k` included).
         """
         fields = {f.name for f in dataclasses.fields(self)}
         utils.check_extra_args(
@@ -134,12 +137,11 @@ class TrainState(train_state.TrainState):
                 OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT],
             }
         if "batch_stats" in replace and self.batch_stats is not None:
-            new_bs = replace["batch_stats"]
-            replace["batch_stats"] = _stats.keep_counted(
+            replace["batch_stats"] = _follow_window(
+                self.batch_stats,
+                replace["batch_stats"],
                 self.opt_state,
                 new_opt_state,
-                new_bs,
-                _with_windows_like(self.batch_stats, new_bs),
             )
         return self.replace(
             step=self.step + 1,
@@ -191,6 +193,19 @@ class TrainState(train_state.TrainState):
         return new
 
 
+def _follow_window(old: Any, new: Any, old_opt: Any, new_opt: Any) -> Any:
+    """The ``new`` batch_stats where the optimizer counted the call that
+    turned ``old_opt`` into ``new_opt`` (else ``old``'s), their windows
+    closed where that call closed the optimizer's window."""
+    kept = _stats.keep_counted(
+        old_opt, new_opt, new, _with_windows_like(old, new)
+    )
+    closed = _stats.closes_with(old_opt, new_opt)
+    if closed is False or not _has_windows(kept):
+        return kept
+    return _flush_batch_stats(kept, None, "", where=closed)
+
+
 def _has_windows(batch_stats: Any) -> bool:
     if not isinstance(batch_stats, Mapping):
         return False
@@ -212,16 +227,6 @@ def _warn_deprecated(what: str) -> None:
     )
 
 
-def _concrete(x: Any) -> np.ndarray | None:
-    try:
-        return np.asarray(x, np.float32)
-    except (
-        jax.errors.TracerArrayConversionError,
-        jax.errors.ConcretizationTypeError,
-    ):
-        return None
-
-
 def _layer_momentum(recorded: Any, given: Any, path: str) -> Any:
     """The momentum that closes the window of the layer at ``path``."""
     if given is None:
@@ -234,7 +239,10 @@ def _layer_momentum(recorded: Any, given: Any, path: str) -> Any:
             )
         return recorded
     if recorded is not None:
-        r, g = _concrete(recorded), _concrete(given)
+        r, g = (
+            utils.concrete(recorded, np.float32),
+            utils.concrete(given, np.float32),
+        )
         if r is not None and g is not None and r != g:
             raise ValueError(
                 f"the momentum passed ({given!r}) is not the momentum of the "
@@ -244,9 +252,13 @@ def _layer_momentum(recorded: Any, given: Any, path: str) -> Any:
     return given  # deprecated: the value passed, as before
 
 
-def _flush_batch_stats(batch_stats: Mapping, momentum: Any, path: str) -> Any:
+def _flush_batch_stats(
+    batch_stats: Mapping, momentum: Any, path: str, where: Any = True
+) -> Any:
+    """Closes every AccumBatchNorm window of ``batch_stats`` where
+    ``where``."""
     out = {
-        key: _flush_batch_stats(value, momentum, f"{path}[{key!r}]")
+        key: _flush_batch_stats(value, momentum, f"{path}[{key!r}]", where)
         if isinstance(value, Mapping)
         else value
         for key, value in batch_stats.items()
@@ -257,7 +269,7 @@ def _flush_batch_stats(batch_stats: Mapping, momentum: Any, path: str) -> Any:
         )
         window = _stats.Window(*(out[k] for k in _stats.WINDOW_KEYS))
         out["mean"], out["var"], window = _stats.flush(
-            window, out["mean"], out["var"], layer_momentum
+            window, out["mean"], out["var"], layer_momentum, where
         )
         out.update(zip(_stats.WINDOW_KEYS, window, strict=True))
     return _rebuild(batch_stats, out)

@@ -11,9 +11,10 @@ from flax import nnx
 from flax.nnx import filterlib
 
 import optaxaccum as oa
+from optaxaccum._src import batch_stats as _stats
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
-from optaxaccum.flax import _stats
+from optaxaccum.flax import _shared
 
 __all__ = ["AccumBatchNorm", "Optimizer", "flush_batch_stats"]
 
@@ -43,8 +44,11 @@ class AccumBatchNorm(nnx.BatchNorm):
 
     Args:
       num_features: the number of features.
-      accum_steps: micro-batches per window, an int >= 1 (keyword). Keep it
-        equal to the ``every_k`` of :func:`optaxaccum.accumulate`.
+      accum_steps: micro-batches per window, an int >= 1 (keyword): the
+        layer closes its window after that many. Under :class:`Optimizer`
+        the window also closes where the optimizer's closes, so for a
+        window whose length changes (:func:`optaxaccum.critical_batch_every_k`)
+        give the longest.
       rngs: the ``nnx.Rngs`` for the parameters.
       **kwargs: every other ``nnx.BatchNorm`` keyword (``momentum``,
         ``epsilon``, ``axis_name``, ``use_running_average``, ...).
@@ -94,20 +98,24 @@ class AccumBatchNorm(nnx.BatchNorm):
 
     def keep_counted(self, old_opt_state: Any, new_opt_state: Any) -> None:
         """Keeps this layer's window aligned with the optimizer's: where the
-        chain did not count the micro-batch (``old_opt_state`` to
-        ``new_opt_state``), restores the statistics to those of the last
-        counted one; else records them as counted. Called by
-        :meth:`Optimizer.update` (and :meth:`flush`) on every layer."""
+        chain did not count the micro-batch (the call that turned
+        ``old_opt_state`` into ``new_opt_state``), restores the statistics
+        to those of the last counted one; where the call closed the
+        optimizer's window, closes this layer's too (so it follows any
+        window length, :func:`optaxaccum.critical_batch_every_k`
+        included); then records them as counted. Called by
+        :meth:`Optimizer.update` on every layer."""
         if self.accum_steps == 1:
             return
-        self._record(
-            _stats.keep_counted(
-                old_opt_state,
-                new_opt_state,
-                self._stats(),
-                self._stats(_COUNTED),
-            )
+        stats = _stats.keep_counted(
+            old_opt_state, new_opt_state, self._stats(), self._stats(_COUNTED)
         )
+        for key, value in zip(_stats.STAT_KEYS, stats):
+            getattr(self, key)[...] = value
+        closed = _stats.closes_with(old_opt_state, new_opt_state)
+        if closed is not False:
+            self._flush(closed)
+        self._record(self._stats())
 
     def _record(self, stats: list[jax.Array]) -> None:
         """Sets the statistics and records them as counted."""
@@ -123,34 +131,18 @@ class AccumBatchNorm(nnx.BatchNorm):
         for key, value in zip(_stats.WINDOW_KEYS, window):
             getattr(self, key)[...] = value
 
-    def __call__(
-        self,
-        x: jax.Array,
-        use_running_average: bool | None = None,
-        *,
-        mask: jax.Array | None = None,
-    ) -> jax.Array:
-        """Normalizes ``x``; see :class:`flax.nnx.BatchNorm`.
+    __call__ = _shared.accum_call()
 
-        Args:
-          x: the input.
-          use_running_average: if true, normalize with the running statistics;
-            overrides the attribute of the same name.
-          mask: optional boolean array broadcastable to ``x``: which elements
-            count toward the statistics.
+    def _stock_call(self, x, use_running_average, mask):
+        return super().__call__(x, use_running_average, mask=mask)
 
-        Returns:
-          The normalized input, of the same shape.
-        """
-        if self.accum_steps == 1:
-            return super().__call__(x, use_running_average, mask=mask)
-        use_ra = (
-            use_running_average
-            if use_running_average is not None
-            else self.use_running_average
-        )
-        if use_ra is None or use_ra:
-            return super().__call__(x, use_running_average, mask=mask)
+    def _pools(self, use_running_average: bool | None) -> bool:
+        """Whether this call updates the window: in training."""
+        if use_running_average is None:
+            use_running_average = self.use_running_average
+        return use_running_average is not None and not use_running_average
+
+    def _pooled_call(self, x, use_running_average, mask):
         ra_mean, ra_var = self.mean[...], self.var[...]
         y = super().__call__(x, use_running_average, mask=mask)
         # nnx.BatchNorm computes its statistics on x promoted to self.dtype.
@@ -161,14 +153,21 @@ class AccumBatchNorm(nnx.BatchNorm):
         )
         return y
 
+    def _flush(self, where: Any = True) -> None:
+        self._set(
+            *_stats.flush(
+                self._window(),
+                self.mean[...],
+                self.var[...],
+                self.momentum,
+                where,
+            )
+        )
+
     def flush(self) -> None:
         """Closes a partial window (end of an epoch); no-op when empty."""
         if self.accum_steps > 1:
-            self._set(
-                *_stats.flush(
-                    self._window(), self.mean[...], self.var[...], self.momentum
-                )
-            )
+            self._flush()
             self._record(self._stats())  # a flush always counts
 
 

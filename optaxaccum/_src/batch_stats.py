@@ -1,10 +1,12 @@
 """Pooled BatchNorm statistics over an accumulation window (pure JAX).
 
-Shared by the linen and nnx ``AccumBatchNorm``. A window's statistics are
-kept as per-feature ``count``, ``mean`` and ``m2`` (sum of squared deviations
-from the mean) in float32 and merged micro-batch by micro-batch with the
-parallel-variance formula of Chan, Golub and LeVeque, so the pooled variance is
-exact for micro-batches of any sizes -- not an average of variances.
+Shared by the linen and nnx ``AccumBatchNorm`` and usable from any framework:
+it imports no flax (examples/equinox_batchnorm.py uses it with Equinox). A
+window's statistics are kept as per-feature ``count``, ``mean`` and ``m2``
+(sum of squared deviations from the mean) in float32 and merged micro-batch
+by micro-batch with the parallel-variance formula of Chan, Golub and
+LeVeque, so the pooled variance is exact for micro-batches of any sizes --
+not an average of variances.
 """
 
 from __future__ import annotations
@@ -106,8 +108,7 @@ def micro_batch_stats(
         return tuple(out)
 
     def per_element(v, n):
-        seen = n > 0
-        return jnp.where(seen, v / jnp.where(seen, n, 1), 0)
+        return utils.divide_or(v, n, n > 0)
 
     if use_fast_variance:
         n, s1, s2 = psum(n, total(x), total(x * x))
@@ -128,7 +129,7 @@ def merge(
     """Adds a micro-batch with ``n`` elements, ``mean`` and ``var``."""
     n, mean, var = (v.astype(jnp.float32) for v in (n, mean, var))
     total = window.elements + n
-    frac = jnp.where(total > 0, n / jnp.where(total > 0, total, 1.0), 0.0)
+    frac = utils.divide_or(n, total, total > 0)
     delta = mean - window.mean
     return Window(
         elements=total,
@@ -152,7 +153,7 @@ def close(
     emptied where it closed.
     """
     seen = window.elements > 0
-    pooled_var = window.m2 / jnp.where(seen, window.elements, 1.0)
+    pooled_var = utils.divide_or(window.m2, window.elements, seen)
     use = do_close & seen
 
     def ema(ra, stat):
@@ -233,10 +234,20 @@ def train_step(
 
 
 def flush(
-    window: Window, ra_mean: jax.Array, ra_var: jax.Array, momentum: float
+    window: Window,
+    ra_mean: jax.Array,
+    ra_var: jax.Array,
+    momentum: float,
+    where: Any = True,
 ) -> tuple[jax.Array, jax.Array, Window]:
-    """Closes a partial window (no-op for an empty one)."""
-    return close(window, ra_mean, ra_var, momentum, window.step > 0)
+    """Closes a partial window where ``where`` (no-op for an empty one)."""
+    return close(
+        window,
+        ra_mean,
+        ra_var,
+        momentum,
+        jnp.logical_and(where, window.step > 0),
+    )
 
 
 def keep_counted(old_opt_state: Any, new_opt_state: Any, new: Any, old: Any):
@@ -249,3 +260,12 @@ def keep_counted(old_opt_state: Any, new_opt_state: Any, new: Any, old: Any):
     if counted is True:  # no accumulate: every call counts
         return new
     return jax.tree.map(lambda n, o: jnp.where(counted, n, o), new, old)
+
+
+def closes_with(old_opt_state: Any, new_opt_state: Any) -> Any:
+    """Where the BatchNorm windows close because the call that turned
+    ``old_opt_state`` into ``new_opt_state`` closed the optimizer's window
+    (:func:`windows.closed`): the layers then follow any window length, a
+    callable ``every_k`` included. ``False`` when the state holds no window
+    (the layers close on their own ``accum_steps``)."""
+    return windows.closed(old_opt_state, new_opt_state)
