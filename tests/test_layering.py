@@ -84,7 +84,7 @@ def test_the_combinator_imports_no_gate_module():
             "loss_scale",
             "multisteps",
             "noise_scale",
-            "zero",
+            "shard_update",
         )
     }
     imported = _graph()["optaxaccum._src.chain"]

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, noise_scale, sharding, utils, zero
+from optaxaccum._src import base, noise_scale, sharding, utils
+from optaxaccum._src import shard_update as _shard_update
 
 __all__ = ["AccumulateState", "accumulate", "map_accumulators"]
 
@@ -144,7 +145,7 @@ def accumulate(
         cast(base.GateUpdateFn, functools.partial(_gate_update, cfg)),
         cast(base.GateFlushFn, functools.partial(_gate_flush, cfg)),
     )
-    return zero.gathered(gate, axis_name) if shard_update else gate
+    return _shard_update.gathered(gate, axis_name) if shard_update else gate
 
 
 def _check_shard_update(shard_update: Any, axis_name: Any) -> bool:
@@ -282,14 +283,10 @@ def _checked_input(
     """``state`` with its accumulator as the step adds to it (unstacked,
     typed like ``updates``), after checking both: the state's type, the
     mesh mistakes, ``shard_update``'s mesh, the gradients' structure."""
-    if not isinstance(state, AccumulateState):
-        raise TypeError(
-            "oa.accumulate expects an AccumulateState, got "
-            f"{type(state).__name__}"
-        )
+    utils.check_state_type(state, AccumulateState, "oa.accumulate")
     sharding.check_gradients(updates, cfg.axis_name)  # mesh mistakes
     if cfg.shard_update:
-        zero.check_explicit(updates, cfg.axis_name)
+        _shard_update.check_explicit(updates, cfg.axis_name)
     acc = sharding.unstack_partials(state.acc, cfg.axis_name)
     _check_gradients(updates, acc)
     return state._replace(acc=sharding.match_grads(acc, updates))
@@ -314,11 +311,11 @@ def _add(
     w = jnp.asarray(weight).astype(state.weight.dtype)
     valid = jnp.isfinite(w) & (w >= 0)
     w = jnp.where(valid, w, jnp.nan)
-    zero = w == 0
+    weightless = w == 0
     fresh = state.mini_step == 0  # the accumulator is stale: overwrite it
     counted = passed
     if cfg.skip_nonfinite:
-        finite = valid & (zero | sharding.globally_finite(updates))
+        finite = valid & (weightless | sharding.globally_finite(updates))
         if cfg.axis_name is not None:
             finite = sharding.agree(finite, cfg.axis_name)
         counted = utils.both(counted, finite)
@@ -326,7 +323,7 @@ def _add(
     def add(a, g):
         g = jnp.asarray(g).astype(a.dtype)
         wg = sharding.times(w.astype(a.dtype), g, a)
-        wg = jnp.where(zero, jnp.zeros_like(wg), wg)
+        wg = jnp.where(weightless, jnp.zeros_like(wg), wg)
         return utils.select(counted, jnp.where(fresh, wg, a + wg), a)
 
     acc = jax.tree.map(add, state.acc, updates)
@@ -353,7 +350,7 @@ def _emitter(
     def emit():
         acc, weight = state.acc, state.weight
         if cfg.axis_name is not None:
-            scatter = zero.reduce_scatter if cfg.shard_update else None
+            scatter = _shard_update.reduce_scatter if cfg.shard_update else None
             acc, weight = sharding.reduce_window(
                 acc, weight, cfg.axis_name, cfg.reduction, scatter
             )
@@ -367,8 +364,8 @@ def _emitter(
         )
         opened = True if weight_checked else weight != 0
         if cfg.reduction == "mean":
-            nonzero = weight != 0  # 0: a flushed window of weight 0
-            scale = jnp.where(nonzero, 1 / jnp.where(nonzero, weight, 1), 0)
+            # 0 for a flushed window of weight 0.
+            scale = utils.divide_or(1, weight)
             # In each leaf's own precision (the weight's is the widest).
             acc = jax.tree.map(lambda a: scale.astype(a.dtype) * a, acc)
         updates = jax.tree.map(lambda a, d: a.astype(d), acc, out_dtypes)

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-axis_names = utils.axis_names  # the one rule; zero.py reads it here
+axis_names = utils.axis_names  # the one rule
 
 
 def _sharding(x: Any) -> NamedSharding | None:
@@ -177,16 +177,19 @@ def sharded_axes(entries: Iterable[Any]) -> frozenset:
     return frozenset(a for entry in entries for a in _dim_axes(entry))
 
 
+def drop_axes(entries: Iterable[Any], axes: Iterable[Hashable]) -> tuple:
+    """The partition-spec ``entries`` with the mesh ``axes`` taken out of
+    each (an entry left with no axis is ``None``)."""
+    axes = frozenset(axes)
+    kept = (tuple(a for a in _dim_axes(e) if a not in axes) for e in entries)
+    return tuple(_entry(k) if k else None for k in kept)
+
+
 def deferred_spec(spec: P, names: Sequence[Hashable], kind: str) -> P:
     """``spec`` with the axes ``names`` taken out of its dimensions and added
     to its ``kind`` (``"reduced"`` or ``"unreduced"``) set."""
     taken = frozenset(names)
-
-    def drop(entry):
-        kept = tuple(a for a in _dim_axes(entry) if a not in taken)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-
-    dims = tuple(drop(e) for e in spec.partitions)
+    dims = drop_axes(spec.partitions, taken)
     return spec.update(partitions=dims, **{kind: getattr(spec, kind) | taken})
 
 
@@ -586,7 +589,7 @@ def reduce_window(
     explicit mesh (``jit``'s global view) the weight is already global and an
     unreduced accumulator is resharded to its sharding without the unreduced
     axes: the one all-reduce of the window (a plain one needs nothing);
-    with ``scatter`` (``shard_update``: ``zero.reduce_scatter``), that
+    with ``scatter`` (``shard_update``: ``shard_update.reduce_scatter``), that
     function of each unreduced leaf and ``axis_name`` instead.
     """
     acc = unstack_partials(acc, axis_name)

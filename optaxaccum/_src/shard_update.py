@@ -2,7 +2,7 @@
 state sharded over the data axes (ZeRO-1), paid once per window.
 
 The window's one reduction over the data axes is a reduce-scatter
-(:func:`zero_spec` says where each leaf's shard lies), the elements after the
+(:func:`placed_spec` says where each leaf's shard lies), the elements after the
 accumulate (*followers*: the optimizer, weight decay, clipping) run on each
 device's shard with their state sharded the same way, and their updates are
 all-gathered back to the params' sharding. Only under ``jax.jit`` on a mesh
@@ -28,12 +28,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import base, sharding
+from optaxaccum._src import base, sharding, utils
 
 __all__: list[str] = []
 
 
-def zero_spec(
+def placed_spec(
     spec: P, shape: tuple[int, ...], mesh: Any, axes: tuple[Hashable, ...]
 ) -> P:
     """Where one leaf of the params' spec ``spec`` lies under ZeRO-1.
@@ -49,14 +49,9 @@ def zero_spec(
     """
     axes = sharding._ordered(mesh, axes)
     n = int(np.prod([mesh.shape[a] for a in axes]))
-    dims = list(spec.partitions) + [None] * (len(shape) - len(spec.partitions))
-    dims = [
-        sharding._entry(kept) if kept else None
-        for kept in (
-            tuple(a for a in sharding._dim_axes(d) if a not in axes)
-            for d in dims
-        )
-    ]
+    dims = list(
+        sharding.drop_axes(sharding._padded_dims(spec, len(shape)), axes)
+    )
     if n == 1:
         return spec
 
@@ -79,16 +74,16 @@ def zero_spec(
 
 def reduce_scatter(a: jax.Array, axis_name: Any) -> jax.Array:
     """An accumulator leaf unreduced over ``axis_name``, summed over it
-    and placed at its :func:`zero_spec`: inside a ``shard_map``, one
+    and placed at its :func:`placed_spec`: inside a ``shard_map``, one
     ``psum_scatter`` over the data axes along the placed dimension (a
     ``psum`` for a leaf that keeps its spec). XLA's CPU pipeline does not
     turn an unreduced-to-sharded ``jax.reshard`` into a reduce-scatter (it
     all-reduces, then slices), hence the explicit collective."""
     named = sharding._named(a)
     mesh, spec = named.mesh, named.spec
-    axes = sharding._ordered(mesh, sharding.axis_names(axis_name))
+    axes = sharding._ordered(mesh, utils.axis_names(axis_name))
     plain = sharding.without_unreduced(spec)
-    target = zero_spec(plain, a.shape, mesh, axes)
+    target = placed_spec(plain, a.shape, mesh, axes)
     old = sharding._padded_dims(plain, a.ndim)
     new = sharding._padded_dims(target, a.ndim)
     placed = [i for i in range(a.ndim) if old[i] != new[i]]
@@ -117,16 +112,16 @@ def _reshard(x: Any, spec: P) -> Any:
 
 def place(tree: Any, axis_name: Any) -> Any:
     """Each leaf on an explicit mesh with the axes ``axis_name`` resharded
-    to its :func:`zero_spec`; an unreduced leaf is summed over the axes it
+    to its :func:`placed_spec`; an unreduced leaf is summed over the axes it
     is unreduced over on the way (a reduce-scatter). Other leaves pass."""
-    axes = sharding.axis_names(axis_name)
+    axes = utils.axis_names(axis_name)
 
     def leaf(x):
         if not sharding.is_explicit(x, axes):
             return x
         named = sharding._named(x)
         spec = sharding.without_unreduced(named.spec)
-        return _reshard(x, zero_spec(spec, x.shape, named.mesh, axes))
+        return _reshard(x, placed_spec(spec, x.shape, named.mesh, axes))
 
     return jax.tree.map(leaf, tree)
 
@@ -136,7 +131,7 @@ def gather(tree: Any, axis_name: Any, like: Any = None) -> Any:
     back to the params' sharding (an all-gather over them): that of the
     corresponding leaf of the params ``like`` where given (also when
     ``axis_name`` names axes that shard the params), else without them."""
-    axes = set(sharding.axis_names(axis_name))
+    axes = set(utils.axis_names(axis_name))
     if like is not None:
         return jax.tree.map(lambda x, p: _like(x, p, tuple(axes)), tree, like)
 
@@ -144,12 +139,11 @@ def gather(tree: Any, axis_name: Any, like: Any = None) -> Any:
         if not sharding.is_explicit(x, tuple(axes)):
             return x
         spec = sharding._spec(x)
-        dims = [sharding._dim_axes(d) if d is not None else () for d in spec]
-        kept = [tuple(a for a in d if a not in axes) for d in dims]
-        if kept == dims:
+        if not sharding.sharded_axes(spec.partitions) & axes:
             return x
-        entries = [sharding._entry(d) if d else None for d in kept]
-        return _reshard(x, spec.update(partitions=tuple(entries)))
+        return _reshard(
+            x, spec.update(partitions=sharding.drop_axes(spec.partitions, axes))
+        )
 
     return jax.tree.map(leaf, tree)
 
