@@ -214,3 +214,29 @@ def _split_params(params: str) -> list[str]:
             parts.append(params[start:i])
             start = i + 1
     return parts + [params[start:]]
+
+
+def test_the_window_sums_have_one_home_per_mesh_mode():
+    """How the window sums are stored between steps and reduced over the
+    devices lives in ``reducer.py`` alone (one reducer per mesh mode);
+    ``noise_scale.py`` is arithmetic on the sums its reducer hands it: it
+    imports neither ``reducer.py`` nor the mesh helpers of ``sharding.py``,
+    and ``sharding.py`` keeps the user-facing mesh API."""
+    storage = {
+        "stack_partials",
+        "unstack_partials",
+        "window_zeros",
+        "reduce_window",
+        "reduce_scatter",
+        "stacked_axes",
+    }
+    homes = {
+        (path.name, node.name)
+        for path in sorted((PACKAGE / "_src").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name in storage
+    }
+    assert {home for home, _ in homes} == {"reducer.py"}, homes
+    imported = _graph()["optaxaccum._src.noise_scale"]
+    helpers = {"optaxaccum._src.reducer", "optaxaccum._src.sharding"}
+    assert not imported & helpers, imported & helpers

@@ -404,10 +404,10 @@ def test_placement_rule(mesh_name, spec, shape, want):
     """The rule of docs/scaling.md (private helper, on purpose): the
     largest unsharded dimension the data size divides, else a sharded one
     with room, else the default; the data axes in the mesh's order."""
-    from optaxaccum._src import shard_update as placement
+    from optaxaccum._src import reducer
 
     mesh, axis = _mesh(mesh_name)
-    assert placement.placed_spec(spec, shape, mesh, oa_axes(axis)) == want
+    assert reducer.placed_spec(spec, shape, mesh, oa_axes(axis)) == want
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
@@ -417,6 +417,7 @@ def test_followers_state_is_born_placed_and_updates_gather_back(mesh_name):
     moments) lies at each leaf's ZeRO placement, and gathering placed
     updates gives back exactly the params' sharding (private helpers, on
     purpose, as in test_placement_rule)."""
+    from optaxaccum._src import reducer
     from optaxaccum._src import shard_update as placement
 
     mesh, axis = _mesh(mesh_name)
@@ -430,7 +431,7 @@ def test_followers_state_is_born_placed_and_updates_gather_back(mesh_name):
     axes = oa_axes(axis)
     placed_somewhere = False
     for name, p in params.items():
-        want = placement.placed_spec(p.sharding.spec, p.shape, mesh, axes)
+        want = reducer.placed_spec(p.sharding.spec, p.shape, mesh, axes)
         got = abstract[1][0].mu[name].sharding.spec
         assert got == want, (name, got, want)
         placed_somewhere |= want != p.sharding.spec

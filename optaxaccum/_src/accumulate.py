@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, noise_scale, sharding, utils
+from optaxaccum._src import base, noise_scale, reducer, sharding, utils
 from optaxaccum._src import shard_update as _shard_update
 
 __all__ = ["AccumulateState", "accumulate", "map_accumulators"]
@@ -203,19 +203,19 @@ def _weight_dtype(cfg: _Config, params: Any) -> np.dtype:
 
 def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
     params = _gradient_params(params)
+    sums = reducer.at_init(cfg.axis_name, cfg.shard_update)
     return AccumulateState(
         mini_step=jnp.zeros([], jnp.int32),
         gradient_step=jnp.zeros([], jnp.int32),
-        acc=sharding.window_zeros(
+        acc=sums.zeros(
             jax.tree.map(
                 lambda p: jnp.zeros_like(p, _leaf_dtype(cfg, p)), params
-            ),
-            cfg.axis_name,
+            )
         ),
         weight=jnp.zeros([], _weight_dtype(cfg, params)),
         updated=jnp.zeros([], bool),
         noise_scale=noise_scale.init(
-            cfg.noise_scale_decay, _weight_dtype(cfg, params), cfg.axis_name
+            cfg.noise_scale_decay, _weight_dtype(cfg, params), sums
         ),
     )
 
@@ -233,12 +233,12 @@ def _gate_update(
     """Adds one micro-batch (of weight ``ctx.window_weight``, an earlier
     window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
-    state = _checked_input(cfg, updates, state)
+    state, sums = _checked_input(cfg, updates, state)
     if ctx.window_weight is not None:
         accum_weight = ctx.window_weight
     utils.check_weight("accum_weight", accum_weight)
     acc, weight, noise, counted = _add(
-        cfg, state, updates, accum_weight, ctx.passed
+        cfg, sums, state, updates, accum_weight, ctx.passed
     )
     mini_step = utils.select(counted, state.mini_step + 1, state.mini_step)
     window = jnp.asarray(cfg.window(state), jnp.int32)
@@ -250,8 +250,9 @@ def _gate_update(
             optax.safe_increment(state.gradient_step),
             state.gradient_step,
         ),
-        # Each device's partial sum as an ordinary (checkpointable) array.
-        acc=sharding.stack_partials(acc),
+        # Each device's partial sums as the state keeps them (on a jit
+        # mesh: an ordinary, checkpointable array).
+        acc=sums.store(acc),
         weight=weight,
         # A call that does not count leaves the state as it was.
         updated=utils.select(
@@ -267,33 +268,39 @@ def _gate_update(
         return base._Result(
             state=new_state,
             may_open=closing & nonzero,
-            emit=_emitter(cfg, new_state, out_dtypes, weight_checked=True),
+            emit=_emitter(
+                cfg, sums, new_state, out_dtypes, weight_checked=True
+            ),
             empty=closing & ~nonzero,
         )
     return base._Result(
         state=new_state,
         may_open=closing,
-        emit=_emitter(cfg, new_state, out_dtypes),
+        emit=_emitter(cfg, sums, new_state, out_dtypes),
     )
 
 
 def _checked_input(
     cfg: _Config, updates: optax.Updates, state: Any
-) -> AccumulateState:
-    """``state`` with its accumulator as the step adds to it (unstacked,
-    typed like ``updates``), after checking both: the state's type, the
-    mesh mistakes, ``shard_update``'s mesh, the gradients' structure."""
+) -> tuple[AccumulateState, reducer.Local]:
+    """``state`` with its accumulator as the step adds to it (loaded,
+    typed like ``updates``), and the reducer of the window sums in this
+    trace (``reducer.of`` the gradients), after checking both: the
+    state's type, the mesh mistakes, ``shard_update``'s mesh, the
+    gradients' structure."""
     utils.check_state_type(state, AccumulateState, "oa.accumulate")
     sharding.check_gradients(updates, cfg.axis_name)  # mesh mistakes
     if cfg.shard_update:
         _shard_update.check_explicit(updates, cfg.axis_name)
-    acc = sharding.unstack_partials(state.acc, cfg.axis_name)
+    sums = reducer.of(cfg.axis_name, updates, cfg.shard_update)
+    acc = sums.load(state.acc)
     _check_gradients(updates, acc)
-    return state._replace(acc=sharding.match_grads(acc, updates))
+    return state._replace(acc=reducer.match_grads(acc, updates)), sums
 
 
 def _add(
     cfg: _Config,
+    sums: reducer.Local,
     state: AccumulateState,
     updates: optax.Updates,
     weight: Any,
@@ -315,10 +322,8 @@ def _add(
     fresh = state.mini_step == 0  # the accumulator is stale: overwrite it
     counted = passed
     if cfg.skip_nonfinite:
-        finite = valid & (weightless | sharding.globally_finite(updates))
-        if cfg.axis_name is not None:
-            finite = sharding.agree(finite, cfg.axis_name)
-        counted = utils.both(counted, finite)
+        finite = valid & (weightless | sums.finite(updates))
+        counted = utils.both(counted, sums.agree(finite))
 
     def add(a, g):
         g = jnp.asarray(g).astype(a.dtype)
@@ -329,13 +334,14 @@ def _add(
     acc = jax.tree.map(add, state.acc, updates)
     total = jnp.where(fresh, w, state.weight + w)
     noise = noise_scale.micro_step(
-        state.noise_scale, updates, state.acc, w, fresh, counted
+        sums, state.noise_scale, updates, state.acc, w, fresh, counted
     )
     return acc, utils.select(counted, total, state.weight), noise, counted
 
 
 def _emitter(
     cfg: _Config,
+    sums: reducer.Local,
     state: AccumulateState,
     out_dtypes: Any,
     weight_checked: bool = False,
@@ -348,18 +354,14 @@ def _emitter(
     weight 0, from the closed state."""
 
     def emit():
-        acc, weight = state.acc, state.weight
-        if cfg.axis_name is not None:
-            scatter = _shard_update.reduce_scatter if cfg.shard_update else None
-            acc, weight = sharding.reduce_window(
-                acc, weight, cfg.axis_name, cfg.reduction, scatter
-            )
+        # Over the devices, once per window (reducer.py).
+        acc, weight = sums.reduce(state.acc, state.weight, cfg.reduction)
         noise = noise_scale.close(
             cfg.noise_scale_decay,
+            sums,
             state.noise_scale,
             acc,
             weight,
-            cfg.axis_name,
             cfg.reduction,
         )
         opened = True if weight_checked else weight != 0
@@ -394,11 +396,9 @@ def _gate_flush(
     """Closes the current window now, if it holds any micro-batch."""
     del extra_args  # the caller checks extra args (near-misses)
     params = _gradient_params(params)
+    sums = reducer.of(cfg.axis_name, state.acc, cfg.shard_update)
     utils.check_same_structure(
-        "the params",
-        params,
-        sharding.unstack_partials(state.acc, cfg.axis_name),
-        "the accumulator",
+        "the params", params, sums.load(state.acc), "the accumulator"
     )
     closed_state = state._replace(
         mini_step=jnp.zeros([], jnp.int32),
@@ -408,7 +408,7 @@ def _gate_flush(
     return base._Result(
         state=state,
         may_open=state.mini_step > 0,
-        emit=_emitter(cfg, closed_state, out_dtypes),
+        emit=_emitter(cfg, sums, closed_state, out_dtypes),
     )
 
 

@@ -7,8 +7,8 @@ In JAX's explicit sharding mode a parameter that is *reduced* over a mesh axis
 partial sum). :func:`unreduced_value_and_grad` casts the parameters to reduced
 before differentiating, so that a micro-batch's backward pass does not reduce
 over the data axis; :func:`optaxaccum.accumulate` then adds such gradients
-locally and reduces them once, when the window closes
-(:func:`reduce_window`). See ``docs/scaling.md``.
+locally and reduces them once, when the window closes (the reducers of
+``reducer.py``). See ``docs/scaling.md``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
@@ -169,6 +168,16 @@ def _dim_axes(entry: Any) -> tuple[Hashable, ...]:
     if entry is None:
         return ()
     return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _ordered(mesh: Any, axes: Any) -> tuple[Hashable, ...]:
+    """The mesh axes ``axes`` in the mesh's order."""
+    return tuple(n for n in mesh.axis_names if n in axes)
+
+
+def _entry(axes: tuple[Hashable, ...]) -> Any:
+    """A partition-spec entry for one dimension sharded over ``axes``."""
+    return axes[0] if len(axes) == 1 else axes
 
 
 def sharded_axes(entries: Iterable[Any]) -> frozenset:
@@ -380,124 +389,7 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
     return gather(w)
 
 
-# ----------------------------------------- helpers of oa.accumulate
-
-
-def _ordered(mesh: Any, axes: Any) -> tuple[Hashable, ...]:
-    """The mesh axes ``axes`` in the mesh's order."""
-    return tuple(n for n in mesh.axis_names if n in axes)
-
-
-def _entry(axes: tuple[Hashable, ...]) -> Any:
-    """A partition-spec entry for one dimension sharded over ``axes``."""
-    return axes[0] if len(axes) == 1 else axes
-
-
-def _stacked_spec(spec: P, axes: tuple[Hashable, ...]) -> P:
-    """The spec of the stacked form of an array of spec ``spec`` unreduced
-    over ``axes``: a leading dimension sharded over ``axes``."""
-    return P(_entry(axes), *spec.partitions, reduced=spec.reduced)
-
-
-def stacked_axes(a: Any, axis_name: Any) -> tuple[Hashable, ...]:
-    """The axes ``axis_name`` if ``a`` is an accumulator leaf in stacked
-    form (its leading dimension sharded over exactly those explicit axes),
-    else ``()``."""
-    sharding = _sharding(a)
-    if axis_name is None or sharding is None or not jnp.ndim(a):
-        return ()
-    if not is_explicit(a, axis_name) or not sharding.spec.partitions:
-        return ()
-    axes = _ordered(sharding.mesh, utils.axis_names(axis_name))
-    return axes if _dim_axes(sharding.spec.partitions[0]) == axes else ()
-
-
-def stack_partials(tree: Any) -> Any:
-    """Each leaf unreduced over some mesh axes in its *stacked* form: an
-    ordinary global array with a leading dimension of the axes' size,
-    sharded over them, row ``i`` holding device ``i``'s partial sum. A local
-    cast (``shard_map`` of ``a[None]``): no data moves between devices.
-    Other leaves are returned as they are."""
-
-    def stack(x):
-        unreduced = unreduced_axes(x)
-        if not unreduced:
-            return x
-        sharding = _named(x)
-        axes = _ordered(sharding.mesh, unreduced)
-        out = _stacked_spec(without_unreduced(sharding.spec), axes)
-        return jax.shard_map(
-            lambda b: b[None],
-            mesh=sharding.mesh,
-            in_specs=sharding.spec,
-            out_specs=out,
-            check_vma=False,
-        )(x)
-
-    return jax.tree.map(stack, tree)
-
-
-def unstack_partials(tree: Any, axis_name: Any) -> Any:
-    """The inverse of :func:`stack_partials` for leaves stacked over
-    ``axis_name``: each device's row becomes its partial sum of an array
-    unreduced over those axes (a local cast). Other leaves pass through."""
-
-    def unstack(a):
-        axes = stacked_axes(a, axis_name)
-        if not axes:
-            return a
-        spec = _spec(a)
-        out = P(
-            *spec.partitions[1:],
-            unreduced=frozenset(axes),
-            reduced=spec.reduced,
-        )
-        return jax.shard_map(
-            lambda b: b[0],
-            mesh=_named(a).mesh,
-            in_specs=spec,
-            out_specs=out,
-            check_vma=False,
-        )(a)
-
-    return jax.tree.map(unstack, tree)
-
-
-def _in_explicit_context(axis_name: Any) -> bool:
-    """Whether the current mesh context (``jax.set_mesh``) has the axes
-    ``axis_name``, all Explicit."""
-    if axis_name is None:
-        return False
-    return _all_explicit(jax.sharding.get_abstract_mesh(), axis_name)
-
-
-def window_zeros(zeros: Any, axis_name: Any) -> Any:
-    """The accumulator's ``zeros`` (like the params) in the form the state
-    stores them: under ``jax.set_mesh`` of a mesh whose axes ``axis_name``
-    are Explicit (``jit``'s global view), stacked over ``axis_name`` (see
-    :func:`stack_partials`), one row per device's partial sum. Outside such
-    a context (``pmap``, ``shard_map``, whose users add the device axis
-    themselves with :func:`map_accumulators`) they stay plain; a plain
-    accumulator given unreduced gradients is stacked by the first step."""
-    if not _in_explicit_context(axis_name):
-        return zeros
-
-    def stacked(z):
-        if not is_explicit(z, axis_name):
-            return z
-        sharding = _named(z)
-        axes = _ordered(sharding.mesh, utils.axis_names(axis_name))
-        n = int(np.prod([sharding.mesh.shape[a] for a in axes]))
-        spec = deferred_spec(sharding.spec, axes, "unreduced")
-        spec = _stacked_spec(without_unreduced(spec), axes)
-        shape = (n, *z.shape)
-        if isinstance(z, jax.core.Tracer):  # under a trace: its type
-            out = sharding.update(spec=spec)
-            return jnp.zeros(shape, z.dtype, out_sharding=out)
-        # Eager, outside any mesh context: place on the concrete mesh.
-        return jnp.zeros(shape, z.dtype, device=z.sharding.update(spec=spec))
-
-    return jax.tree.map(stacked, zeros)
+# ------------------------------------------ arrays unreduced over axes
 
 
 def grad_zeros(p: Any, dtype: Any) -> jax.Array:
@@ -520,12 +412,6 @@ def match_unreduced(x: Any, like: Any) -> Any:
     if unreduced_axes(like) and not unreduced_axes(x):
         return jax.reshard(x, _spec(like))
     return x
-
-
-def match_grads(acc: Any, grads: Any) -> Any:
-    """``acc`` (unstacked) with each plain leaf cast to the unreduced
-    sharding of the corresponding gradient (:func:`match_unreduced`)."""
-    return jax.tree.map(match_unreduced, acc, grads)
 
 
 def times(s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
@@ -573,41 +459,6 @@ def agree(flag: jax.Array, axis_name: Any) -> jax.Array:
     if is_explicit(flag, axis_name):
         return flag
     return lax.pmin(flag.astype(jnp.int32), axis_name) > 0
-
-
-def reduce_window(
-    acc: Any,
-    weight: jax.Array,
-    axis_name: Any,
-    reduction: str,
-    scatter: Callable[[Any, Any], Any] | None = None,
-) -> tuple[Any, jax.Array]:
-    """The window's sum and weight over ``axis_name``, once per window.
-
-    Inside ``pmap``/``shard_map`` (``axis_name`` a mapped axis): ``psum`` of
-    both for ``"mean"``, ``pmean`` of the sum for ``"sum"``. Under an
-    explicit mesh (``jit``'s global view) the weight is already global and an
-    unreduced accumulator is resharded to its sharding without the unreduced
-    axes: the one all-reduce of the window (a plain one needs nothing);
-    with ``scatter`` (``shard_update``: ``shard_update.reduce_scatter``), that
-    function of each unreduced leaf and ``axis_name`` instead.
-    """
-    acc = unstack_partials(acc, axis_name)
-    if tree_is_explicit(acc, axis_name):
-
-        def reduce(a):
-            axes = unreduced_axes(a)
-            if not axes:
-                return a
-            if scatter is not None:
-                return scatter(a, axis_name)
-            return jax.reshard(a, without_unreduced(_spec(a)))
-
-        return jax.tree.map(reduce, acc), weight
-    weight = lax.psum(weight, axis_name)
-    if reduction == "mean":
-        return lax.psum(acc, axis_name), weight
-    return lax.pmean(acc, axis_name), weight
 
 
 # ------------------------------------------------- optimizer state
