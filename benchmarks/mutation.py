@@ -440,6 +440,19 @@ MUTANTS = {
         "inner = branches",
         ["tests/test_utils.py", "-k", "hlo_walker"],
     ),
+    # ------------------------------- one reducer per mesh mode (reducer.py)
+    "noise_sum_reduction_not_undone": (  # pmap: "sum" averages the sums
+        "reducer.py",
+        'return lax.axis_size(self.axis_name) if reduction == "sum" else None',
+        "return None",
+        ["tests/test_noise_scale.py", "-k", "small_batches"],
+    ),
+    "noise_sums_not_reduced_when_mapped": (  # pmap/shard_map: one psum
+        "reducer.py",
+        "both = lax.psum(jnp.stack([sq_sum, count]), self.axis_name)",
+        "both = jnp.stack([sq_sum, count])",
+        ["tests/test_noise_scale.py", "-k", "small_batches"],
+    ),
 }
 
 

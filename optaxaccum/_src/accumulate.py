@@ -105,15 +105,15 @@ def accumulate(
       A :class:`GatedTransformation` with an :class:`AccumulateState`.
 
     Raises:
-      TypeError, ValueError: for a bad argument, naming it.
+      TypeError, ValueError: for a bad argument, naming it (also a
+        :func:`critical_batch_every_k` without ``noise_scale_decay``).
 
     Examples:
       >>> import jax.numpy as jnp, optax, optaxaccum as oa
       >>> tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
-      >>> params = jnp.zeros(1)
-      >>> state = tx.init(params)
-      >>> _, state = tx.update(jnp.array([1.0]), state, params, accum_weight=3)
-      >>> u, state = tx.update(jnp.array([5.0]), state, params, accum_weight=1)
+      >>> state = tx.init(jnp.zeros(1))
+      >>> _, state = tx.update(jnp.array([1.0]), state, accum_weight=3)
+      >>> u, state = tx.update(jnp.array([5.0]), state, accum_weight=1)
       >>> u   # -(3 * 1 + 1 * 5) / (3 + 1)
       Array([-2.], dtype=float32)
     """
