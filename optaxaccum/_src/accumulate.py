@@ -282,7 +282,7 @@ def _gate_update(
 
 def _checked_input(
     cfg: _Config, updates: optax.Updates, state: Any
-) -> tuple[AccumulateState, reducer.Local]:
+) -> tuple[AccumulateState, reducer.Reducer]:
     """``state`` with its accumulator as the step adds to it (loaded,
     typed like ``updates``), and the reducer of the window sums in this
     trace (``reducer.of`` the gradients), after checking both: the
@@ -300,7 +300,7 @@ def _checked_input(
 
 def _add(
     cfg: _Config,
-    sums: reducer.Local,
+    sums: reducer.Reducer,
     state: AccumulateState,
     updates: optax.Updates,
     weight: Any,
@@ -341,7 +341,7 @@ def _add(
 
 def _emitter(
     cfg: _Config,
-    sums: reducer.Local,
+    sums: reducer.Reducer,
     state: AccumulateState,
     out_dtypes: Any,
     weight_checked: bool = False,

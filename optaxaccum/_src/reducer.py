@@ -37,10 +37,10 @@ from optaxaccum._src import sharding, utils
 __all__: list[str] = []
 
 
-class Local:
-    """No ``axis_name``: every sum is already the window's.
+class Reducer:
+    """The window sums of one mesh mode; as such, of :class:`Local`.
 
-    Each reducer has ``zeros``/``sum_zeros`` (the initial stored sums),
+    A reducer has ``zeros``/``sum_zeros`` (the initial stored sums),
     ``store``/``load`` (between the stored form and the form a step adds
     to), ``reduce``/``reduce_sums`` (over the devices, once per window),
     ``finite`` and ``agree`` (a flag all devices share)."""
@@ -109,7 +109,11 @@ class Local:
         return flag
 
 
-class Mapped(Local):
+class Local(Reducer):
+    """No ``axis_name``: every sum is already the window's."""
+
+
+class Mapped(Reducer):
     """``pmap``/``shard_map`` over ``axis_name``: each device holds its
     partial sums (a leading device axis is the user's, see
     :func:`optaxaccum.map_accumulators`); ``psum`` reduces them."""
@@ -226,19 +230,20 @@ class Scatter(Explicit):
         return reduce_scatter(a, self.axis_name)
 
 
-def of(axis_name: Any, acc: Any, shard_update: bool = False) -> Local:
-    """The reducer of a step on the accumulator ``acc`` (stored or not):
-    :class:`Explicit` (:class:`Scatter` with ``shard_update``) if ``acc``
-    lies on a mesh whose ``axis_name`` axes are Explicit, else
-    :class:`Mapped`; :class:`Local` without ``axis_name``."""
+def of(axis_name: Any, tree: Any, shard_update: bool = False) -> Reducer:
+    """The reducer of a step on ``tree`` (the gradients, or the stored
+    accumulator of a flush): :class:`Explicit` (:class:`Scatter` with
+    ``shard_update``) if ``tree`` lies on a mesh whose ``axis_name`` axes
+    are Explicit (``jit``'s global view), else :class:`Mapped`;
+    :class:`Local` without ``axis_name``."""
     if axis_name is None:
         return Local()
-    if sharding.tree_is_explicit(acc, axis_name):
+    if sharding.tree_is_explicit(tree, axis_name):
         return _on_mesh(axis_name, shard_update)
     return Mapped(axis_name)
 
 
-def at_init(axis_name: Any, shard_update: bool = False) -> Local:
+def at_init(axis_name: Any, shard_update: bool = False) -> Reducer:
     """The reducer of ``init``: :class:`Explicit` under ``jax.set_mesh``
     of a mesh whose ``axis_name`` axes are Explicit, else :class:`Mapped`
     (whose users add the device axis themselves,
