@@ -195,7 +195,7 @@ MUTANTS = {
         "    acc = jax.tree.map(add, state.acc, updates)",
         "    updates = jax.tree.map(\n"
         "        lambda g: jax.reshard(\n"
-        "            g, sharding.without_unreduced(sharding._spec(g))\n"
+        "            g, sharding.without_unreduced(sharding.spec_of(g))\n"
         "        )\n"
         "        if sharding.unreduced_axes(g)\n"
         "        else g,\n"

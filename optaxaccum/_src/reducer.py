@@ -165,7 +165,7 @@ class Explicit(Mapped):
         zeros of the output an unreduced GSPMDSharding that a later jit
         refuses (tests/test_noise_scale.py has the plain-JAX repro)."""
         mesh = jax.sharding.get_abstract_mesh()
-        spec = P(sharding._entry(tuple(mesh.axis_names)))
+        spec = P(sharding.spec_entry(tuple(mesh.axis_names)))
         return jnp.zeros((mesh.size,), dtype, out_sharding=spec)
 
     def sum_scale(self, reduction: str) -> Any:
@@ -209,7 +209,7 @@ class Explicit(Mapped):
     def _reduce_leaf(self, a: Any) -> Any:
         if not sharding.unreduced_axes(a):
             return a
-        return jax.reshard(a, sharding.without_unreduced(sharding._spec(a)))
+        return jax.reshard(a, sharding.without_unreduced(sharding.spec_of(a)))
 
     def reduce_sums(
         self, sq_sum: jax.Array, count: jax.Array
@@ -251,7 +251,7 @@ def at_init(axis_name: Any, shard_update: bool = False) -> Reducer:
     ``axis_name``."""
     if axis_name is None:
         return Local()
-    if sharding._all_explicit(jax.sharding.get_abstract_mesh(), axis_name):
+    if sharding.all_explicit(jax.sharding.get_abstract_mesh(), axis_name):
         return _on_mesh(axis_name, shard_update)
     return Mapped(axis_name)
 
@@ -268,20 +268,20 @@ def _on_mesh(axis_name: Any, shard_update: bool) -> Explicit:
 def _stacked_spec(spec: P, axes: tuple[Hashable, ...]) -> P:
     """The spec of the stacked form of an array of spec ``spec`` unreduced
     over ``axes``: a leading dimension sharded over ``axes``."""
-    return P(sharding._entry(axes), *spec.partitions, reduced=spec.reduced)
+    return P(sharding.spec_entry(axes), *spec.partitions, reduced=spec.reduced)
 
 
 def stacked_axes(a: Any, axis_name: Any) -> tuple[Hashable, ...]:
     """The axes ``axis_name`` if ``a`` is an accumulator leaf in stacked
     form (its leading dimension sharded over exactly those explicit axes),
     else ``()``."""
-    named = sharding._sharding(a)
+    named = sharding.sharding_of(a)
     if axis_name is None or named is None or not jnp.ndim(a):
         return ()
     if not sharding.is_explicit(a, axis_name) or not named.spec.partitions:
         return ()
-    axes = sharding._ordered(named.mesh, utils.axis_names(axis_name))
-    first = sharding._dim_axes(named.spec.partitions[0])
+    axes = sharding.ordered_axes(named.mesh, utils.axis_names(axis_name))
+    first = sharding.entry_axes(named.spec.partitions[0])
     return axes if first == axes else ()
 
 
@@ -296,8 +296,8 @@ def stack_partials(tree: Any) -> Any:
         unreduced = sharding.unreduced_axes(x)
         if not unreduced:
             return x
-        named = sharding._named(x)
-        axes = sharding._ordered(named.mesh, unreduced)
+        named = sharding.named_sharding(x)
+        axes = sharding.ordered_axes(named.mesh, unreduced)
         out = _stacked_spec(sharding.without_unreduced(named.spec), axes)
         return jax.shard_map(
             lambda b: b[None],
@@ -319,7 +319,7 @@ def unstack_partials(tree: Any, axis_name: Any) -> Any:
         axes = stacked_axes(a, axis_name)
         if not axes:
             return a
-        spec = sharding._spec(a)
+        spec = sharding.spec_of(a)
         out = P(
             *spec.partitions[1:],
             unreduced=frozenset(axes),
@@ -327,7 +327,7 @@ def unstack_partials(tree: Any, axis_name: Any) -> Any:
         )
         return jax.shard_map(
             lambda b: b[0],
-            mesh=sharding._named(a).mesh,
+            mesh=sharding.named_sharding(a).mesh,
             in_specs=spec,
             out_specs=out,
             check_vma=False,
@@ -346,8 +346,8 @@ def window_zeros(zeros: Any, axis_name: Any) -> Any:
     def stacked(z):
         if not sharding.is_explicit(z, axis_name):
             return z
-        named = sharding._named(z)
-        axes = sharding._ordered(named.mesh, utils.axis_names(axis_name))
+        named = sharding.named_sharding(z)
+        axes = sharding.ordered_axes(named.mesh, utils.axis_names(axis_name))
         n = int(np.prod([named.mesh.shape[a] for a in axes]))
         spec = sharding.deferred_spec(named.spec, axes, "unreduced")
         spec = _stacked_spec(sharding.without_unreduced(spec), axes)
@@ -430,15 +430,15 @@ def placed_spec(
     without ``shard_update`` and its optimizer state is replicated over
     the data axes. Placing a placed spec again changes nothing.
     """
-    axes = sharding._ordered(mesh, axes)
+    axes = sharding.ordered_axes(mesh, axes)
     n = int(np.prod([mesh.shape[a] for a in axes]))
-    padded = sharding._padded_dims(spec, len(shape))
+    padded = sharding.padded_entries(spec, len(shape))
     dims = list(sharding.drop_axes(padded, axes))
     if n == 1:
         return spec
 
     def size(d):
-        dim_axes = sharding._dim_axes(d)
+        dim_axes = sharding.entry_axes(d)
         return int(np.prod([mesh.shape[a] for a in dim_axes]))
 
     free = [i for i, d in enumerate(dims) if d is None and shape[i] % n == 0]
@@ -450,8 +450,8 @@ def placed_spec(
     for candidates in (free, split):
         if candidates:
             i = max(candidates, key=lambda i: (shape[i], -i))
-            own = sharding._dim_axes(dims[i])
-            dims[i] = sharding._entry((*own, *axes))
+            own = sharding.entry_axes(dims[i])
+            dims[i] = sharding.spec_entry((*own, *axes))
             return spec.update(partitions=tuple(dims))
     return spec
 
@@ -463,15 +463,17 @@ def reduce_scatter(a: jax.Array, axis_name: Any) -> jax.Array:
     ``psum`` for a leaf that keeps its spec). XLA's CPU pipeline does not
     turn an unreduced-to-sharded ``jax.reshard`` into a reduce-scatter (it
     all-reduces, then slices), hence the explicit collective."""
-    named = sharding._named(a)
+    named = sharding.named_sharding(a)
     mesh, spec = named.mesh, named.spec
-    axes = sharding._ordered(mesh, utils.axis_names(axis_name))
+    axes = sharding.ordered_axes(mesh, utils.axis_names(axis_name))
     plain = sharding.without_unreduced(spec)
     target = placed_spec(plain, a.shape, mesh, axes)
-    old = sharding._padded_dims(plain, a.ndim)
-    new = sharding._padded_dims(target, a.ndim)
+    old = sharding.padded_entries(plain, a.ndim)
+    new = sharding.padded_entries(target, a.ndim)
     placed = [i for i in range(a.ndim) if old[i] != new[i]]
-    rest = sharding._ordered(mesh, spec.unreduced - set(axes if placed else ()))
+    rest = sharding.ordered_axes(
+        mesh, spec.unreduced - set(axes if placed else ())
+    )
 
     def body(c):
         for i in placed:

@@ -34,12 +34,12 @@ __all__: list[str] = []
 
 def _reshard(x: Any, spec: P) -> Any:
     """``x`` resharded to ``spec`` on its own mesh (traced or concrete)."""
-    if spec == sharding._spec(x):
+    if spec == sharding.spec_of(x):
         return x
     if isinstance(x, jax.core.Tracer) or not isinstance(
         getattr(x, "sharding", None), NamedSharding
     ):
-        return jax.reshard(x, sharding._named(x).update(spec=spec))
+        return jax.reshard(x, sharding.named_sharding(x).update(spec=spec))
     return jax.device_put(x, x.sharding.update(spec=spec))
 
 
@@ -53,7 +53,7 @@ def place(tree: Any, axis_name: Any) -> Any:
     def leaf(x):
         if not sharding.is_explicit(x, axes):
             return x
-        named = sharding._named(x)
+        named = sharding.named_sharding(x)
         spec = sharding.without_unreduced(named.spec)
         return _reshard(x, reducer.placed_spec(spec, x.shape, named.mesh, axes))
 
@@ -72,7 +72,7 @@ def gather(tree: Any, axis_name: Any, like: Any = None) -> Any:
     def leaf(x):
         if not sharding.is_explicit(x, tuple(axes)):
             return x
-        spec = sharding._spec(x)
+        spec = sharding.spec_of(x)
         if not sharding.sharded_axes(spec.partitions) & axes:
             return x
         return _reshard(
@@ -87,7 +87,7 @@ def _like(x: Any, p: Any, axes: tuple) -> Any:
     unreduced or reduced axes), where both lie on an explicit mesh."""
     if not (sharding.is_explicit(x, axes) and sharding.is_explicit(p, axes)):
         return gather(x, axes)
-    spec = sharding.without_unreduced(sharding._spec(p))
+    spec = sharding.without_unreduced(sharding.spec_of(p))
     spec = spec.update(reduced=frozenset())
     return _reshard(x, spec)
 

@@ -37,23 +37,23 @@ __all__ = [
 axis_names = utils.axis_names  # the one rule
 
 
-def _sharding(x: Any) -> NamedSharding | None:
+def sharding_of(x: Any) -> NamedSharding | None:
     """The (abstract) named sharding of ``x``'s type, if it has one."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def _named(x: Any) -> NamedSharding:
+def named_sharding(x: Any) -> NamedSharding:
     """The named sharding of ``x``'s type (``x`` must have one)."""
-    sharding = _sharding(x)
+    sharding = sharding_of(x)
     if sharding is None:
         raise ValueError(f"expected an array on a named mesh, got {x!r}")
     return sharding
 
 
-def _spec(x: Any) -> P:
+def spec_of(x: Any) -> P:
     """The partition spec of ``x``'s named sharding (``x`` must have one)."""
-    return _named(x).spec
+    return named_sharding(x).spec
 
 
 def without_unreduced(spec: P) -> P:
@@ -68,7 +68,7 @@ def without_unreduced(spec: P) -> P:
     return P(*spec.partitions, reduced=spec.reduced)
 
 
-def _all_explicit(mesh: Any, axis_name: Any) -> bool:
+def all_explicit(mesh: Any, axis_name: Any) -> bool:
     """Whether every axis of ``axis_name`` is an Explicit axis of ``mesh``."""
     explicit = set(mesh.explicit_axes)
     return all(n in explicit for n in utils.axis_names(axis_name))
@@ -77,10 +77,10 @@ def _all_explicit(mesh: Any, axis_name: Any) -> bool:
 def is_explicit(x: Any, axis_name: Any) -> bool:
     """Whether every axis of ``axis_name`` is an Explicit axis of the mesh of
     ``x``'s type: ``jit``'s global view, not ``pmap``/``shard_map``."""
-    sharding = _sharding(x)
+    sharding = sharding_of(x)
     if sharding is None or axis_name is None:
         return False
-    return _all_explicit(sharding.mesh, axis_name)
+    return all_explicit(sharding.mesh, axis_name)
 
 
 def tree_is_explicit(tree: Any, axis_name: Any) -> bool:
@@ -91,7 +91,7 @@ def tree_is_explicit(tree: Any, axis_name: Any) -> bool:
 
 def unreduced_axes(x: Any) -> frozenset:
     """The mesh axes over which ``x`` is unreduced (empty if none)."""
-    sharding = _sharding(x)
+    sharding = sharding_of(x)
     return frozenset() if sharding is None else sharding.spec.unreduced
 
 
@@ -105,7 +105,7 @@ def check_mesh_axes(axis_name: Any, caller: str, tree: Any = ()) -> None:
     if axis_name is None:
         return
     meshes = [jax.sharding.get_abstract_mesh()]
-    meshes += [s.mesh for s in map(_sharding, jax.tree.leaves(tree)) if s]
+    meshes += [s.mesh for s in map(sharding_of, jax.tree.leaves(tree)) if s]
     known = {n for m in meshes for n in m.axis_names}
     for name in utils.axis_names(axis_name):
         if not known or name in known:  # no mesh: pmap, or JAX's own error
@@ -135,7 +135,7 @@ def check_gradients(grads: Any, axis_name: Any) -> None:
     """
     check_mesh_axes(axis_name, "oa.accumulate", grads)
     names = () if axis_name is None else utils.axis_names(axis_name)
-    leaves = [g for g in jax.tree.leaves(grads) if _sharding(g) is not None]
+    leaves = [g for g in jax.tree.leaves(grads) if sharding_of(g) is not None]
     stray = set().union(*map(unreduced_axes, leaves)) - set(names)
     if stray:
         raise ValueError(
@@ -163,19 +163,19 @@ def check_gradients(grads: Any, axis_name: Any) -> None:
             )
 
 
-def _dim_axes(entry: Any) -> tuple[Hashable, ...]:
+def entry_axes(entry: Any) -> tuple[Hashable, ...]:
     """The mesh axes of one partition-spec entry."""
     if entry is None:
         return ()
     return entry if isinstance(entry, tuple) else (entry,)
 
 
-def _ordered(mesh: Any, axes: Any) -> tuple[Hashable, ...]:
+def ordered_axes(mesh: Any, axes: Any) -> tuple[Hashable, ...]:
     """The mesh axes ``axes`` in the mesh's order."""
     return tuple(n for n in mesh.axis_names if n in axes)
 
 
-def _entry(axes: tuple[Hashable, ...]) -> Any:
+def spec_entry(axes: tuple[Hashable, ...]) -> Any:
     """A partition-spec entry for one dimension sharded over ``axes``."""
     return axes[0] if len(axes) == 1 else axes
 
@@ -183,15 +183,15 @@ def _entry(axes: tuple[Hashable, ...]) -> Any:
 def sharded_axes(entries: Iterable[Any]) -> frozenset:
     """The mesh axes that shard some dimension of a spec, given its entries
     (``spec.partitions``, padded or not)."""
-    return frozenset(a for entry in entries for a in _dim_axes(entry))
+    return frozenset(a for entry in entries for a in entry_axes(entry))
 
 
 def drop_axes(entries: Iterable[Any], axes: Iterable[Hashable]) -> tuple:
     """The partition-spec ``entries`` with the mesh ``axes`` taken out of
     each (an entry left with no axis is ``None``)."""
     axes = frozenset(axes)
-    kept = (tuple(a for a in _dim_axes(e) if a not in axes) for e in entries)
-    return tuple(_entry(k) if k else None for k in kept)
+    kept = (tuple(a for a in entry_axes(e) if a not in axes) for e in entries)
+    return tuple(spec_entry(k) if k else None for k in kept)
 
 
 def deferred_spec(spec: P, names: Sequence[Hashable], kind: str) -> P:
@@ -212,7 +212,7 @@ def _to_reduced(p: Any, names: tuple[Hashable, ...]) -> Any:
             f"with AxisType.Explicit); got an argument of type "
             f"{jax.typeof(p)}"
         )
-    spec = _spec(p)
+    spec = spec_of(p)
     return jax.reshard(p, deferred_spec(spec, names, "reduced"))
 
 
@@ -285,7 +285,7 @@ def unreduced_value_and_grad(
     return wrapped
 
 
-def _padded_dims(spec: P, ndim: int) -> tuple[Any, ...]:
+def padded_entries(spec: P, ndim: int) -> tuple[Any, ...]:
     """The entries of ``spec``, one per dimension of an ``ndim`` array."""
     return tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
 
@@ -300,7 +300,7 @@ def _scatter_back(
     any other unreduced axis the parameter is not reduced over."""
     unreduced = unreduced_axes(ct)
     sharded = sharded_axes(dims)
-    rest = _ordered(mesh, unreduced - sharded - spec.reduced)
+    rest = ordered_axes(mesh, unreduced - sharded - spec.reduced)
 
     def body(c):
         for i, d in enumerate(dims):
@@ -310,7 +310,7 @@ def _scatter_back(
 
     out = P(*dims, unreduced=spec.reduced & unreduced, reduced=frozenset())
     return jax.shard_map(
-        body, mesh=mesh, in_specs=_spec(ct), out_specs=out, check_vma=False
+        body, mesh=mesh, in_specs=spec_of(ct), out_specs=out, check_vma=False
     )(ct)
 
 
@@ -351,7 +351,7 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
       ...   print(jax.jit(oa.fsdp_gather)(w).shape)
       (2, 3)
     """
-    sharding = _sharding(w)
+    sharding = sharding_of(w)
     if sharding is None or not sharding.mesh.axis_names:
         raise ValueError(
             "oa.fsdp_gather: w is not sharded on a mesh (its type: "
@@ -364,7 +364,7 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
         mesh.axis_names if batch_axes is None else utils.axis_names(batch_axes)
     )
     check_mesh_axes(names, "oa.fsdp_gather", w)
-    dims = _padded_dims(spec, w.ndim)
+    dims = padded_entries(spec, w.ndim)
     other = sharded_axes(dims) - set(names)
     if other:
         raise ValueError(
@@ -396,7 +396,7 @@ def grad_zeros(p: Any, dtype: Any) -> jax.Array:
     """Zeros of ``p``'s gradient type: like ``p`` in ``dtype``, unreduced
     over the axes over which ``p`` is reduced (JAX's cotangent rule)."""
     z = jnp.zeros_like(p, dtype)
-    sharding = _sharding(p)
+    sharding = sharding_of(p)
     if sharding is None or not sharding.spec.reduced:
         return z
     spec = sharding.spec
@@ -410,7 +410,7 @@ def match_unreduced(x: Any, like: Any) -> Any:
     unreduced and ``x`` is not (a local cast: no data moves between
     devices); else ``x``."""
     if unreduced_axes(like) and not unreduced_axes(x):
-        return jax.reshard(x, _spec(like))
+        return jax.reshard(x, spec_of(like))
     return x
 
 
