@@ -84,7 +84,7 @@ def test_the_combinator_imports_no_gate_module():
             "loss_scale",
             "multisteps",
             "noise_scale",
-            "zero",
+            "shard_update",
         )
     }
     imported = _graph()["optaxaccum._src.chain"]
@@ -305,3 +305,29 @@ def test_the_private_use_finder_sees_an_alias():
     )
     used = _private_uses_of("optaxaccum._src.chain", tree)
     assert used == ["_apply", "chain_lib._fused_step"]
+
+
+def test_the_window_sums_have_one_home_per_mesh_mode():
+    """How the window sums are stored between steps and reduced over the
+    devices lives in ``reducer.py`` alone (one reducer per mesh mode);
+    ``noise_scale.py`` is arithmetic on the sums its reducer hands it: it
+    imports neither ``reducer.py`` nor the mesh helpers of ``sharding.py``,
+    and ``sharding.py`` keeps the user-facing mesh API."""
+    storage = {
+        "stack_partials",
+        "unstack_partials",
+        "window_zeros",
+        "reduce_window",
+        "reduce_scatter",
+        "stacked_axes",
+    }
+    homes = {
+        (path.name, node.name)
+        for path in sorted((PACKAGE / "_src").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name in storage
+    }
+    assert {home for home, _ in homes} == {"reducer.py"}, homes
+    imported = _graph()["optaxaccum._src.noise_scale"]
+    helpers = {"optaxaccum._src.reducer", "optaxaccum._src.sharding"}
+    assert not imported & helpers, imported & helpers

@@ -404,10 +404,10 @@ def test_placement_rule(mesh_name, spec, shape, want):
     """The rule of docs/scaling.md (private helper, on purpose): the
     largest unsharded dimension the data size divides, else a sharded one
     with room, else the default; the data axes in the mesh's order."""
-    from optaxaccum._src import zero
+    from optaxaccum._src import reducer
 
     mesh, axis = _mesh(mesh_name)
-    assert zero.zero_spec(spec, shape, mesh, oa_axes(axis)) == want
+    assert reducer.placed_spec(spec, shape, mesh, oa_axes(axis)) == want
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
@@ -417,20 +417,21 @@ def test_followers_state_is_born_placed_and_updates_gather_back(mesh_name):
     moments) lies at each leaf's ZeRO placement, and gathering placed
     updates gives back exactly the params' sharding (private helpers, on
     purpose, as in test_placement_rule)."""
-    from optaxaccum._src import zero
+    from optaxaccum._src import reducer
+    from optaxaccum._src import shard_update as placement
 
     mesh, axis = _mesh(mesh_name)
     tx = _tx(optax.adam(0.05), axis)
     with jax.set_mesh(mesh):
         params = tm._put_params(mesh, tm._init_params())
         abstract = jax.eval_shape(tx.init, params)
-        round_trip = jax.jit(lambda p: zero.gather(zero.place(p, axis), axis))(
-            params
-        )
+        round_trip = jax.jit(
+            lambda p: placement.gather(placement.place(p, axis), axis)
+        )(params)
     axes = oa_axes(axis)
     placed_somewhere = False
     for name, p in params.items():
-        want = zero.zero_spec(p.sharding.spec, p.shape, mesh, axes)
+        want = reducer.placed_spec(p.sharding.spec, p.shape, mesh, axes)
         got = abstract[1][0].mu[name].sharding.spec
         assert got == want, (name, got, want)
         placed_somewhere |= want != p.sharding.spec
@@ -527,7 +528,7 @@ def _odd_params():
 
 def _odd_per_example(params, x, y, batch_axes=None):
     """A model with a scalar gain ``s`` and an odd-sized bias ``b``: leaves
-    that zero_spec leaves at the params' own spec."""
+    that placed_spec leaves at the params' own spec."""
     if batch_axes is None:
         h = jnp.tanh(x @ params["w"])[..., :3]
         b = params["b"].reshape((1,) * (h.ndim - 1) + (3,))

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, noise_scale, sharding, utils, zero
+from optaxaccum._src import base, noise_scale, reducer, sharding, utils
+from optaxaccum._src import shard_update as _shard_update
 
 __all__ = ["AccumulateState", "accumulate", "map_accumulators"]
 
@@ -104,15 +105,15 @@ def accumulate(
       A :class:`GatedTransformation` with an :class:`AccumulateState`.
 
     Raises:
-      TypeError, ValueError: for a bad argument, naming it.
+      TypeError, ValueError: for a bad argument, naming it (also a
+        :func:`critical_batch_every_k` without ``noise_scale_decay``).
 
     Examples:
       >>> import jax.numpy as jnp, optax, optaxaccum as oa
       >>> tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
-      >>> params = jnp.zeros(1)
-      >>> state = tx.init(params)
-      >>> _, state = tx.update(jnp.array([1.0]), state, params, accum_weight=3)
-      >>> u, state = tx.update(jnp.array([5.0]), state, params, accum_weight=1)
+      >>> state = tx.init(jnp.zeros(1))
+      >>> _, state = tx.update(jnp.array([1.0]), state, accum_weight=3)
+      >>> u, state = tx.update(jnp.array([5.0]), state, accum_weight=1)
       >>> u   # -(3 * 1 + 1 * 5) / (3 + 1)
       Array([-2.], dtype=float32)
     """
@@ -144,7 +145,7 @@ def accumulate(
         cast(base.GateUpdateFn, functools.partial(_gate_update, cfg)),
         cast(base.GateFlushFn, functools.partial(_gate_flush, cfg)),
     )
-    return zero.gathered(gate, axis_name) if shard_update else gate
+    return _shard_update.gathered(gate, axis_name) if shard_update else gate
 
 
 def _check_shard_update(shard_update: Any, axis_name: Any) -> bool:
@@ -202,19 +203,19 @@ def _weight_dtype(cfg: _Config, params: Any) -> np.dtype:
 
 def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
     params = _gradient_params(params)
+    sums = reducer.at_init(cfg.axis_name, cfg.shard_update)
     return AccumulateState(
         mini_step=jnp.zeros([], jnp.int32),
         gradient_step=jnp.zeros([], jnp.int32),
-        acc=sharding.window_zeros(
+        acc=sums.zeros(
             jax.tree.map(
                 lambda p: jnp.zeros_like(p, _leaf_dtype(cfg, p)), params
-            ),
-            cfg.axis_name,
+            )
         ),
         weight=jnp.zeros([], _weight_dtype(cfg, params)),
         updated=jnp.zeros([], bool),
         noise_scale=noise_scale.init(
-            cfg.noise_scale_decay, _weight_dtype(cfg, params), cfg.axis_name
+            cfg.noise_scale_decay, _weight_dtype(cfg, params), sums
         ),
     )
 
@@ -232,12 +233,12 @@ def _gate_update(
     """Adds one micro-batch (of weight ``ctx.window_weight``, an earlier
     window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
-    state = _checked_input(cfg, updates, state)
+    state, sums = _checked_input(cfg, updates, state)
     if ctx.window_weight is not None:
         accum_weight = ctx.window_weight
     utils.check_weight("accum_weight", accum_weight)
     acc, weight, noise, counted = _add(
-        cfg, state, updates, accum_weight, ctx.passed
+        cfg, sums, state, updates, accum_weight, ctx.passed
     )
     mini_step = utils.select(counted, state.mini_step + 1, state.mini_step)
     window = jnp.asarray(cfg.window(state), jnp.int32)
@@ -249,8 +250,9 @@ def _gate_update(
             optax.safe_increment(state.gradient_step),
             state.gradient_step,
         ),
-        # Each device's partial sum as an ordinary (checkpointable) array.
-        acc=sharding.stack_partials(acc),
+        # Each device's partial sums as the state keeps them (on a jit
+        # mesh: an ordinary, checkpointable array).
+        acc=sums.store(acc),
         weight=weight,
         # A call that does not count leaves the state as it was.
         updated=utils.select(
@@ -266,37 +268,39 @@ def _gate_update(
         return base._Result(
             state=new_state,
             may_open=closing & nonzero,
-            emit=_emitter(cfg, new_state, out_dtypes, weight_checked=True),
+            emit=_emitter(
+                cfg, sums, new_state, out_dtypes, weight_checked=True
+            ),
             empty=closing & ~nonzero,
         )
     return base._Result(
         state=new_state,
         may_open=closing,
-        emit=_emitter(cfg, new_state, out_dtypes),
+        emit=_emitter(cfg, sums, new_state, out_dtypes),
     )
 
 
 def _checked_input(
     cfg: _Config, updates: optax.Updates, state: Any
-) -> AccumulateState:
-    """``state`` with its accumulator as the step adds to it (unstacked,
-    typed like ``updates``), after checking both: the state's type, the
-    mesh mistakes, ``shard_update``'s mesh, the gradients' structure."""
-    if not isinstance(state, AccumulateState):
-        raise TypeError(
-            "oa.accumulate expects an AccumulateState, got "
-            f"{type(state).__name__}"
-        )
+) -> tuple[AccumulateState, reducer.Reducer]:
+    """``state`` with its accumulator as the step adds to it (loaded,
+    typed like ``updates``), and the reducer of the window sums in this
+    trace (``reducer.of`` the gradients), after checking both: the
+    state's type, the mesh mistakes, ``shard_update``'s mesh, the
+    gradients' structure."""
+    utils.check_state_type(state, AccumulateState, "oa.accumulate")
     sharding.check_gradients(updates, cfg.axis_name)  # mesh mistakes
     if cfg.shard_update:
-        zero.check_explicit(updates, cfg.axis_name)
-    acc = sharding.unstack_partials(state.acc, cfg.axis_name)
+        _shard_update.check_explicit(updates, cfg.axis_name)
+    sums = reducer.of(cfg.axis_name, updates, cfg.shard_update)
+    acc = sums.load(state.acc)
     _check_gradients(updates, acc)
-    return state._replace(acc=sharding.match_grads(acc, updates))
+    return state._replace(acc=reducer.match_grads(acc, updates)), sums
 
 
 def _add(
     cfg: _Config,
+    sums: reducer.Reducer,
     state: AccumulateState,
     updates: optax.Updates,
     weight: Any,
@@ -314,31 +318,30 @@ def _add(
     w = jnp.asarray(weight).astype(state.weight.dtype)
     valid = jnp.isfinite(w) & (w >= 0)
     w = jnp.where(valid, w, jnp.nan)
-    zero = w == 0
+    weightless = w == 0
     fresh = state.mini_step == 0  # the accumulator is stale: overwrite it
     counted = passed
     if cfg.skip_nonfinite:
-        finite = valid & (zero | sharding.globally_finite(updates))
-        if cfg.axis_name is not None:
-            finite = sharding.agree(finite, cfg.axis_name)
-        counted = utils.both(counted, finite)
+        finite = valid & (weightless | sums.finite(updates))
+        counted = utils.both(counted, sums.agree(finite))
 
     def add(a, g):
         g = jnp.asarray(g).astype(a.dtype)
         wg = sharding.times(w.astype(a.dtype), g, a)
-        wg = jnp.where(zero, jnp.zeros_like(wg), wg)
+        wg = jnp.where(weightless, jnp.zeros_like(wg), wg)
         return utils.select(counted, jnp.where(fresh, wg, a + wg), a)
 
     acc = jax.tree.map(add, state.acc, updates)
     total = jnp.where(fresh, w, state.weight + w)
     noise = noise_scale.micro_step(
-        state.noise_scale, updates, state.acc, w, fresh, counted
+        sums, state.noise_scale, updates, state.acc, w, fresh, counted
     )
     return acc, utils.select(counted, total, state.weight), noise, counted
 
 
 def _emitter(
     cfg: _Config,
+    sums: reducer.Reducer,
     state: AccumulateState,
     out_dtypes: Any,
     weight_checked: bool = False,
@@ -351,24 +354,20 @@ def _emitter(
     weight 0, from the closed state."""
 
     def emit():
-        acc, weight = state.acc, state.weight
-        if cfg.axis_name is not None:
-            scatter = zero.reduce_scatter if cfg.shard_update else None
-            acc, weight = sharding.reduce_window(
-                acc, weight, cfg.axis_name, cfg.reduction, scatter
-            )
+        # Over the devices, once per window (reducer.py).
+        acc, weight = sums.reduce(state.acc, state.weight, cfg.reduction)
         noise = noise_scale.close(
             cfg.noise_scale_decay,
+            sums,
             state.noise_scale,
             acc,
             weight,
-            cfg.axis_name,
             cfg.reduction,
         )
         opened = True if weight_checked else weight != 0
         if cfg.reduction == "mean":
-            nonzero = weight != 0  # 0: a flushed window of weight 0
-            scale = jnp.where(nonzero, 1 / jnp.where(nonzero, weight, 1), 0)
+            # 0 for a flushed window of weight 0.
+            scale = utils.divide_or(1, weight)
             # In each leaf's own precision (the weight's is the widest).
             acc = jax.tree.map(lambda a: scale.astype(a.dtype) * a, acc)
         updates = jax.tree.map(lambda a, d: a.astype(d), acc, out_dtypes)
@@ -397,11 +396,9 @@ def _gate_flush(
     """Closes the current window now, if it holds any micro-batch."""
     del extra_args  # the caller checks extra args (near-misses)
     params = _gradient_params(params)
+    sums = reducer.of(cfg.axis_name, state.acc, cfg.shard_update)
     utils.check_same_structure(
-        "the params",
-        params,
-        sharding.unstack_partials(state.acc, cfg.axis_name),
-        "the accumulator",
+        "the params", params, sums.load(state.acc), "the accumulator"
     )
     closed_state = state._replace(
         mini_step=jnp.zeros([], jnp.int32),
@@ -411,7 +408,7 @@ def _gate_flush(
     return base._Result(
         state=state,
         may_open=state.mini_step > 0,
-        emit=_emitter(cfg, closed_state, out_dtypes),
+        emit=_emitter(cfg, sums, closed_state, out_dtypes),
     )
 
 

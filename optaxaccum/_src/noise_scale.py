@@ -12,17 +12,13 @@ derivation: docs/noise_scale.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import sharding, utils
+from optaxaccum._src import utils
 
 __all__ = [
     "NoiseScale",
@@ -91,47 +87,19 @@ def check_decay(value: Any) -> float | None:
     return decay
 
 
-def init(
-    decay: float | None, dtype: Any, axis_name: Any = None
-) -> NoiseScaleState | None:
+def init(decay: float | None, dtype: Any, sums: Any) -> NoiseScaleState | None:
     """The initial state: ``None`` (no leaves) when the estimate is off.
-    Under ``jax.set_mesh`` of a mesh whose axes ``axis_name`` are Explicit,
-    ``sq_sum`` is unreduced over every mesh axis, as the micro-steps make it
-    (:func:`_device_sq`), and kept in its stacked form (:func:`_stored`)."""
+    ``sq_sum`` starts as the window sums' reducer ``sums`` stores a zero
+    (``reducer.py``; on a ``jit`` mesh, stacked, one entry per device)."""
     if decay is None:
         return None
     # One buffer per field: a state donated to jit may not alias a buffer.
-    state = NoiseScaleState(*(jnp.zeros([], dtype) for _ in range(5)))
-    if not sharding._in_explicit_context(axis_name):  # noqa: SLF001
-        return state
-    # The stacked zeros are made as such, not by stacking a zero resharded
-    # to unreduced: under jax.jit, jax 0.12 then gives the other scalar
-    # zeros of the output an unreduced GSPMDSharding that a later jit
-    # refuses (tests/test_noise_scale.py has the plain-JAX repro).
-    mesh = jax.sharding.get_abstract_mesh()
-    every = tuple(mesh.axis_names)
-    spec = P(sharding._entry(every))  # noqa: SLF001
-    sq_sum = jnp.zeros((mesh.size,), dtype, out_sharding=spec)
-    return state._replace(sq_sum=sq_sum)
-
-
-def _stored(state: NoiseScaleState) -> NoiseScaleState:
-    """``state`` as it is kept: an unreduced ``sq_sum`` (``jit`` meshes) in
-    the stacked form of the accumulator, one entry per device's partial sum
-    (an ordinary, checkpointable array; :func:`sharding.stack_partials`)."""
-    return state._replace(sq_sum=sharding.stack_partials(state.sq_sum))
-
-
-def _loaded(state: NoiseScaleState) -> NoiseScaleState:
-    """The inverse of :func:`_stored` (a local cast, no communication)."""
-    named = getattr(jax.typeof(state.sq_sum), "sharding", None)
-    if not jnp.ndim(state.sq_sum) or not isinstance(named, NamedSharding):
-        return state
-    every = tuple(named.mesh.axis_names)
-    return state._replace(sq_sum=sharding.unstack_partials(state.sq_sum, every))
+    averages = (jnp.zeros([], dtype) for _ in range(4))
+    return NoiseScaleState(sums.sum_zeros(dtype), *averages)
 
 
 def micro_step(
+    sums: Any,
     state: NoiseScaleState | None,
     grads: Any,
     acc: Any,
@@ -140,27 +108,20 @@ def micro_step(
     counted: Any,
 ) -> NoiseScaleState | None:
     """Adds one micro-batch's ``w |g|^2`` (leaves squared in the dtypes of
-    the accumulator ``acc``) and whether ``w > 0`` to the window's sums.
+    the accumulator ``acc``) and whether ``w > 0`` to the window's sums,
+    stored and loaded by their reducer ``sums`` (``reducer.py``).
 
     ``w`` is the checked weight (NaN if invalid), ``fresh`` whether the
     window's sums are stale, ``counted`` whether the call counts at all.
     Gradients left unreduced over ``n`` devices (``jit`` meshes) are ``n``
-    small batches of weight ``w / n`` each (:func:`_device_sq`).
+    small batches of weight ``w / n`` each.
     """
     if state is None:
         return None
-    state = _loaded(state)
-    if any(sharding.unreduced_axes(g) for g in jax.tree.leaves(grads)):
-        sq, n = _device_sq(grads, acc)
-        state = state._replace(
-            sq_sum=sharding.match_unreduced(state.sq_sum, sq)
-        )
-    else:  # the global micro-batch gradient: one small batch
-        sq = optax.tree.sum(jax.tree.map(_leaf_sq, grads, acc))
-        sq = sharding.match_unreduced(jnp.asarray(sq), state.sq_sum)
-        n = 1
+    sq, sq_sum, n = sums.squared_norm(grads, acc, sums.load_sum(state.sq_sum))
+    state = state._replace(sq_sum=sq_sum)
     sq = sq.astype(w.dtype)
-    wsq = sharding.times(n * w, sq)
+    wsq = sums.scale(n * w, sq)
     # A weight-0 micro-batch adds nothing, even a 0/0 gradient.
     wsq = jnp.where(w == 0, jnp.zeros_like(wsq), wsq)
     positive = n * (w > 0).astype(w.dtype)
@@ -170,7 +131,8 @@ def micro_step(
             fresh, positive, state.micro_batches + positive
         ),
     )
-    return _stored(utils.select(counted, new, state))
+    new = utils.select(counted, new, state)
+    return new._replace(sq_sum=sums.store(new.sq_sum))
 
 
 def map_window(state: NoiseScaleState | None, fn: Any) -> Any:
@@ -183,77 +145,32 @@ def map_window(state: NoiseScaleState | None, fn: Any) -> Any:
     )
 
 
-def _leaf_sq(g: Any, a: jax.Array) -> jax.Array:
-    """``|g|^2`` of one leaf in the accumulator's dtype (fused with the
-    accumulator's add by XLA)."""
-    return optax.tree.norm(jnp.asarray(g).astype(a.dtype), squared=True)
-
-
-def _device_sq(grads: Any, acc: Any) -> tuple[jax.Array, int]:
-    """``sum_d |g_d|^2`` over the devices' partial sums ``g_d`` of gradients
-    unreduced over mesh axes (``jit``), as a scalar left unreduced over every
-    mesh axis: each device squares its own shard in a ``shard_map``, with
-    no communication; the window's reduction sums them once. Also the
-    number ``n`` of devices the gradient is unreduced over.
-
-    With ``accum_weight`` the micro-batch's global weight ``w``, each
-    device's part is taken as a small batch of weight ``w / n`` (equal
-    shares) whose mean gradient is ``n g_d``: it adds ``n w |g_d|^2``.
-    """
-    leaves = jax.tree.leaves(grads)
-    first = next(g for g in leaves if sharding.unreduced_axes(g))
-    mesh = jax.typeof(first).sharding.mesh
-    every = frozenset(mesh.axis_names)
-    n = math.prod(mesh.shape[a] for a in sharding.unreduced_axes(first))
-    total = None
-    for g, a in zip(leaves, jax.tree.leaves(acc)):
-        g = jnp.asarray(g).astype(a.dtype)
-        spec = jax.typeof(g).sharding.spec
-        copies = every - spec.unreduced - sharding.sharded_axes(spec.partitions)
-
-        def local(x, copies=copies):
-            s = optax.tree.norm(x, squared=True)
-            for axis in sorted(copies):  # a replicated copy counts once
-                s = jnp.where(lax.axis_index(axis) == 0, s, jnp.zeros_like(s))
-            return s
-
-        sq = jax.shard_map(
-            local,
-            in_specs=spec,
-            out_specs=P(unreduced=every),
-            check_vma=False,  # local values of an unreduced operand
-        )(g)
-        total = sq if total is None else total + sq
-    assert total is not None  # for the type checker: first is a leaf
-    return total, n
-
-
 def close(
     decay: float | None,
+    sums: Any,
     state: NoiseScaleState | None,
     acc: Any,
     weight: jax.Array,
-    axis_name: Hashable | None,
     reduction: str,
 ) -> NoiseScaleState | None:
     """Folds a closing window into the averages.
 
     ``acc`` and ``weight`` are the window's sum and weight after the
-    window's reduction over ``axis_name``; this device's ``sq_sum`` and
-    ``micro_batches`` are reduced here, in the same closing branch (no
-    collective on other micro-steps). Windows with fewer than two counted
-    micro-batches change nothing.
+    window's reduction by the reducer ``sums`` (``reducer.py``); this
+    device's ``sq_sum`` and ``micro_batches`` are reduced here by it, in
+    the same closing branch (no collective on other micro-steps). Windows
+    with fewer than two counted micro-batches change nothing.
     """
     if state is None or decay is None:
         return state
-    state = _loaded(state)
-    mapped = _is_mapped(acc, axis_name)
-    sq_sum, count = _reduce(state, axis_name, mapped)
+    state = state._replace(sq_sum=sums.load_sum(state.sq_sum))
+    sq_sum, count = sums.reduce_sums(state.sq_sum, state.micro_batches)
     dtype = weight.dtype
     wsum_sq = optax.tree.norm(acc, squared=True).astype(dtype)
-    if reduction == "sum" and mapped:
+    devices = sums.sum_scale(reduction)
+    if devices is not None:
         # the reduction averaged the device sums: undo it for |sum w g|^2
-        wsum_sq = wsum_sq * jnp.asarray(lax.axis_size(axis_name), dtype) ** 2
+        wsum_sq = wsum_sq * jnp.asarray(devices, dtype) ** 2
     valid = count >= 2
     safe_w = jnp.where(valid, weight, jnp.ones_like(weight))
     safe_k = jnp.where(valid, count, 2 * jnp.ones_like(count))
@@ -266,38 +183,12 @@ def close(
     def ema(old, new):
         return jnp.where(valid, keep * old + (1 - keep) * new, old)
 
-    return _stored(
-        state._replace(
-            trace_cov=ema(state.trace_cov, trace_cov),
-            grad_sq=ema(state.grad_sq, grad_sq),
-            norm=ema(state.norm, jnp.ones_like(state.norm)),
-        )
+    return state._replace(
+        sq_sum=sums.store(state.sq_sum),
+        trace_cov=ema(state.trace_cov, trace_cov),
+        grad_sq=ema(state.grad_sq, grad_sq),
+        norm=ema(state.norm, jnp.ones_like(state.norm)),
     )
-
-
-def _is_mapped(acc: Any, axis_name: Any) -> bool:
-    """Whether ``axis_name`` is a mapped axis (pmap/shard_map), not a mesh
-    axis of ``jit``'s global view."""
-    if axis_name is None:
-        return False
-    return not sharding.tree_is_explicit(acc, axis_name)
-
-
-def _reduce(
-    state: NoiseScaleState, axis_name: Any, mapped: bool
-) -> tuple[jax.Array, jax.Array]:
-    """The window's ``sq_sum`` and ``count`` over all devices: one ``psum``
-    of both inside ``pmap``/``shard_map``; under ``jit`` the unreduced
-    ``sq_sum`` is resharded (the count is already global)."""
-    sq_sum, count = state.sq_sum, state.micro_batches
-    if axis_name is None:
-        return sq_sum, count
-    if not mapped:
-        if sharding.unreduced_axes(sq_sum):
-            sq_sum = jax.reshard(sq_sum, P())
-        return sq_sum, count
-    both = lax.psum(jnp.stack([sq_sum, count]), axis_name)
-    return both[0], both[1]
 
 
 def noise_scale(opt_state: optax.OptState) -> NoiseScale:

@@ -7,8 +7,8 @@ In JAX's explicit sharding mode a parameter that is *reduced* over a mesh axis
 partial sum). :func:`unreduced_value_and_grad` casts the parameters to reduced
 before differentiating, so that a micro-batch's backward pass does not reduce
 over the data axis; :func:`optaxaccum.accumulate` then adds such gradients
-locally and reduces them once, when the window closes
-(:func:`reduce_window`). See ``docs/scaling.md``.
+locally and reduces them once, when the window closes (the reducers of
+``reducer.py``). See ``docs/scaling.md``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
@@ -35,26 +34,26 @@ __all__ = [
 ]
 
 
-axis_names = utils.axis_names  # the one rule; zero.py reads it here
+axis_names = utils.axis_names  # the one rule
 
 
-def _sharding(x: Any) -> NamedSharding | None:
+def sharding_of(x: Any) -> NamedSharding | None:
     """The (abstract) named sharding of ``x``'s type, if it has one."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def _named(x: Any) -> NamedSharding:
+def named_sharding(x: Any) -> NamedSharding:
     """The named sharding of ``x``'s type (``x`` must have one)."""
-    sharding = _sharding(x)
+    sharding = sharding_of(x)
     if sharding is None:
         raise ValueError(f"expected an array on a named mesh, got {x!r}")
     return sharding
 
 
-def _spec(x: Any) -> P:
+def spec_of(x: Any) -> P:
     """The partition spec of ``x``'s named sharding (``x`` must have one)."""
-    return _named(x).spec
+    return named_sharding(x).spec
 
 
 def without_unreduced(spec: P) -> P:
@@ -69,7 +68,7 @@ def without_unreduced(spec: P) -> P:
     return P(*spec.partitions, reduced=spec.reduced)
 
 
-def _all_explicit(mesh: Any, axis_name: Any) -> bool:
+def all_explicit(mesh: Any, axis_name: Any) -> bool:
     """Whether every axis of ``axis_name`` is an Explicit axis of ``mesh``."""
     explicit = set(mesh.explicit_axes)
     return all(n in explicit for n in utils.axis_names(axis_name))
@@ -78,10 +77,10 @@ def _all_explicit(mesh: Any, axis_name: Any) -> bool:
 def is_explicit(x: Any, axis_name: Any) -> bool:
     """Whether every axis of ``axis_name`` is an Explicit axis of the mesh of
     ``x``'s type: ``jit``'s global view, not ``pmap``/``shard_map``."""
-    sharding = _sharding(x)
+    sharding = sharding_of(x)
     if sharding is None or axis_name is None:
         return False
-    return _all_explicit(sharding.mesh, axis_name)
+    return all_explicit(sharding.mesh, axis_name)
 
 
 def tree_is_explicit(tree: Any, axis_name: Any) -> bool:
@@ -92,7 +91,7 @@ def tree_is_explicit(tree: Any, axis_name: Any) -> bool:
 
 def unreduced_axes(x: Any) -> frozenset:
     """The mesh axes over which ``x`` is unreduced (empty if none)."""
-    sharding = _sharding(x)
+    sharding = sharding_of(x)
     return frozenset() if sharding is None else sharding.spec.unreduced
 
 
@@ -106,7 +105,7 @@ def check_mesh_axes(axis_name: Any, caller: str, tree: Any = ()) -> None:
     if axis_name is None:
         return
     meshes = [jax.sharding.get_abstract_mesh()]
-    meshes += [s.mesh for s in map(_sharding, jax.tree.leaves(tree)) if s]
+    meshes += [s.mesh for s in map(sharding_of, jax.tree.leaves(tree)) if s]
     known = {n for m in meshes for n in m.axis_names}
     for name in utils.axis_names(axis_name):
         if not known or name in known:  # no mesh: pmap, or JAX's own error
@@ -136,7 +135,7 @@ def check_gradients(grads: Any, axis_name: Any) -> None:
     """
     check_mesh_axes(axis_name, "oa.accumulate", grads)
     names = () if axis_name is None else utils.axis_names(axis_name)
-    leaves = [g for g in jax.tree.leaves(grads) if _sharding(g) is not None]
+    leaves = [g for g in jax.tree.leaves(grads) if sharding_of(g) is not None]
     stray = set().union(*map(unreduced_axes, leaves)) - set(names)
     if stray:
         raise ValueError(
@@ -164,29 +163,42 @@ def check_gradients(grads: Any, axis_name: Any) -> None:
             )
 
 
-def _dim_axes(entry: Any) -> tuple[Hashable, ...]:
+def entry_axes(entry: Any) -> tuple[Hashable, ...]:
     """The mesh axes of one partition-spec entry."""
     if entry is None:
         return ()
     return entry if isinstance(entry, tuple) else (entry,)
 
 
+def ordered_axes(mesh: Any, axes: Any) -> tuple[Hashable, ...]:
+    """The mesh axes ``axes`` in the mesh's order."""
+    return tuple(n for n in mesh.axis_names if n in axes)
+
+
+def spec_entry(axes: tuple[Hashable, ...]) -> Any:
+    """A partition-spec entry for one dimension sharded over ``axes``."""
+    return axes[0] if len(axes) == 1 else axes
+
+
 def sharded_axes(entries: Iterable[Any]) -> frozenset:
     """The mesh axes that shard some dimension of a spec, given its entries
     (``spec.partitions``, padded or not)."""
-    return frozenset(a for entry in entries for a in _dim_axes(entry))
+    return frozenset(a for entry in entries for a in entry_axes(entry))
+
+
+def drop_axes(entries: Iterable[Any], axes: Iterable[Hashable]) -> tuple:
+    """The partition-spec ``entries`` with the mesh ``axes`` taken out of
+    each (an entry left with no axis is ``None``)."""
+    axes = frozenset(axes)
+    kept = (tuple(a for a in entry_axes(e) if a not in axes) for e in entries)
+    return tuple(spec_entry(k) if k else None for k in kept)
 
 
 def deferred_spec(spec: P, names: Sequence[Hashable], kind: str) -> P:
     """``spec`` with the axes ``names`` taken out of its dimensions and added
     to its ``kind`` (``"reduced"`` or ``"unreduced"``) set."""
     taken = frozenset(names)
-
-    def drop(entry):
-        kept = tuple(a for a in _dim_axes(entry) if a not in taken)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-
-    dims = tuple(drop(e) for e in spec.partitions)
+    dims = drop_axes(spec.partitions, taken)
     return spec.update(partitions=dims, **{kind: getattr(spec, kind) | taken})
 
 
@@ -200,7 +212,7 @@ def _to_reduced(p: Any, names: tuple[Hashable, ...]) -> Any:
             f"with AxisType.Explicit); got an argument of type "
             f"{jax.typeof(p)}"
         )
-    spec = _spec(p)
+    spec = spec_of(p)
     return jax.reshard(p, deferred_spec(spec, names, "reduced"))
 
 
@@ -273,7 +285,7 @@ def unreduced_value_and_grad(
     return wrapped
 
 
-def _padded_dims(spec: P, ndim: int) -> tuple[Any, ...]:
+def padded_entries(spec: P, ndim: int) -> tuple[Any, ...]:
     """The entries of ``spec``, one per dimension of an ``ndim`` array."""
     return tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
 
@@ -288,7 +300,7 @@ def _scatter_back(
     any other unreduced axis the parameter is not reduced over."""
     unreduced = unreduced_axes(ct)
     sharded = sharded_axes(dims)
-    rest = _ordered(mesh, unreduced - sharded - spec.reduced)
+    rest = ordered_axes(mesh, unreduced - sharded - spec.reduced)
 
     def body(c):
         for i, d in enumerate(dims):
@@ -298,7 +310,7 @@ def _scatter_back(
 
     out = P(*dims, unreduced=spec.reduced & unreduced, reduced=frozenset())
     return jax.shard_map(
-        body, mesh=mesh, in_specs=_spec(ct), out_specs=out, check_vma=False
+        body, mesh=mesh, in_specs=spec_of(ct), out_specs=out, check_vma=False
     )(ct)
 
 
@@ -339,7 +351,7 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
       ...   print(jax.jit(oa.fsdp_gather)(w).shape)
       (2, 3)
     """
-    sharding = _sharding(w)
+    sharding = sharding_of(w)
     if sharding is None or not sharding.mesh.axis_names:
         raise ValueError(
             "oa.fsdp_gather: w is not sharded on a mesh (its type: "
@@ -352,7 +364,7 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
         mesh.axis_names if batch_axes is None else utils.axis_names(batch_axes)
     )
     check_mesh_axes(names, "oa.fsdp_gather", w)
-    dims = _padded_dims(spec, w.ndim)
+    dims = padded_entries(spec, w.ndim)
     other = sharded_axes(dims) - set(names)
     if other:
         raise ValueError(
@@ -377,131 +389,14 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
     return gather(w)
 
 
-# ----------------------------------------- helpers of oa.accumulate
-
-
-def _ordered(mesh: Any, axes: Any) -> tuple[Hashable, ...]:
-    """The mesh axes ``axes`` in the mesh's order."""
-    return tuple(n for n in mesh.axis_names if n in axes)
-
-
-def _entry(axes: tuple[Hashable, ...]) -> Any:
-    """A partition-spec entry for one dimension sharded over ``axes``."""
-    return axes[0] if len(axes) == 1 else axes
-
-
-def _stacked_spec(spec: P, axes: tuple[Hashable, ...]) -> P:
-    """The spec of the stacked form of an array of spec ``spec`` unreduced
-    over ``axes``: a leading dimension sharded over ``axes``."""
-    return P(_entry(axes), *spec.partitions, reduced=spec.reduced)
-
-
-def stacked_axes(a: Any, axis_name: Any) -> tuple[Hashable, ...]:
-    """The axes ``axis_name`` if ``a`` is an accumulator leaf in stacked
-    form (its leading dimension sharded over exactly those explicit axes),
-    else ``()``."""
-    sharding = _sharding(a)
-    if axis_name is None or sharding is None or not jnp.ndim(a):
-        return ()
-    if not is_explicit(a, axis_name) or not sharding.spec.partitions:
-        return ()
-    axes = _ordered(sharding.mesh, utils.axis_names(axis_name))
-    return axes if _dim_axes(sharding.spec.partitions[0]) == axes else ()
-
-
-def stack_partials(tree: Any) -> Any:
-    """Each leaf unreduced over some mesh axes in its *stacked* form: an
-    ordinary global array with a leading dimension of the axes' size,
-    sharded over them, row ``i`` holding device ``i``'s partial sum. A local
-    cast (``shard_map`` of ``a[None]``): no data moves between devices.
-    Other leaves are returned as they are."""
-
-    def stack(x):
-        unreduced = unreduced_axes(x)
-        if not unreduced:
-            return x
-        sharding = _named(x)
-        axes = _ordered(sharding.mesh, unreduced)
-        out = _stacked_spec(without_unreduced(sharding.spec), axes)
-        return jax.shard_map(
-            lambda b: b[None],
-            mesh=sharding.mesh,
-            in_specs=sharding.spec,
-            out_specs=out,
-            check_vma=False,
-        )(x)
-
-    return jax.tree.map(stack, tree)
-
-
-def unstack_partials(tree: Any, axis_name: Any) -> Any:
-    """The inverse of :func:`stack_partials` for leaves stacked over
-    ``axis_name``: each device's row becomes its partial sum of an array
-    unreduced over those axes (a local cast). Other leaves pass through."""
-
-    def unstack(a):
-        axes = stacked_axes(a, axis_name)
-        if not axes:
-            return a
-        spec = _spec(a)
-        out = P(
-            *spec.partitions[1:],
-            unreduced=frozenset(axes),
-            reduced=spec.reduced,
-        )
-        return jax.shard_map(
-            lambda b: b[0],
-            mesh=_named(a).mesh,
-            in_specs=spec,
-            out_specs=out,
-            check_vma=False,
-        )(a)
-
-    return jax.tree.map(unstack, tree)
-
-
-def _in_explicit_context(axis_name: Any) -> bool:
-    """Whether the current mesh context (``jax.set_mesh``) has the axes
-    ``axis_name``, all Explicit."""
-    if axis_name is None:
-        return False
-    return _all_explicit(jax.sharding.get_abstract_mesh(), axis_name)
-
-
-def window_zeros(zeros: Any, axis_name: Any) -> Any:
-    """The accumulator's ``zeros`` (like the params) in the form the state
-    stores them: under ``jax.set_mesh`` of a mesh whose axes ``axis_name``
-    are Explicit (``jit``'s global view), stacked over ``axis_name`` (see
-    :func:`stack_partials`), one row per device's partial sum. Outside such
-    a context (``pmap``, ``shard_map``, whose users add the device axis
-    themselves with :func:`map_accumulators`) they stay plain; a plain
-    accumulator given unreduced gradients is stacked by the first step."""
-    if not _in_explicit_context(axis_name):
-        return zeros
-
-    def stacked(z):
-        if not is_explicit(z, axis_name):
-            return z
-        sharding = _named(z)
-        axes = _ordered(sharding.mesh, utils.axis_names(axis_name))
-        n = int(np.prod([sharding.mesh.shape[a] for a in axes]))
-        spec = deferred_spec(sharding.spec, axes, "unreduced")
-        spec = _stacked_spec(without_unreduced(spec), axes)
-        shape = (n, *z.shape)
-        if isinstance(z, jax.core.Tracer):  # under a trace: its type
-            out = sharding.update(spec=spec)
-            return jnp.zeros(shape, z.dtype, out_sharding=out)
-        # Eager, outside any mesh context: place on the concrete mesh.
-        return jnp.zeros(shape, z.dtype, device=z.sharding.update(spec=spec))
-
-    return jax.tree.map(stacked, zeros)
+# ------------------------------------------ arrays unreduced over axes
 
 
 def grad_zeros(p: Any, dtype: Any) -> jax.Array:
     """Zeros of ``p``'s gradient type: like ``p`` in ``dtype``, unreduced
     over the axes over which ``p`` is reduced (JAX's cotangent rule)."""
     z = jnp.zeros_like(p, dtype)
-    sharding = _sharding(p)
+    sharding = sharding_of(p)
     if sharding is None or not sharding.spec.reduced:
         return z
     spec = sharding.spec
@@ -515,14 +410,8 @@ def match_unreduced(x: Any, like: Any) -> Any:
     unreduced and ``x`` is not (a local cast: no data moves between
     devices); else ``x``."""
     if unreduced_axes(like) and not unreduced_axes(x):
-        return jax.reshard(x, _spec(like))
+        return jax.reshard(x, spec_of(like))
     return x
-
-
-def match_grads(acc: Any, grads: Any) -> Any:
-    """``acc`` (unstacked) with each plain leaf cast to the unreduced
-    sharding of the corresponding gradient (:func:`match_unreduced`)."""
-    return jax.tree.map(match_unreduced, acc, grads)
 
 
 def times(s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
@@ -570,41 +459,6 @@ def agree(flag: jax.Array, axis_name: Any) -> jax.Array:
     if is_explicit(flag, axis_name):
         return flag
     return lax.pmin(flag.astype(jnp.int32), axis_name) > 0
-
-
-def reduce_window(
-    acc: Any,
-    weight: jax.Array,
-    axis_name: Any,
-    reduction: str,
-    scatter: Callable[[Any, Any], Any] | None = None,
-) -> tuple[Any, jax.Array]:
-    """The window's sum and weight over ``axis_name``, once per window.
-
-    Inside ``pmap``/``shard_map`` (``axis_name`` a mapped axis): ``psum`` of
-    both for ``"mean"``, ``pmean`` of the sum for ``"sum"``. Under an
-    explicit mesh (``jit``'s global view) the weight is already global and an
-    unreduced accumulator is resharded to its sharding without the unreduced
-    axes: the one all-reduce of the window (a plain one needs nothing);
-    with ``scatter`` (``shard_update``: ``zero.reduce_scatter``), that
-    function of each unreduced leaf and ``axis_name`` instead.
-    """
-    acc = unstack_partials(acc, axis_name)
-    if tree_is_explicit(acc, axis_name):
-
-        def reduce(a):
-            axes = unreduced_axes(a)
-            if not axes:
-                return a
-            if scatter is not None:
-                return scatter(a, axis_name)
-            return jax.reshard(a, without_unreduced(_spec(a)))
-
-        return jax.tree.map(reduce, acc), weight
-    weight = lax.psum(weight, axis_name)
-    if reduction == "mean":
-        return lax.psum(acc, axis_name), weight
-    return lax.pmean(acc, axis_name), weight
 
 
 # ------------------------------------------------- optimizer state

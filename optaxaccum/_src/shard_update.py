@@ -2,7 +2,8 @@
 state sharded over the data axes (ZeRO-1), paid once per window.
 
 The window's one reduction over the data axes is a reduce-scatter
-(:func:`zero_spec` says where each leaf's shard lies), the elements after the
+(``reducer.Scatter``; ``reducer.placed_spec`` says where each leaf's shard
+lies), the elements after the
 accumulate (*followers*: the optimizer, weight decay, clipping) run on each
 device's shard with their state sharded the same way, and their updates are
 all-gathered back to the params' sharding. Only under ``jax.jit`` on a mesh
@@ -17,116 +18,44 @@ import functools
 import os
 import pathlib
 import traceback
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.core
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import base, sharding
+from optaxaccum._src import base, reducer, sharding, utils
 
 __all__: list[str] = []
 
 
-def zero_spec(
-    spec: P, shape: tuple[int, ...], mesh: Any, axes: tuple[Hashable, ...]
-) -> P:
-    """Where one leaf of the params' spec ``spec`` lies under ZeRO-1.
-
-    The rule, applied to ``spec`` without the data ``axes``: they (in the
-    mesh's order) shard the largest dimension that no mesh axis shards and
-    whose size their size ``n`` divides (the first of equals); failing
-    that, the largest sharded dimension whose size ``n`` times its axes'
-    size divides, after its own axes. A leaf with no such dimension (a
-    scalar, a bias of odd size) keeps ``spec``: it is all-reduced as
-    without ``shard_update`` and its optimizer state is replicated over
-    the data axes. Placing a placed spec again changes nothing.
-    """
-    axes = sharding._ordered(mesh, axes)
-    n = int(np.prod([mesh.shape[a] for a in axes]))
-    dims = list(spec.partitions) + [None] * (len(shape) - len(spec.partitions))
-    dims = [
-        sharding._entry(kept) if kept else None
-        for kept in (
-            tuple(a for a in sharding._dim_axes(d) if a not in axes)
-            for d in dims
-        )
-    ]
-    if n == 1:
-        return spec
-
-    def size(d):
-        return int(np.prod([mesh.shape[a] for a in sharding._dim_axes(d)]))
-
-    free = [i for i, d in enumerate(dims) if d is None and shape[i] % n == 0]
-    split = [
-        i
-        for i, d in enumerate(dims)
-        if d is not None and shape[i] % (size(d) * n) == 0
-    ]
-    for found in (free, split):
-        if found:
-            i = max(found, key=lambda i: (shape[i], -i))
-            dims[i] = sharding._entry((*sharding._dim_axes(dims[i]), *axes))
-            return spec.update(partitions=tuple(dims))
-    return spec
-
-
-def reduce_scatter(a: jax.Array, axis_name: Any) -> jax.Array:
-    """An accumulator leaf unreduced over ``axis_name``, summed over it
-    and placed at its :func:`zero_spec`: inside a ``shard_map``, one
-    ``psum_scatter`` over the data axes along the placed dimension (a
-    ``psum`` for a leaf that keeps its spec). XLA's CPU pipeline does not
-    turn an unreduced-to-sharded ``jax.reshard`` into a reduce-scatter (it
-    all-reduces, then slices), hence the explicit collective."""
-    named = sharding._named(a)
-    mesh, spec = named.mesh, named.spec
-    axes = sharding._ordered(mesh, sharding.axis_names(axis_name))
-    plain = sharding.without_unreduced(spec)
-    target = zero_spec(plain, a.shape, mesh, axes)
-    old = sharding._padded_dims(plain, a.ndim)
-    new = sharding._padded_dims(target, a.ndim)
-    placed = [i for i in range(a.ndim) if old[i] != new[i]]
-    rest = sharding._ordered(mesh, spec.unreduced - set(axes if placed else ()))
-
-    def body(c):
-        for i in placed:
-            c = lax.psum_scatter(c, axes, scatter_dimension=i, tiled=True)
-        return lax.psum(c, rest) if rest else c
-
-    return jax.shard_map(
-        body, mesh=mesh, in_specs=spec, out_specs=target, check_vma=False
-    )(a)
-
-
 def _reshard(x: Any, spec: P) -> Any:
     """``x`` resharded to ``spec`` on its own mesh (traced or concrete)."""
-    if spec == sharding._spec(x):
+    if spec == sharding.spec_of(x):
         return x
     if isinstance(x, jax.core.Tracer) or not isinstance(
         getattr(x, "sharding", None), NamedSharding
     ):
-        return jax.reshard(x, sharding._named(x).update(spec=spec))
+        return jax.reshard(x, sharding.named_sharding(x).update(spec=spec))
     return jax.device_put(x, x.sharding.update(spec=spec))
 
 
 def place(tree: Any, axis_name: Any) -> Any:
     """Each leaf on an explicit mesh with the axes ``axis_name`` resharded
-    to its :func:`zero_spec`; an unreduced leaf is summed over the axes it
-    is unreduced over on the way (a reduce-scatter). Other leaves pass."""
-    axes = sharding.axis_names(axis_name)
+    to its :func:`reducer.placed_spec`; an unreduced leaf is summed over
+    the axes it is unreduced over on the way (a reduce-scatter). Other
+    leaves pass."""
+    axes = utils.axis_names(axis_name)
 
     def leaf(x):
         if not sharding.is_explicit(x, axes):
             return x
-        named = sharding._named(x)
+        named = sharding.named_sharding(x)
         spec = sharding.without_unreduced(named.spec)
-        return _reshard(x, zero_spec(spec, x.shape, named.mesh, axes))
+        return _reshard(x, reducer.placed_spec(spec, x.shape, named.mesh, axes))
 
     return jax.tree.map(leaf, tree)
 
@@ -136,20 +65,19 @@ def gather(tree: Any, axis_name: Any, like: Any = None) -> Any:
     back to the params' sharding (an all-gather over them): that of the
     corresponding leaf of the params ``like`` where given (also when
     ``axis_name`` names axes that shard the params), else without them."""
-    axes = set(sharding.axis_names(axis_name))
+    axes = set(utils.axis_names(axis_name))
     if like is not None:
         return jax.tree.map(lambda x, p: _like(x, p, tuple(axes)), tree, like)
 
     def leaf(x):
         if not sharding.is_explicit(x, tuple(axes)):
             return x
-        spec = sharding._spec(x)
-        dims = [sharding._dim_axes(d) if d is not None else () for d in spec]
-        kept = [tuple(a for a in d if a not in axes) for d in dims]
-        if kept == dims:
+        spec = sharding.spec_of(x)
+        if not sharding.sharded_axes(spec.partitions) & axes:
             return x
-        entries = [sharding._entry(d) if d else None for d in kept]
-        return _reshard(x, spec.update(partitions=tuple(entries)))
+        return _reshard(
+            x, spec.update(partitions=sharding.drop_axes(spec.partitions, axes))
+        )
 
     return jax.tree.map(leaf, tree)
 
@@ -159,7 +87,7 @@ def _like(x: Any, p: Any, axes: tuple) -> Any:
     unreduced or reduced axes), where both lie on an explicit mesh."""
     if not (sharding.is_explicit(x, axes) and sharding.is_explicit(p, axes)):
         return gather(x, axes)
-    spec = sharding.without_unreduced(sharding._spec(p))
+    spec = sharding.without_unreduced(sharding.spec_of(p))
     spec = spec.update(reduced=frozenset())
     return _reshard(x, spec)
 
