@@ -175,9 +175,11 @@ MUTANTS = {
     ),
     "closed_gate_zeros_grads_dtype": (  # a nested gate that stays closed
         "chain.py",
-        "        return _shut(shapes, res2.state, opened=false, passed=false)\n",
+        "        return _shut(shapes, res2.state, opened=false, "
+        "passed=false)\n",
         "        shapes = shapes._replace(updates=out.updates)\n"
-        "        return _shut(shapes, res2.state, opened=false, passed=false)\n",
+        "        return _shut(shapes, res2.state, opened=false, "
+        "passed=false)\n",
         _CHAIN + ["-k", "nested_closed_gate"],
     ),
     "per_micro_step_pmean": (  # one reduction per window, not per call
