@@ -417,6 +417,18 @@ MUTANTS = {
         "    return flags[0]",
         ["tests/test_nnx_optimizer.py", "-k", "window_of_one_in_front"],
     ),
+    "closed_skips_inner_windows": (  # an accumulate inside oa.MultiSteps
+        "windows.py",
+        "found += [s, *_window_states(tuple(s))]",
+        "found += [s]",
+        ["tests/test_multisteps.py", "-k", "inside_a_window"],
+    ),
+    "older_batch_stats_flushed": (  # no momentum: the flush would raise
+        "../flax/_train_state.py",
+        "        return stats_lib.MOMENTUM_KEY not in batch_stats",
+        "        return False",
+        ["tests/test_flax.py", "-k", "without_a_momentum"],
+    ),
     "closed_on_every_counted_call": (  # the window's position ignored
         "windows.py",
         "_moved(old, new) & (new.mini_step == 0)",

@@ -1374,3 +1374,36 @@ def test_trainstate_batchnorm_windows_close_with_a_critical_batch_window(jit):
         ref_stats = upd["batch_stats"]
     for name in ("mean", "var"):
         np.testing.assert_allclose(bn[name], ref_stats[name], **TOL)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_trainstate_keeps_stepping_batch_stats_without_a_momentum(jit):
+    """``batch_stats`` of an older optaxaccum (windows, no recorded
+    momentum) still step through ``apply_gradients``: the layers keep
+    closing their windows on ``accum_steps`` (they cannot close with the
+    optimizer's window without the momentum), and a warning says how to
+    convert them (convert_batch_stats)."""
+    model = _BNHead(accum_steps=2)
+    x = jax.random.normal(jax.random.key(0), (4, 4))
+    variables = model.init(jax.random.key(0), x, False)
+    layer = variables["batch_stats"]["AccumBatchNorm_0"]
+    older = {
+        "AccumBatchNorm_0": {k: v for k, v in layer.items() if k != "momentum"}
+    }
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=oa.chain(oa.accumulate(2), optax.sgd(0.1)),
+        batch_stats=older,
+    )
+    grads = jax.tree.map(jnp.ones_like, state.params)
+
+    def step(state):
+        return state.apply_gradients(grads=grads, batch_stats=older)
+
+    step = jax.jit(step) if jit else step
+    with pytest.warns(UserWarning, match="convert_batch_stats"):
+        for _ in range(2):
+            state = step(state)
+    assert bool(oa.has_updated(state.opt_state))
+    chex.assert_trees_all_equal(state.batch_stats, older)

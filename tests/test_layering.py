@@ -91,36 +91,6 @@ def test_the_combinator_imports_no_gate_module():
     assert not imported & gates, imported & gates
 
 
-def test_the_flax_integration_calls_no_private_function_of_chain():
-    """``optaxaccum/flax`` steps through the public fused step
-    (``oa.apply_gradients(..., return_updates=True)``): of ``_src.chain`` it
-    uses only what the module exports (its ``__all__``)."""
-    from optaxaccum._src import chain
-
-    used = []
-    for path in sorted((PACKAGE / "flax").rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        aliases = {"chain"}  # the names the chain module is bound to
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module in (
-                "optaxaccum._src",
-                "optaxaccum._src.chain",
-            ):
-                for a in node.names:
-                    if node.module.endswith("chain"):
-                        used.append((path.name, a.name))
-                    elif a.name == "chain":
-                        aliases.add(a.asname or a.name)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(
-                node.value, ast.Name
-            ):
-                if node.value.id in aliases:
-                    used.append((path.name, node.attr))
-    private = [u for u in used if u[1] not in chain.__all__]
-    assert used and not private, private
-
-
 def test_the_protocol_module_imports_only_utils():
     assert _graph()["optaxaccum._src.base"] <= {"optaxaccum._src.utils"}
 

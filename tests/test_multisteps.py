@@ -624,3 +624,23 @@ def test_multisteps_takes_accumulator_dtype_fifth_positional():
     params = jnp.zeros(2)
     assert ms.init(params).acc_grads.dtype == jnp.bfloat16
     assert theirs.init(params).acc_grads.dtype == jnp.bfloat16
+
+
+def test_windows_closed_sees_a_window_inside_a_window():
+    """``windows.closed`` (where the BatchNorm layers close their windows)
+    answers for the optimizer's window when an accumulate sits inside
+    ``oa.MultiSteps``: the optimizer steps once per 2 x 3 calls, and
+    ``closed`` is true on exactly those calls."""
+    from optaxaccum._src import windows
+
+    tx = oa.MultiSteps(oa.chain(oa.accumulate(3), optax.sgd(1.0)), 2)
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    closed, stepped = [], []
+    for _ in range(12):
+        updates, new = tx.update(jnp.ones(2), state, params)
+        closed.append(bool(windows.closed(state, new)))
+        stepped.append(bool(jnp.any(updates != 0)))
+        state = new
+    assert stepped == [i % 6 == 5 for i in range(12)], stepped
+    assert closed == stepped, closed

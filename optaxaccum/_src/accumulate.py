@@ -285,14 +285,16 @@ def _checked_input(
 ) -> tuple[AccumulateState, reducer.Reducer]:
     """``state`` with its accumulator as the step adds to it (loaded,
     typed like ``updates``), and the reducer of the window sums in this
-    trace (``reducer.of`` the gradients), after checking both: the
+    trace (``reducer.of`` the stored accumulator), after checking both: the
     state's type, the mesh mistakes, ``shard_update``'s mesh, the
     gradients' structure."""
     utils.check_state_type(state, AccumulateState, "oa.accumulate")
     sharding.check_gradients(updates, cfg.axis_name)  # mesh mistakes
     if cfg.shard_update:
         _shard_update.check_explicit(updates, cfg.axis_name)
-    sums = reducer.of(cfg.axis_name, updates, cfg.shard_update)
+    # The stored accumulator decides, as for a flush (the gradients where
+    # it has no leaf): eager gradients off the mesh still add to its rows.
+    sums = reducer.of(cfg.axis_name, (state.acc, updates), cfg.shard_update)
     acc = sums.load(state.acc)
     _check_gradients(updates, acc)
     return state._replace(acc=reducer.match_grads(acc, updates)), sums

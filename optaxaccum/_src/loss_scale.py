@@ -141,17 +141,14 @@ def dynamic_loss_scale(
       A :class:`GatedTransformation` with a :class:`DynamicLossScaleState`.
 
     Raises:
-      ValueError: ``init_scale``, ``factor`` or ``min_scale`` not finite in
-        float32 or out of range, ``min_scale > init_scale``, or
-        ``period < 1``; the message names the argument and its value.
-      TypeError: an argument that is not a number, or a bad ``axis_name``.
+      ValueError, TypeError: an argument outside the range its line above
+        gives, or of the wrong type; the message names it and its value.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optaxaccum as oa
       >>> tx = oa.chain(oa.dynamic_loss_scale(1024.0), optax.sgd(1.0))
-      >>> params = jnp.zeros(2)
-      >>> state = tx.init(params)
-      >>> u, state = tx.update(jnp.array([1.0, jnp.inf]), state, params)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> u, state = tx.update(jnp.array([1.0, jnp.inf]), state)
       >>> u, oa.loss_scale(state)   # overflow: sgd not run, scale halved
       (Array([0., 0.], dtype=float32), Array(512., dtype=float32))
 

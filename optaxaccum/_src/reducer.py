@@ -41,9 +41,13 @@ class Reducer:
     """The window sums of one mesh mode; as such, of :class:`Local`.
 
     A reducer has ``zeros``/``sum_zeros`` (the initial stored sums),
-    ``store``/``load`` (between the stored form and the form a step adds
-    to), ``reduce``/``reduce_sums`` (over the devices, once per window),
-    ``finite`` and ``agree`` (a flag all devices share)."""
+    ``store``/``load``/``load_sum`` (between the stored form and the form a
+    step adds to), ``reduce``/``reduce_sums`` (over the devices, once per
+    window), ``finite`` and ``agree`` (a flag all devices share), and the
+    arithmetic that depends on the mode: ``scale`` (a scalar times a
+    possibly unreduced array), ``sum_scale`` (what makes a reduced sum the
+    sum over all devices) and ``squared_norm`` (this device's ``|g|^2``,
+    for the noise scale)."""
 
     axis_name: Any = None
 
@@ -231,8 +235,8 @@ class Scatter(Explicit):
 
 
 def of(axis_name: Any, tree: Any, shard_update: bool = False) -> Reducer:
-    """The reducer of a step on ``tree`` (the gradients, or the stored
-    accumulator of a flush): :class:`Explicit` (:class:`Scatter` with
+    """The reducer of a step on ``tree`` (the stored accumulator, then the
+    gradients): :class:`Explicit` (:class:`Scatter` with
     ``shard_update``) if ``tree`` lies on a mesh whose ``axis_name`` axes
     are Explicit (``jit``'s global view), else :class:`Mapped`;
     :class:`Local` without ``axis_name``."""

@@ -3,10 +3,10 @@ state sharded over the data axes (ZeRO-1), paid once per window.
 
 The window's one reduction over the data axes is a reduce-scatter
 (``reducer.Scatter``; ``reducer.placed_spec`` says where each leaf's shard
-lies), the elements after the
-accumulate (*followers*: the optimizer, weight decay, clipping) run on each
-device's shard with their state sharded the same way, and their updates are
-all-gathered back to the params' sharding. Only under ``jax.jit`` on a mesh
+lies), the elements after the accumulate (*followers*: the optimizer,
+weight decay, clipping) run on each device's shard with their state
+sharded the same way, and their updates are all-gathered back to the
+params' sharding. Only under ``jax.jit`` on a mesh
 whose data axes are Explicit; see docs/scaling.md, "Sharding the optimizer
 state over the data axes (shard_update)".
 """

@@ -10,9 +10,9 @@ not on a gate module.
 Whether a call counted (:func:`counted`) and whether it closed the
 optimizer's window (:func:`closed`) are derived from the states before and
 after the call, not stored in them: a gate that does not run leaves its
-followers' states bit-for-bit unchanged (API.md 1), so a stored "counted"
-flag could not be cleared on a call that an earlier gate refused (a
-loss-scale overflow). Under that contract "the window state changed" is
+followers' states bit-for-bit unchanged (the chain's contract), so a stored
+"counted" flag could not be cleared on a call that an earlier gate refused
+(a loss-scale overflow). Under that contract "the window state changed" is
 exactly "the call counted".
 """
 
@@ -75,10 +75,13 @@ def has_updated(state: optax.OptState) -> jax.Array:
 
 
 def _window_states(state: Any) -> list[Any]:
-    """Every window state inside ``state``, outermost first."""
-    return [
-        s for s in jax.tree.leaves(state, is_leaf=_is_window) if _is_window(s)
-    ]
+    """Every window state inside ``state``, outermost first, those inside a
+    window state included (an accumulate inside ``oa.MultiSteps``)."""
+    found = []
+    for s in jax.tree.leaves(state, is_leaf=_is_window):
+        if _is_window(s):
+            found += [s, *_window_states(tuple(s))]
+    return found
 
 
 def _moved(old: Any, new: Any) -> jax.Array:

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen import module as linen_module
 
-from optaxaccum._src import batch_stats as _stats
+from optaxaccum._src import batch_stats as stats_lib
 from optaxaccum._src import utils
 from optaxaccum.flax import _shared
 
@@ -28,11 +28,9 @@ class AccumBatchNorm(nn.BatchNorm):
 
     Args:
       use_running_average: as in ``nn.BatchNorm``.
-      accum_steps: micro-batches per window, an int >= 1 (keyword): the
-        layer closes its window after that many. Under
-        :class:`optaxaccum.flax.TrainState` the window also closes where the
-        optimizer's closes, so for a window whose length changes
-        (:func:`optaxaccum.critical_batch_every_k`) give the longest.
+      accum_steps: micro-batches per window, an int >= 1 (keyword); under
+        :class:`optaxaccum.flax.TrainState` the window also closes with the
+        optimizer's (give the longest of a changing length).
       **kwargs: every other ``nn.BatchNorm`` field, with its meaning.
 
     Raises:
@@ -80,18 +78,18 @@ class AccumBatchNorm(nn.BatchNorm):
 
     def _pooled_call(self, x, use_running_average, mask):
         feature_shape = tuple(
-            x.shape[i] for i in _stats.canonical_axes(x.ndim, self.axis)
+            x.shape[i] for i in stats_lib.canonical_axes(x.ndim, self.axis)
         )
         # Created by init, or on the first training call for variables
         # of a plain nn.BatchNorm (see flax.convert_batch_stats).
-        empty = _stats.empty_window(feature_shape)
+        empty = stats_lib.empty_window(feature_shape)
         window_vars = [
             self.variable("batch_stats", key, lambda v=v: v)
-            for key, v in zip(_stats.WINDOW_KEYS, empty)
+            for key, v in zip(stats_lib.WINDOW_KEYS, empty)
         ]
         momentum = jnp.asarray(self.momentum, jnp.float32)
         momentum_var = self.variable(
-            "batch_stats", _stats.MOMENTUM_KEY, lambda: momentum
+            "batch_stats", stats_lib.MOMENTUM_KEY, lambda: momentum
         )
         if self.is_initializing():
             return super().__call__(x, use_running_average, mask=mask)
@@ -99,8 +97,8 @@ class AccumBatchNorm(nn.BatchNorm):
         ra_mean = self.get_variable("batch_stats", "mean")
         ra_var = self.get_variable("batch_stats", "var")
         y = super().__call__(x, use_running_average, mask=mask)
-        window = _stats.Window(*(v.value for v in window_vars))
-        new_mean, new_var, window = _stats.train_step(
+        window = stats_lib.Window(*(v.value for v in window_vars))
+        new_mean, new_var, window = stats_lib.train_step(
             self, x, mask, window, ra_mean, ra_var
         )
         # Replace the per-micro-batch update that nn.BatchNorm just made.

@@ -14,7 +14,7 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from optaxaccum._src import batch_stats as _stats
+from optaxaccum._src import batch_stats as stats_lib
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
 
@@ -40,17 +40,17 @@ def _with_windows_like(old: Any, new: Any) -> Any:
 def _missing_extras(old: Mapping, like: Mapping) -> dict[str, Any]:
     """The AccumBatchNorm entries of layer ``like`` that ``old`` lacks: an
     empty window, ``like``'s momentum."""
-    if not all(k in like for k in _stats.WINDOW_KEYS):
+    if not all(k in like for k in stats_lib.WINDOW_KEYS):
         return {}
     extras: dict[str, Any] = dict(
         zip(
-            _stats.WINDOW_KEYS,
-            _stats.empty_window(jax.numpy.shape(like["window_mean"])),
+            stats_lib.WINDOW_KEYS,
+            stats_lib.empty_window(jax.numpy.shape(like["window_mean"])),
             strict=True,
         )
     )
-    if _stats.MOMENTUM_KEY in like:
-        extras[_stats.MOMENTUM_KEY] = like[_stats.MOMENTUM_KEY]
+    if stats_lib.MOMENTUM_KEY in like:
+        extras[stats_lib.MOMENTUM_KEY] = like[stats_lib.MOMENTUM_KEY]
     return {k: v for k, v in extras.items() if k not in old}
 
 
@@ -197,19 +197,39 @@ def _follow_window(old: Any, new: Any, old_opt: Any, new_opt: Any) -> Any:
     """The ``new`` batch_stats where the optimizer counted the call that
     turned ``old_opt`` into ``new_opt`` (else ``old``'s), their windows
     closed where that call closed the optimizer's window."""
-    kept = _stats.keep_counted(
+    kept = stats_lib.keep_counted(
         old_opt, new_opt, new, _with_windows_like(old, new)
     )
-    closed = _stats.closes_with(old_opt, new_opt)
-    if closed is False or not _has_windows(kept):
+    closed = stats_lib.closes_with(old_opt, new_opt)
+    known = utils.concrete(closed)
+    if (known is not None and not known) or not _has_windows(kept):
+        return kept
+    if _lacks_momentum(kept):
+        warnings.warn(
+            "batch_stats of an older optaxaccum (no recorded momentum): their "
+            "AccumBatchNorm windows close on accum_steps only, not with the "
+            "optimizer's window; convert them with optaxaccum.flax."
+            "convert_batch_stats(batch_stats, model.init(...)['batch_stats'])",
+            UserWarning,
+            stacklevel=3,
+        )
         return kept
     return _flush_batch_stats(kept, None, "", where=closed)
+
+
+def _lacks_momentum(batch_stats: Any) -> bool:
+    """Whether a layer of ``batch_stats`` holds a window but no momentum."""
+    if not isinstance(batch_stats, Mapping):
+        return False
+    if all(k in batch_stats for k in stats_lib.WINDOW_KEYS):
+        return stats_lib.MOMENTUM_KEY not in batch_stats
+    return any(_lacks_momentum(v) for v in batch_stats.values())
 
 
 def _has_windows(batch_stats: Any) -> bool:
     if not isinstance(batch_stats, Mapping):
         return False
-    return all(k in batch_stats for k in _stats.WINDOW_KEYS) or any(
+    return all(k in batch_stats for k in stats_lib.WINDOW_KEYS) or any(
         _has_windows(v) for v in batch_stats.values()
     )
 
@@ -263,15 +283,15 @@ def _flush_batch_stats(
         else value
         for key, value in batch_stats.items()
     }
-    if all(k in out for k in _stats.WINDOW_KEYS):
+    if all(k in out for k in stats_lib.WINDOW_KEYS):
         layer_momentum = _layer_momentum(
-            out.get(_stats.MOMENTUM_KEY), momentum, path
+            out.get(stats_lib.MOMENTUM_KEY), momentum, path
         )
-        window = _stats.Window(*(out[k] for k in _stats.WINDOW_KEYS))
-        out["mean"], out["var"], window = _stats.flush(
+        window = stats_lib.Window(*(out[k] for k in stats_lib.WINDOW_KEYS))
+        out["mean"], out["var"], window = stats_lib.flush(
             window, out["mean"], out["var"], layer_momentum, where
         )
-        out.update(zip(_stats.WINDOW_KEYS, window, strict=True))
+        out.update(zip(stats_lib.WINDOW_KEYS, window, strict=True))
     return _rebuild(batch_stats, out)
 
 
@@ -387,12 +407,12 @@ def _convert(bs: Any, tpl: Any, path: str) -> Any:
             f"{where} does not match the template: missing {missing}, "
             f"not in the template {unexpected}"
         )
-    momentum = extras.get(_stats.MOMENTUM_KEY)
+    momentum = extras.get(stats_lib.MOMENTUM_KEY)
     if momentum is not None and not isinstance(
         momentum, (jax.Array, np.ndarray, numbers.Real)
     ):
         raise TypeError(
-            f"the template's {where}[{_stats.MOMENTUM_KEY!r}] is "
+            f"the template's {where}[{stats_lib.MOMENTUM_KEY!r}] is "
             f"{type(momentum).__name__}, not an array: give the batch_stats "
             "of model.init(...), not of jax.eval_shape (the momentum is read "
             "from it)"

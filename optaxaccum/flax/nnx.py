@@ -11,7 +11,7 @@ from flax import nnx
 from flax.nnx import filterlib
 
 import optaxaccum as oa
-from optaxaccum._src import batch_stats as _stats
+from optaxaccum._src import batch_stats as stats_lib
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils
 from optaxaccum.flax import _shared
@@ -37,18 +37,14 @@ class AccumBatchNorm(nnx.BatchNorm):
     and the statistics as of the last micro-batch the optimizer counted in
     ``counted_*`` copies, restored by :meth:`Optimizer.update` when the
     chain refuses a micro-batch (all present only when ``accum_steps > 1``).
-    ``accum_steps=1`` is exactly
-    ``nnx.BatchNorm``. Under ``axis_name`` devices are weighted by their
-    number of (unmasked) elements, as for the linen
-    :class:`optaxaccum.flax.AccumBatchNorm`.
+    ``accum_steps=1`` is exactly ``nnx.BatchNorm``. Under ``axis_name``
+    devices are weighted by their number of (unmasked) elements.
 
     Args:
       num_features: the number of features.
-      accum_steps: micro-batches per window, an int >= 1 (keyword): the
-        layer closes its window after that many. Under :class:`Optimizer`
-        the window also closes where the optimizer's closes, so for a
-        window whose length changes (:func:`optaxaccum.critical_batch_every_k`)
-        give the longest.
+      accum_steps: micro-batches per window, an int >= 1 (keyword); under
+        :class:`Optimizer` the window also closes with the optimizer's
+        (give the longest of a changing length).
       rngs: the ``nnx.Rngs`` for the parameters.
       **kwargs: every other ``nnx.BatchNorm`` keyword (``momentum``,
         ``epsilon``, ``axis_name``, ``use_running_average``, ...).
@@ -80,21 +76,21 @@ class AccumBatchNorm(nnx.BatchNorm):
         super().__init__(num_features, rngs=rngs, **kwargs)
         self.accum_steps = accum_steps
         if accum_steps > 1:
-            window = _stats.empty_window(self.mean[...].shape)
-            for key, value in zip(_stats.WINDOW_KEYS, window):
+            window = stats_lib.empty_window(self.mean[...].shape)
+            for key, value in zip(stats_lib.WINDOW_KEYS, window):
                 setattr(self, key, nnx.BatchStat(value))
             # The statistics as the optimizer last counted them (see
             # keep_counted): restored when it refuses a micro-batch.
-            for key, value in zip(_stats.STAT_KEYS, self._stats()):
+            for key, value in zip(stats_lib.STAT_KEYS, self._stats()):
                 setattr(self, _COUNTED + key, nnx.BatchStat(jnp.copy(value)))
 
-    def _window(self) -> _stats.Window:
-        return _stats.Window(
-            *(getattr(self, key)[...] for key in _stats.WINDOW_KEYS)
+    def _window(self) -> stats_lib.Window:
+        return stats_lib.Window(
+            *(getattr(self, key)[...] for key in stats_lib.WINDOW_KEYS)
         )
 
     def _stats(self, prefix: str = "") -> list[jax.Array]:
-        return [getattr(self, prefix + k)[...] for k in _stats.STAT_KEYS]
+        return [getattr(self, prefix + k)[...] for k in stats_lib.STAT_KEYS]
 
     def keep_counted(self, old_opt_state: Any, new_opt_state: Any) -> None:
         """Keeps this layer's window aligned with the optimizer's: where the
@@ -107,28 +103,28 @@ class AccumBatchNorm(nnx.BatchNorm):
         :meth:`Optimizer.update` on every layer."""
         if self.accum_steps == 1:
             return
-        stats = _stats.keep_counted(
+        stats = stats_lib.keep_counted(
             old_opt_state, new_opt_state, self._stats(), self._stats(_COUNTED)
         )
-        for key, value in zip(_stats.STAT_KEYS, stats):
+        for key, value in zip(stats_lib.STAT_KEYS, stats):
             getattr(self, key)[...] = value
-        closed = _stats.closes_with(old_opt_state, new_opt_state)
+        closed = stats_lib.closes_with(old_opt_state, new_opt_state)
         if closed is not False:
             self._flush(closed)
         self._record(self._stats())
 
     def _record(self, stats: list[jax.Array]) -> None:
         """Sets the statistics and records them as counted."""
-        for key, value in zip(_stats.STAT_KEYS, stats):
+        for key, value in zip(stats_lib.STAT_KEYS, stats):
             getattr(self, key)[...] = value
             # A buffer of its own: a leaf shared by two variables could not
             # be donated to a jitted step.
             getattr(self, _COUNTED + key)[...] = jnp.copy(value)
 
-    def _set(self, mean, var, window: _stats.Window) -> None:
+    def _set(self, mean, var, window: stats_lib.Window) -> None:
         self.mean[...] = mean
         self.var[...] = var
-        for key, value in zip(_stats.WINDOW_KEYS, window):
+        for key, value in zip(stats_lib.WINDOW_KEYS, window):
             getattr(self, key)[...] = value
 
     __call__ = _shared.accum_call()
@@ -149,13 +145,15 @@ class AccumBatchNorm(nnx.BatchNorm):
         (x,) = self.promote_dtype((x,), dtype=self.dtype)
         # Replace the per-micro-batch update that nnx.BatchNorm just made.
         self._set(
-            *_stats.train_step(self, x, mask, self._window(), ra_mean, ra_var)
+            *stats_lib.train_step(
+                self, x, mask, self._window(), ra_mean, ra_var
+            )
         )
         return y
 
     def _flush(self, where: Any = True) -> None:
         self._set(
-            *_stats.flush(
+            *stats_lib.flush(
                 self._window(),
                 self.mean[...],
                 self.var[...],
