@@ -49,7 +49,8 @@ class Reducer:
     sum over all devices) and ``squared_norm`` (this device's ``|g|^2``,
     for the noise scale)."""
 
-    axis_name: Any = None
+    def __init__(self, axis_name: Any = None):
+        self.axis_name = axis_name
 
     def zeros(self, zeros: Any) -> Any:
         """The accumulator's ``zeros`` (like the params) as stored."""
@@ -122,9 +123,6 @@ class Mapped(Reducer):
     partial sums (a leading device axis is the user's, see
     :func:`optaxaccum.map_accumulators`); ``psum`` reduces them."""
 
-    def __init__(self, axis_name: Any):
-        self.axis_name = axis_name
-
     def reduce(
         self, acc: Any, weight: jax.Array, reduction: str
     ) -> tuple[Any, jax.Array]:
@@ -153,10 +151,11 @@ class Mapped(Reducer):
         return sharding.agree(flag, self.axis_name)
 
 
-class Explicit(Mapped):
+class Explicit(Reducer):
     """``jax.jit`` on a mesh whose ``axis_name`` axes are Explicit: partial
     sums are arrays unreduced over mesh axes, stored stacked
-    (:func:`stack_partials`); the weight is one global value."""
+    (:func:`stack_partials`); the weight, like every flag, is one global
+    value (``agree`` has nothing to do)."""
 
     def zeros(self, zeros: Any) -> Any:
         """Stacked over ``axis_name`` (:func:`window_zeros`)."""
@@ -171,9 +170,6 @@ class Explicit(Mapped):
         mesh = jax.sharding.get_abstract_mesh()
         spec = P(sharding.spec_entry(tuple(mesh.axis_names)))
         return jnp.zeros((mesh.size,), dtype, out_sharding=spec)
-
-    def sum_scale(self, reduction: str) -> Any:
-        del reduction
 
     def squared_norm(
         self, grads: Any, acc: Any, sq_sum: jax.Array
