@@ -14,6 +14,9 @@ import sys
 import tomllib
 
 sys.path.insert(0, os.path.abspath("_ext"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import figures  # noqa: E402
 
 import optaxaccum  # noqa: E402
 
@@ -52,7 +55,17 @@ exclude_patterns = [
 ]
 
 # -- MyST (Markdown pages) ---------------------------------------------------
-myst_enable_extensions = ["amsmath", "colon_fence", "deflist", "dollarmath"]
+myst_enable_extensions = [
+    "amsmath",
+    "colon_fence",
+    "deflist",
+    "dollarmath",
+    "substitution",
+]
+# Every benchmark figure on a page comes from the record that
+# benchmarks/run_all.py writes: ``{{ fig("B1", "fused closing", "vs floor") }}``
+# (see benchmarks/figures.py; tests/test_figures.py checks the pages).
+myst_substitutions = figures.substitutions(figures.load())
 myst_heading_anchors = 3
 
 # -- autodoc / napoleon ------------------------------------------------------

@@ -8,6 +8,7 @@ in ``test_multidevice.py``.
 """
 
 import importlib.util
+import json
 import pathlib
 
 import chex
@@ -109,6 +110,7 @@ def test_bench_microbatch_main_tiny():
     _check_result_format(res)
     assert set(res["seconds"]) == {
         "full batch",
+        "optax microbatch",
         "optax micro_grad",
         "oa.microbatched",
         "lax.scan by hand",
@@ -134,8 +136,15 @@ def test_run_all_write_report(tmp_path):
             "wall_s": 1.0,
         }
     ]
-    md_path, png_path = run_all.write_report(results, str(tmp_path), tiny=True)
+    json_path, md_path, png_path = run_all.write_report(
+        results, str(tmp_path), tiny=True
+    )
     md = pathlib.Path(md_path).read_text()
+    # The record holds the tables the pages quote; RESULTS.md is made from it.
+    record = json.loads(pathlib.Path(json_path).read_text())
+    assert record["results"][0]["rows"] == results[0]["rows"]
+    assert record["meta"]["tiny"] is True and record["hand"] == []
+    assert md.startswith(run_all.render_report(record))
     for text in (
         "Bx: a made-up benchmark",
         "| slow one | 2.00 |",
