@@ -17,7 +17,7 @@ fails when
   the public one (``jax.Array``) is meant, or shows a type alias as the
   repr of Sphinx's forward reference or expanded into its union
   (``ArrayLike``'s lists ``bool`` twice);
-* its text speaks of the project's work log ("issue 12", "session",
+* its text speaks of the project's work log (an issue number, "session",
   "agent", "branch i25") or of the project's own runs ("(two runs)",
   "load average 12", "keeps this as evidence") rather than of the library;
 * its math would render wrong: a backslash escape (``\\_``) inside a

@@ -492,7 +492,7 @@ def test_axis_name_window_of_zero_total_weight_emits_zeros(reduction):
     state = jax.tree.map(lambda x: jnp.stack([x, x]), tx.init(params[0]))
     grads = jnp.array([[1.0, 2.0], [jnp.nan, 4.0]])
     # (Weights summing to 0 over the devices must both be 0: a negative
-    # weight is invalid input since the contract of issue 10.)
+    # weight is invalid input: the contract says so.)
     weights = jnp.zeros(2)
 
     def step(g, s, w):

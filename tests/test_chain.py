@@ -439,7 +439,7 @@ def test_gates_survive_pytree_round_trips():
     chex.assert_trees_all_equal(u, -jnp.ones(2))
 
 
-# ------------------- issue 23, item 1: followers see exactly the call's keywords
+# ------------------------------- followers see exactly the call's keywords
 
 
 def _window_loss(p, batch):
@@ -498,7 +498,7 @@ def test_linesearch_optimizer_after_accumulate(name, jit, path):
     np.testing.assert_allclose(params, p_ref, rtol=1e-5, atol=1e-6)
 
 
-# ------------- issue 23, item 3: a nested window of weight 0 is one micro-batch
+# --------------------------- a nested window of weight 0 is one micro-batch
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
@@ -1059,7 +1059,7 @@ def test_user_keyword_passed_cannot_drop_a_micro_batch():
     """'passed' used to be a keyword of the gate protocol inside the user's
     own extra arguments, where a user's passed=False would have silently
     dropped the micro-batch. The protocol's flag now travels in
-    ``oa.GateContext`` (issue 25): a user's ``passed`` is an ordinary
+    ``oa.GateContext``: a user's ``passed`` is an ordinary
     keyword that no gate reads, and the micro-batch counts."""
     tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
     params = jnp.zeros(1)

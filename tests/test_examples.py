@@ -169,7 +169,7 @@ def test_transformer_lm(tmp_path):
     # near-zero gradients into differences of ~1e-5; (c)'s is ~1e-2.
     assert row(b, 3) < 1e-4 and row(c, 3) > 1e-3
     assert abs(row(b, 1) - row(a, 1)) < 1e-4  # final train loss
-    # Padding is a real share of every batch (issue 28): 30-50% of tokens.
+    # Padding is a real share of every batch: 30-50% of tokens.
     mean = _number(r"mean ([\d.]+) of 32\)", stdout)
     assert 0.5 <= mean / 32 <= 0.7, mean
     # (b) logs B_simple per window, in tokens: finite and positive once

@@ -978,7 +978,7 @@ def test_flush_batch_stats_keeps_mapping_type_and_works_under_jit():
     np.testing.assert_allclose(jitted["mean"], [1.0])
 
 
-# ------------------------------------- issue 10 (items 7, 8), issue 13 (dtypes) --
+# ---------------------------------------- bad input, dtypes of the statistics --
 
 
 class TwoBN(nn.Module):

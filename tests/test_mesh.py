@@ -1,4 +1,4 @@
-"""Sharded meshes under ``jax.jit`` (issue 11): unreduced gradients and one
+"""Sharded meshes under ``jax.jit``: unreduced gradients and one
 data-axis reduction per window, on ``data=2 x fsdp=4`` and ``data=8`` meshes
 of the 8 CPU devices conftest.py gives.
 
@@ -728,7 +728,7 @@ def test_bench_mesh_tiny():
             r["acc_bytes"]["oa.unreduced_value_and_grad"] * fsdp
             == (r["tree_bytes"])
         )
-        # FSDP's own bytes: all-gather + reduce-scatter (issue 24).
+        # FSDP's own bytes: all-gather + reduce-scatter.
         assert ours["micro_step_trees"] <= 1 + 1 / fsdp, ours
         assert ours["all_bytes"] < naive["all_bytes"], (ours, naive)
     both = res["results"]["data=2 x fsdp=4"]["census"][
@@ -1005,7 +1005,7 @@ def test_plan_microbatches_counts_per_device_for_sharded_args():
             )
 
 
-# ------------------------------------------------- checkpoints (issue 24)
+# ----------------------------------------------------------- checkpoints
 
 
 def _ckpt_tx(k):
@@ -1091,7 +1091,7 @@ def test_checkpoint_round_trip_mid_window_and_boundary(
     chex.assert_trees_all_close(jax.device_get(resumed), want, **TOL)
 
 
-# ------------------------------------------------ named mistakes (issue 24)
+# -------------------------------------------------------- named mistakes
 
 
 def _one_step(tx, mesh, vg):
