@@ -491,6 +491,21 @@ MUTANTS = {
         "both = jnp.stack([sq_sum, count])",
         ["tests/test_noise_scale.py", "-k", "small_batches"],
     ),
+    # ------------------------------- issue 42 (hardening 4), item 15
+    "stacked_in_the_given_axis_order": (  # axis_name out of mesh order
+        "reducer.py",
+        "        axes = sharding.ordered_axes(named.mesh, "
+        "utils.axis_names(axis_name))\n        n = int(",
+        "        axes = utils.axis_names(axis_name)\n        n = int(",
+        ["tests/test_mesh.py", "-k", "out_of_mesh_order"],
+    ),
+    "stack_read_in_the_given_axis_order": (
+        "reducer.py",
+        "    axes = sharding.ordered_axes(named.mesh, "
+        "utils.axis_names(axis_name))\n    first = ",
+        "    axes = utils.axis_names(axis_name)\n    first = ",
+        ["tests/test_mesh.py", "-k", "out_of_mesh_order"],
+    ),
 }
 
 
