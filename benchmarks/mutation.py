@@ -506,6 +506,12 @@ MUTANTS = {
         "    axes = utils.axis_names(axis_name)\n    first = ",
         ["tests/test_mesh.py", "-k", "out_of_mesh_order"],
     ),
+    "has_updated_flagless_rule_swapped": (  # optax's rule, its two counters
+        "windows.py",
+        "utils.optax_has_updated(found.mini_step, found.gradient_step)",
+        "utils.optax_has_updated(found.gradient_step, found.mini_step)",
+        ["tests/test_multisteps.py", "-k", "has_updated"],
+    ),
 }
 
 
