@@ -512,6 +512,12 @@ MUTANTS = {
         "utils.optax_has_updated(found.gradient_step, found.mini_step)",
         ["tests/test_multisteps.py", "-k", "has_updated"],
     ),
+    "bn_window_of_no_element_closes": (  # all masked: running stats stay
+        "batch_stats.py",
+        "    use = do_close & seen\n",
+        "    use = do_close\n",
+        ["tests/test_flax.py", "-k", "mask"],
+    ),
 }
 
 

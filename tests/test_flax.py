@@ -842,6 +842,67 @@ def test_empty_masks_add_nothing_to_the_window(use_fast_variance):
     _assert_masked_window_is_the_concatenated_batch(ours, ref, batches, masks)
 
 
+def test_window_with_every_element_masked_leaves_running_stats_alone():
+    """A window in which every element of a feature is masked out leaves
+    that feature's running mean and variance exactly as they were (it saw
+    no element: nothing to average in); the other features follow
+    ``nn.BatchNorm`` on the masked window. A window in which everything is
+    masked, closed by its last micro-batch or by a flush, changes no
+    running statistic and is emptied."""
+    batches = _data((3, 5, 4, 2, 6, 3, 4), (2,))
+    ours = AccumBatchNorm(
+        use_running_average=False, momentum=0.8, accum_steps=2
+    )
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.8)
+    variables = ours.init(jax.random.key(0), batches[0])
+    ref_stats = ref.init(jax.random.key(0), batches[0])["batch_stats"]
+
+    def run(stats, xs, masks):
+        for xb, m in zip(xs, masks, strict=True):
+            _, upd = ours.apply(
+                {**variables, "batch_stats": stats},
+                xb,
+                mask=m,
+                mutable=["batch_stats"],
+            )
+            stats = upd["batch_stats"]
+        return stats
+
+    def ref_run(stats, xs, masks):
+        _, upd = ref.apply(
+            {"params": variables["params"], "batch_stats": stats},
+            jnp.concatenate(xs),
+            mask=jnp.concatenate(masks),
+            mutable=["batch_stats"],
+        )
+        return upd["batch_stats"]
+
+    # A first window with every element: the running stats move off 0 and 1.
+    full = [jnp.ones(xb.shape, bool) for xb in batches[:2]]
+    stats = run(variables["batch_stats"], batches[:2], full)
+    ref_stats = ref_run(ref_stats, batches[:2], full)
+    first = stats
+    # Feature 0 masked out in both micro-batches of the second window.
+    masks = [jnp.array([[False, True]] * xb.shape[0]) for xb in batches[2:4]]
+    stats = run(stats, batches[2:4], masks)
+    ref_stats = ref_run(ref_stats, batches[2:4], masks)
+    assert int(stats["window_step"]) == 0
+    for name in ("mean", "var"):
+        assert float(first[name][0]) != {"mean": 0.0, "var": 1.0}[name]
+        np.testing.assert_array_equal(stats[name][0], first[name][0])
+        np.testing.assert_allclose(stats[name][1], ref_stats[name][1], **TOL)
+        assert stats[name][1] != first[name][1]
+    # Every element masked: a closed window, then a flushed partial one.
+    before = stats
+    none = [jnp.zeros(xb.shape, bool) for xb in batches[4:]]
+    stats = run(stats, batches[4:6], none[:2])
+    assert int(stats["window_step"]) == 0
+    stats = flush_batch_stats(run(stats, batches[6:], none[2:]))
+    assert int(stats["window_step"]) == 0
+    for name in ("mean", "var"):
+        np.testing.assert_array_equal(stats[name], before[name])
+
+
 @pytest.mark.parametrize("axis", [1, (1, 2), (-1, 1)])
 @pytest.mark.parametrize("use_fast_variance", [True, False])
 def test_feature_axes_and_two_pass_variance(axis, use_fast_variance):
