@@ -518,6 +518,12 @@ MUTANTS = {
         "    use = do_close\n",
         ["tests/test_flax.py", "-k", "mask"],
     ),
+    "head_steps_on_a_refused_call": (  # behind a loss scale that overflows
+        "chain.py",
+        "counts = utils.both(ctx.passed, _nonzero(ctx.window_weight))",
+        "counts = _nonzero(ctx.window_weight)",
+        _CHAIN + ["-k", "skips_an_overflow"],
+    ),
 }
 
 

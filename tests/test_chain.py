@@ -735,6 +735,64 @@ def test_stateful_element_before_a_nested_gate_skips_a_window_of_weight_0(
     np.testing.assert_allclose(p, -want_u, rtol=1e-6, atol=1e-7)
 
 
+_ADAM_BEHIND_A_LOSS_SCALE = {
+    "flat": lambda: oa.chain(
+        oa.dynamic_loss_scale(1.0),
+        optax.scale_by_adam(),
+        oa.accumulate(2),
+        optax.sgd(1.0),
+    ),
+    "nested": lambda: oa.chain(
+        oa.dynamic_loss_scale(1.0),
+        oa.chain(optax.scale_by_adam(), oa.accumulate(2), optax.sgd(1.0)),
+    ),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+@pytest.mark.parametrize("build", list(_ADAM_BEHIND_A_LOSS_SCALE))
+def test_element_before_a_nested_accumulate_skips_an_overflow(build, fused):
+    """Behind a loss scale, Adam in front of an accumulate (the head of the
+    chain that follows the scale) steps only on the micro-batches the
+    scale lets through: with overflows at calls 1 and 4 its state is that
+    of Adam on the three finite gradients (count 3, finite moments), and
+    the one closed window (calls 2 and 3) is the mean of those two Adam
+    updates."""
+    tx = _ADAM_BEHIND_A_LOSS_SCALE[build]()
+    rng = np.random.default_rng(3)
+    grads = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    grads = grads.at[0, 1].set(jnp.inf).at[3, 0].set(jnp.nan)
+
+    def step(params, state, g):
+        if fused:
+            return oa.apply_gradients(tx, g, state, params)
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    step = jax.jit(step)
+    p = jnp.zeros(3)
+    s = tx.init(p)
+    for g in grads:
+        p, s = step(p, s, g)
+    adam = optax.scale_by_adam()
+    want_s, want_u = adam.init(p), []
+    for g in grads[jnp.array([1, 2, 4])]:
+        u, want_s = adam.update(g, want_s)
+        want_u.append(u)
+    (got_s,) = [
+        x
+        for x in jax.tree.leaves(
+            s, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)
+        )
+        if isinstance(x, optax.ScaleByAdamState)
+    ]
+    assert int(got_s.count) == 3
+    chex.assert_trees_all_close(got_s, want_s, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        p, -(want_u[0] + want_u[1]) / 2, rtol=1e-6, atol=1e-7
+    )
+
+
 # ------------------------------------------------- gates users write (gates.md)
 
 
