@@ -524,6 +524,12 @@ MUTANTS = {
         "counts = _nonzero(ctx.window_weight)",
         _CHAIN + ["-k", "skips_an_overflow"],
     ),
+    "window_of_weight_0_stops_at_an_eager_gate": (  # not counted after it
+        "chain.py",
+        "        if plain:  # they do not step on a window of weight 0\n",
+        "        if True:  # they do not step on a window of weight 0\n",
+        _CHAIN + ["-k", "reaches_a_second_accumulate"],
+    ),
 }
 
 
