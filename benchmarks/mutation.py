@@ -530,6 +530,13 @@ MUTANTS = {
         "        if True:  # they do not step on a window of weight 0\n",
         _CHAIN + ["-k", "reaches_a_second_accumulate"],
     ),
+    "reshard_state_folds_complex_as_real": (  # the imaginary part lost
+        "reshard.py",
+        "    return np.complex128 if np.iscomplexobj(np.zeros((), dtype)) "
+        "else np.float64",
+        "    return np.float64",
+        ["tests/test_reshard_state.py", "-k", "complex"],
+    ),
 }
 
 
