@@ -6,6 +6,7 @@ concatenated window, and the same model trained on the big batch.
 """
 
 import functools
+import warnings
 
 import chex
 import flax.linen as nn
@@ -1468,3 +1469,39 @@ def test_trainstate_keeps_stepping_batch_stats_without_a_momentum(jit):
             state = step(state)
     assert bool(oa.has_updated(state.opt_state))
     chex.assert_trees_all_equal(state.batch_stats, older)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["accumulate", "optax"])
+def test_trainstate_warns_about_older_batch_stats_only_where_a_close_is_due(
+    plain,
+):
+    """The warning about ``batch_stats`` without a recorded momentum comes
+    where the optimizer's window closes (calls 2 and 4 of four with
+    ``oa.accumulate(2)``: where the layers would have closed with it), not
+    on every call, and never with a plain optax optimizer (no window to
+    follow: the layers close on ``accum_steps``, as they always did)."""
+    model = _BNHead(accum_steps=2)
+    x = jax.random.normal(jax.random.key(0), (4, 4))
+    variables = model.init(jax.random.key(0), x, False)
+    layer = variables["batch_stats"]["AccumBatchNorm_0"]
+    older = {
+        "AccumBatchNorm_0": {k: v for k, v in layer.items() if k != "momentum"}
+    }
+    tx = optax.sgd(0.1)
+    tx = tx if plain else oa.chain(oa.accumulate(2), tx)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=tx,
+        batch_stats=older,
+    )
+    grads = jax.tree.map(jnp.ones_like, state.params)
+    warned = []
+    for _ in range(4):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = state.apply_gradients(grads=grads, batch_stats=older)
+        texts = [str(w.message) for w in caught]
+        assert all("convert_batch_stats" in t for t in texts), texts
+        warned.append(len(texts))
+    assert warned == ([0] * 4 if plain else [0, 1, 0, 1])
