@@ -543,6 +543,13 @@ MUTANTS = {
         "    if not _has_windows(kept):",
         ["tests/test_flax.py", "-k", "older_batch_stats"],
     ),
+    "counted_reads_the_innermost_window": (  # nested windows
+        "windows.py",
+        '    return _moved(old, _find_window(new_state, "counted"))',
+        "    return _moved(\n        _window_states(old_state)[-1], "
+        "_window_states(new_state)[-1]\n    )",
+        ["tests/test_accumulate.py", "-k", "counted"],
+    ),
 }
 
 
