@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
-from optaxaccum._src import collectives, sharding
+from optaxaccum._src import collectives, reducer, sharding
 
 # Meshes of 8 devices of the default backend (conftest: 8 CPU devices).
 pytestmark = pytest.mark.devices(8)
@@ -515,6 +515,42 @@ def test_naming_fsdp_too_defers_both_reductions():
     branch = [o for o in ops if o["branches"]]
     assert len(branch) == 1 and branch[0]["axes"] == set(axis), ops
     assert branch[0]["bytes"] == tree_bytes, ops
+
+
+@pytest.mark.parametrize("eager_init", [False, True], ids=["jit", "eager"])
+def test_axis_names_out_of_mesh_order(eager_init):
+    """axis_name=("fsdp", "data") on the mesh ("data", "fsdp"): the same
+    axes in another order are the same reduction. The accumulator is
+    stacked in the mesh's order (its leading dimension over both axes, as
+    the steps restack it: a stack in the given order failed with a shape
+    ValueError on the second step), by ``jax.jit(tx.init)`` under the mesh
+    or by the first step after an eager init, and two windows equal the
+    big-batch Adam."""
+    mesh = _mesh("data2xfsdp4")
+    axis = ("fsdp", "data")
+    tx = oa.chain(oa.accumulate(K, axis_name=axis), optax.adam(0.05))
+
+    def check_stacked(acc):
+        for a, p in zip(
+            jax.tree.leaves(acc), jax.tree.leaves(_init_params()), strict=True
+        ):
+            assert a.shape == (mesh.size, *p.shape), (a.shape, p.shape)
+            assert _partitions(a)[0] == ("data", "fsdp"), a.sharding
+            assert not a.sharding.spec.unreduced
+            # What the steps read as a stack over the named axes.
+            assert reducer.stacked_axes(a, axis) == ("data", "fsdp")
+
+    params = _put_params(mesh, _init_params())
+    if not eager_init:  # tx.init off the mesh context: plain, stacked later
+        with jax.set_mesh(mesh):
+            check_stacked(jax.jit(tx.init)(params)[0].acc)
+    data = _make_data(K * WINDOWS)
+    params, state = _run(tx, mesh, data, eager_init, axis=axis)
+    want = _reference(optax.adam(0.05), _init_params(), *data)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
+    assert int(state[0].gradient_step) == WINDOWS
+    check_stacked(state[0].acc)
+    _same_sharding(params, _put_params(mesh, _init_params()))
 
 
 def test_hlo_plain_gather_reduces_every_micro_batch():
