@@ -48,6 +48,11 @@ from optaxaccum._src.sharding import (
     state_shardings,
     unreduced_value_and_grad,
 )
+from optaxaccum._src.window_scale import (
+    ScaleByWindowState,
+    scale_by_window,
+    window_progress,
+)
 from optaxaccum._src.windows import has_updated
 
 __version__ = "0.1.0"
@@ -91,4 +96,7 @@ __all__ = [
     "unreduced_value_and_grad",
     # Windows that follow the data, an optimizer that follows the window.
     "every_weight",
+    "scale_by_window",
+    "window_progress",
+    "ScaleByWindowState",
 ]

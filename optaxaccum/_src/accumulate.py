@@ -409,6 +409,7 @@ def _emitter(
             state=state._replace(updated=updated, noise_scale=noise),
             opened=opened,
             window_weight=follower_weight,
+            noise=None if noise is None else noise_scale.estimates(noise),
         )
 
     return emit
