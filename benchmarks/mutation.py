@@ -491,7 +491,7 @@ MUTANTS = {
         "both = jnp.stack([sq_sum, count])",
         ["tests/test_noise_scale.py", "-k", "small_batches"],
     ),
-    # ------------------------------- issue 42 (hardening 4), item 15
+    # ------------------------------- behaviours a mutation run found unpinned
     "stacked_in_the_given_axis_order": (  # axis_name out of mesh order
         "reducer.py",
         "        axes = sharding.ordered_axes(named.mesh, "
@@ -549,6 +549,31 @@ MUTANTS = {
         "    return _moved(\n        _window_states(old_state)[-1], "
         "_window_states(new_state)[-1]\n    )",
         ["tests/test_accumulate.py", "-k", "counted"],
+    ),
+    # Windows that follow the data, an optimizer that follows the window.
+    "every_weight_max_k_off_by_one": (
+        "every_weight.py",
+        "return reached | (mini_step >= self.max_k)",
+        "return reached | (mini_step > self.max_k)",
+        ["tests/test_every_weight.py", "-k", "hand_loop"],
+    ),
+    "scale_by_window_schedule_after_the_window": (
+        "window_scale.py",
+        "scale = r if schedule is None else r * schedule(state.tau)",
+        "scale = r if schedule is None else r * schedule(state.tau + r)",
+        ["tests/test_scale_by_window.py", "-k", "schedule_at_tau"],
+    ),
+    "scale_by_window_gain_nan_kept": (
+        "window_scale.py",
+        "return jnp.where(jnp.isnan(r), jnp.ones_like(r), r)",
+        "return r",
+        ["tests/test_scale_by_window.py", "-k", "unset"],
+    ),
+    "window_noise_reaches_every_follower": (
+        "chain.py",
+        "if noise is not None and base.WINDOW_NOISE_ARG not in declared:",
+        "if False:",
+        ["tests/test_scale_by_window.py", "-k", "stays_private"],
     ),
 }
 
