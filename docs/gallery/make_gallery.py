@@ -43,6 +43,7 @@ GALLERY = (
     ("fp16_loss_scale", ()),
     ("data_parallel", ()),
     ("fsdp", ()),
+    ("adascale", ()),
 )
 
 
