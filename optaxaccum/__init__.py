@@ -21,6 +21,7 @@ from optaxaccum._src.base import (
 )
 from optaxaccum._src.chain import apply_gradients, chain, flush
 from optaxaccum._src.collectives import collective_census
+from optaxaccum._src.gather_once import GatherOnce
 from optaxaccum._src.loss_scale import (
     DynamicLossScaleState,
     StaticLossScaleState,
@@ -88,4 +89,6 @@ __all__ = [
     "static_loss_scale",
     "unitwise_norm",
     "unreduced_value_and_grad",
+    # Gather once per step.
+    "GatherOnce",
 ]
