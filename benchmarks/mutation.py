@@ -491,6 +491,31 @@ MUTANTS = {
         "both = jnp.stack([sq_sum, count])",
         ["tests/test_noise_scale.py", "-k", "small_batches"],
     ),
+    # ------------------------------- gather once per step (gather_once.py)
+    "held_copy_reduced_over_held_axes_only": (  # per-micro-batch psum
+        "gather_once.py",
+        "reduced = spec.reduced | (\n        frozenset(cfg.batch_axes)",
+        "reduced = spec.reduced | axes | (\n        frozenset()",
+        ["tests/test_gather_once.py", "-k", "deferral"],
+    ),
+    "gather_once_holds_nothing": (
+        "gather_once.py",
+        "    if not axes:\n        return None",
+        "    if True:\n        return None",
+        ["tests/test_gather_once.py", "-k", "census"],
+    ),
+    "held_scatter_without_rest_psum": (
+        "gather_once.py",
+        "return lax.psum(c, rest) if rest else c",
+        "return c",
+        ["tests/test_gather_once.py", "-k", "deferral"],
+    ),
+    "held_smallest_first": (
+        "gather_once.py",
+        "key=lambda i: -_cost(hows[i], flat[i][1]),",
+        "key=lambda i: _cost(hows[i], flat[i][1]),",
+        ["tests/test_gather_once.py", "-k", "budget"],
+    ),
 }
 
 

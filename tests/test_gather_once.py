@@ -349,22 +349,24 @@ def test_gather_once_none_changes_nothing():
 
 def test_memory_budget_zero_half_all():
     """Budgets 0, half the held bytes, all of them (per device: a held copy
-    plus a float32 gradient sum per weight). 0 holds nothing (the program
-    of gather_once=None); all holds both weights; half holds the largest
-    weight that fits (w2, as w1 alone is over it). Every compiled step
-    needs at most the step without holding plus its budget."""
+    plus a float32 gradient sum per weight), and w1's alone. 0 holds
+    nothing (the program of gather_once=None); all holds both weights;
+    half holds the largest weight that fits (w2, as w1 alone is over it);
+    w1's holds w1 (largest first, not w2 then nothing). Every compiled
+    step needs at most the step without holding plus its budget."""
     axes = ("data", "fsdp")
     costs = {n: 2 * b for n, b in W_BYTES.items()}  # f32 copy + f32 sum
-    base, base_memory = _census("data2xfsdp4", 4, None)
+    base, base_memory = _census("data2xfsdp4", 2, None)
     assert costs["w1"] > sum(costs.values()) / 2 >= costs["w2"]
     held_names = {}
     for label, budget in (
         ("0", 0),
         ("half", sum(costs.values()) / 2),
         ("all", sum(costs.values())),
+        ("w1", costs["w1"]),
     ):
         hold = oa.GatherOnce(axes, memory_budget=budget)
-        ops, memory = _census("data2xfsdp4", 4, hold)
+        ops, memory = _census("data2xfsdp4", 2, hold)
         assert memory <= base_memory + budget, (label, memory, base_memory)
         held_names[label] = {
             n
@@ -373,7 +375,12 @@ def test_memory_budget_zero_half_all():
         }
         if label == "0":
             assert ops == base
-    assert held_names == {"0": set(), "half": {"w2"}, "all": {"w1", "w2"}}
+    assert held_names == {
+        "0": set(),
+        "half": {"w2"},
+        "all": {"w1", "w2"},
+        "w1": {"w1"},
+    }
 
 
 def test_leaves_predicate_chooses_the_held_leaves():

@@ -21,8 +21,8 @@ import numpy as np
 from jax import lax
 
 from optaxaccum._src import gather_once as gather_lib
-from optaxaccum._src.gather_once import GatherOnce
 from optaxaccum._src import sharding, utils
+from optaxaccum._src.gather_once import GatherOnce
 
 __all__ = [
     "microbatched_step_memory",
@@ -387,9 +387,7 @@ def microbatched_value_and_grad(
     }
     diff, batch, state_nums = named.values()
     utils.check_callable("weight_fn", weight_fn, none_ok=True)
-    if gather_once is not None and not isinstance(
-        gather_once, GatherOnce
-    ):
+    if gather_once is not None and not isinstance(gather_once, GatherOnce):
         raise TypeError(
             "gather_once must be None or an oa.GatherOnce, got "
             f"gather_once={gather_once!r}"
