@@ -500,8 +500,8 @@ MUTANTS = {
     ),
     "gather_once_holds_nothing": (
         "gather_once.py",
-        "    if not axes:\n        return None",
-        "    if True:\n        return None",
+        "    if not axes or not sharding.all_explicit(",
+        "    if True or not sharding.all_explicit(",
         ["tests/test_gather_once.py", "-k", "census"],
     ),
     "held_scatter_without_rest_psum": (

@@ -119,8 +119,8 @@ class GatherOnce:
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
     """How one held leaf is held: ``dims`` (its padded partition entries),
-    ``axes`` (the axes gathered once), ``spec`` (its own) and ``held``
-    (the held copy's spec)."""
+    ``axes`` (the axes gathered once), ``spec`` (its own), ``held`` (the
+    held copy's), ``mesh`` (its mesh) and ``dtype`` (the held copy's)."""
 
     dims: tuple[Any, ...]
     axes: frozenset
@@ -141,7 +141,7 @@ def _leaf_plan(leaf: Any, cfg: GatherOnce) -> _Leaf | None:
     dims = sharding.padded_entries(spec, np.ndim(leaf))
     over = cfg.batch_axes if cfg.over is None else cfg.over
     axes = sharding.sharded_axes(dims) & frozenset(over)
-    if not axes:
+    if not axes or not sharding.all_explicit(named.mesh, tuple(axes)):
         return None
     kept = sharding.drop_axes(dims, axes)
     reduced = spec.reduced | (
