@@ -512,8 +512,8 @@ MUTANTS = {
     ),
     "held_smallest_first": (
         "gather_once.py",
-        "key=lambda i: -_cost(hows[i], flat[i][1]),",
-        "key=lambda i: _cost(hows[i], flat[i][1]),",
+        "for i in sorted(costs, key=lambda i: -costs[i]):",
+        "for i in sorted(costs, key=lambda i: costs[i]):",
         ["tests/test_gather_once.py", "-k", "budget"],
     ),
 }

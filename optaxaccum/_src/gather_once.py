@@ -300,16 +300,14 @@ def plan(
         ]
     if cfg.memory_budget is None:
         return Plan(hows, treedef)
-    order = sorted(
-        (i for i, h in enumerate(hows) if h is not None),
-        key=lambda i: -_cost(hows[i], flat[i][1]),
-    )
+    costs = {
+        i: _cost(h, flat[i][1]) for i, h in enumerate(hows) if h is not None
+    }
     chosen, used = [], 0
-    for i in order:
-        cost = _cost(hows[i], flat[i][1])
-        if used + cost <= cfg.memory_budget:
+    for i in sorted(costs, key=lambda i: -costs[i]):  # the largest first
+        if used + costs[i] <= cfg.memory_budget:
             chosen.append(i)
-            used += cost
+            used += costs[i]
 
     def subset(ids):
         return Plan(
