@@ -418,11 +418,11 @@ def held_markdown() -> str:
         "params",
         "k",
         "mode",
-        "slow-link GB/device/step",
-        "fast-link GB/device/step",
-        "collectives/step",
-        "comm s/step",
-        "GB/device held",
+        "slow GB",
+        "fast GB",
+        "ops",
+        "comm s",
+        "GB held",
     ]
     for caption, name, slices in HELD_SETTINGS:
         parts.append(f"*{caption}.*\n")
