@@ -316,18 +316,33 @@ def test_hierarchical_over_the_slow_axis_only():
 
 
 def test_fsdp_gather_of_a_held_leaf_moves_nothing():
-    """The held copy is replicated over the held axes and reduced over the
-    batch axes: oa.fsdp_gather of it (forward and backward) compiles to no
-    collective at all."""
+    """loss_fn sees each held weight replicated and reduced over every
+    batch axis: oa.fsdp_gather of such a copy (forward and backward)
+    returns its type and compiles to no collective at all."""
     mesh = _mesh("data2xfsdp4")
     axes = ("data", "fsdp")
+    seen = {}
+
+    def loss(params, batch):
+        seen.update(jax.tree.map(jax.typeof, params))
+        return _loss(axes)(params, batch)
+
+    f = oa.microbatched_value_and_grad(
+        loss, 2, interleave=True, gather_once=oa.GatherOnce(axes)
+    )
     with jax.set_mesh(mesh):
+        jax.jit(f).trace(*_put("data2xfsdp4", _params(), _data()))
+        spec = seen["w1"].sharding.spec
+        assert spec.partitions in ((), (None, None)), spec
+        assert spec.reduced == set(axes), spec
         w = jax.device_put(jnp.ones((8, 4)), P(None, None, reduced=set(axes)))
 
-        def f(w):
+        def g(w):
+            full = oa.fsdp_gather(w, axes)
+            assert jax.typeof(full) == jax.typeof(w)
             return jax.grad(lambda w: jnp.sum(oa.fsdp_gather(w, axes)))(w)
 
-        compiled = jax.jit(f).lower(w).compile()
+        compiled = jax.jit(g).lower(w).compile()
     assert oa.collective_census(compiled, mesh) == []
 
 
