@@ -20,6 +20,18 @@ and the bytes each device holds. Modes:
   optimizer state sharded ``n`` ways): every micro-step gathers the params
   and reduce-scatters the gradient over all devices.
 
+Gather once per step (``HELD_MODES``; the window is one jitted step of
+``k`` micro-batches, ``oa.microbatched_value_and_grad`` with
+``gather_once=oa.GatherOnce(...)``):
+
+* ``held``: ``deferred`` with every leaf held over ``fsdp``: one all-gather
+  of the params and one reduce-scatter of the gradient per step, whatever
+  ``k`` (``deferred`` is the same step without holding);
+* ``fsdp_all_held_dcn``: ``fsdp_all`` with ``over=("dcn",)``: the params
+  gathered over the slow axis once per step (to the slice's shard), over
+  the slice's devices every micro-batch; the gradient reduce-scattered over
+  the slice every micro-batch and over ``dcn`` once.
+
 Assumptions (docs/scaling.md, "Communication model"): ring algorithms
 (all-reduce ``2 S (m-1)/m`` bytes sent per device for a result of ``S``
 bytes over ``m`` devices; reduce-scatter and all-gather ``S (m-1)/m`` of the
@@ -49,6 +61,7 @@ sys.path.insert(0, HERE)
 import _common  # noqa: E402
 
 MODES = ("naive", "deferred", "shard_update", "fsdp_all")
+HELD_MODES = ("held", "fsdp_all_held_dcn")
 BYTES = 4  # float32 params, gradients, accumulator, Adam moments
 ADAM_MOMENTS = 2
 GIB = 2**30
@@ -135,11 +148,14 @@ HARDWARE = {
 
 
 def collectives(
-    n_params: int, mesh: Mesh, k: int, mode: str
+    n_params: int, mesh: Mesh, k: int, mode: str, held_bytes: int = BYTES
 ) -> list[Collective]:
-    """The collectives of one window of ``k`` micro-batches (see module)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode=!r}")
+    """The collectives of one window of ``k`` micro-batches (see module);
+    ``held_bytes``: bytes per parameter of a held copy (2: bf16)."""
+    if mode not in MODES + HELD_MODES:
+        raise ValueError(
+            f"mode must be one of {MODES + HELD_MODES}, got {mode=!r}"
+        )
     tree = BYTES * n_params
     fsdp, data = mesh.axes("fsdp"), mesh.axes("dcn", "data")
     everything = fsdp | data
@@ -149,6 +165,9 @@ def collectives(
         if axes:
             out.append(Collective(op, axes, result, runs))
 
+    if mode in HELD_MODES:
+        _held_collectives(n_params, mesh, k, mode, held_bytes, add)
+        return out
     if mode == "fsdp_all":
         n = mesh.size(everything)
         add("all-gather", everything, tree, k)
@@ -165,6 +184,25 @@ def collectives(
         add("reduce-scatter", data, shard / mesh.size(data), 1)
         add("all-gather", data, shard, 1)
     return out
+
+
+def _held_collectives(n_params, mesh, k, mode, held_bytes, add) -> None:
+    """Adds the collectives of a step of ``k`` micro-batches with held
+    leaves (``add(op, axes, result bytes, runs)`` appends one)."""
+    tree, held = BYTES * n_params, held_bytes * n_params
+    fsdp, data = mesh.axes("fsdp"), mesh.axes("dcn", "data")
+    if mode == "held":  # every leaf held over fsdp
+        shard = tree / mesh.size(fsdp)
+        add("all-gather", fsdp, held, 1)
+        add("reduce-scatter", fsdp, shard, 1)
+        add("all-reduce", data, shard, 1)
+    else:  # fsdp_all_held_dcn: held over dcn, gathered in the slice
+        inner, dcn = mesh.axes("data", "fsdp"), mesh.axes("dcn")
+        q = mesh.size(inner)
+        add("all-gather", dcn, held / q, 1)
+        add("all-gather", inner, held, k)
+        add("reduce-scatter", inner, tree / q, k)
+        add("reduce-scatter", dcn, tree / mesh.devices, 1)
 
 
 def link_bytes(c: Collective, mesh: Mesh) -> tuple[float, float]:
@@ -185,35 +223,48 @@ def link_bytes(c: Collective, mesh: Mesh) -> tuple[float, float]:
     return fast, slow
 
 
-def memory(n_params: int, mesh: Mesh, k: int, mode: str) -> dict[str, float]:
-    """Bytes per device: params, accumulator (none for ``k == 1``) and Adam's
-    moments."""
+def memory(
+    n_params: int, mesh: Mesh, k: int, mode: str, held_bytes: int = BYTES
+) -> dict[str, float]:
+    """Bytes per device: params, accumulator (none for ``k == 1``; for the
+    held modes the unsharded gradient sum), Adam's moments, and the held
+    copy (``held_copy``, the held modes only)."""
     tree = BYTES * n_params
     fsdp = mesh.size(mesh.axes("fsdp"))
-    if mode == "fsdp_all":
+    if mode in ("fsdp_all", "fsdp_all_held_dcn"):
         fsdp = mesh.devices
     opt = ADAM_MOMENTS * tree / fsdp
     if mode == "shard_update":
         opt /= mesh.size(mesh.axes("dcn", "data"))
-    return {
+    out = {
         "params": tree / fsdp,
         "accumulator": tree / fsdp if k > 1 else 0.0,
         "optimizer": opt,
     }
+    if mode in HELD_MODES:  # per device: unsharded over the held axes
+        kept = 1 if mode == "held" else mesh.size(mesh.axes("data", "fsdp"))
+        out["accumulator"] = tree / kept
+        out["held_copy"] = held_bytes * n_params / kept
+    return out
 
 
 def window_cost(
-    n_params: int, mesh: Mesh, k: int, mode: str, hw: Hardware
+    n_params: int,
+    mesh: Mesh,
+    k: int,
+    mode: str,
+    hw: Hardware,
+    held_bytes: int = BYTES,
 ) -> dict[str, float]:
     """Per device and window: fast and slow bytes, collectives (of the whole
     tree), projected seconds, and the bytes held (``fits``: within HBM,
     activations not counted)."""
     fast = slow = runs = 0.0
-    for c in collectives(n_params, mesh, k, mode):
+    for c in collectives(n_params, mesh, k, mode, held_bytes):
         f, s = link_bytes(c, mesh)
         fast, slow = fast + f * c.per_window, slow + s * c.per_window
         runs += c.per_window
-    held = memory(n_params, mesh, k, mode)
+    held = memory(n_params, mesh, k, mode, held_bytes)
     total = sum(held.values())
     return dict(
         fast_bytes=fast,
@@ -312,6 +363,74 @@ MARKDOWN_PARTS = (
 )
 
 
+# Gather once per step, projected: (caption, hardware, slices, modes
+# compared). 256 H100 (32 DGX nodes) is the setting of marin's FSDP +
+# microbatching report (marin-community/marin #6304).
+HELD_SETTINGS = (
+    ("256 H100 (32 nodes of 8)", "h100", 32),
+    ("4 TPU v5p slices of 256 chips", "tpu-v5p", 4),
+    ("one TPU v5e pod slice of 256 chips", "tpu-v5e", 1),
+)
+HELD_PAIRS = (("deferred", "held"), ("fsdp_all", "fsdp_all_held_dcn"))
+HELD_SIZES = ("1B", "8B")
+HELD_WINDOWS = (2, 4, 8)
+
+
+def held_rows(hw: Hardware, slices: int) -> list[list[str]]:
+    """One row per size, k and mode of :data:`HELD_PAIRS`: slow and fast
+    GB per device and step, whole-tree collectives per step, seconds and
+    GB held per device."""
+    rows = []
+    for size in HELD_SIZES:
+        for k in HELD_WINDOWS:
+            for mode in (m for pair in HELD_PAIRS for m in pair):
+                if slices == 1 and mode.startswith("fsdp_all"):
+                    continue  # one slice: fsdp_all is deferred's mesh
+                mesh = slice_mesh(slices, hw)
+                c = window_cost(SIZES[size], mesh, k, mode, hw)
+                rows.append(
+                    [
+                        size,
+                        str(k),
+                        mode,
+                        _fmt_gb(c["slow_bytes"]),
+                        _fmt_gb(c["fast_bytes"]),
+                        f"{c['collectives']:.0f}",
+                        f"{c['seconds']:.3f}",
+                        _held(c),
+                    ]
+                )
+    return rows
+
+
+def held_markdown() -> str:
+    """The gather-once projections as Markdown, one table per setting."""
+    parts = [
+        "**Gather once per step** (one jitted step of k micro-batches, "
+        "float32 held copies: bf16 halves the gathers' bytes and the held "
+        "copy). *deferred* / *fsdp_all*: the step without holding; *held*: "
+        "every leaf held over `fsdp`; *fsdp_all_held_dcn*: FSDP over every "
+        'device, held over the slow axis only (`over=("dcn",)`). '
+        "Collectives are counted per whole tree: multiply by the number of "
+        "leaves (or buckets) for the launches a step pays.\n"
+    ]
+    headers = [
+        "params",
+        "k",
+        "mode",
+        "slow GB",
+        "fast GB",
+        "ops",
+        "comm s",
+        "GB held",
+    ]
+    for caption, name, slices in HELD_SETTINGS:
+        parts.append(f"*{caption}.*\n")
+        rows = held_rows(HARDWARE[name], slices)
+        parts.append(_common.markdown_table(headers, rows) + "\n")
+    return "\n".join(parts)
+
+
 def markdown() -> str:
     """The projected tables for every hardware, as Markdown: for each, one
     table of slow-link bytes, one of seconds and one of memory."""
@@ -336,6 +455,7 @@ def markdown() -> str:
                 _common.markdown_table(["params", unit, "k", *headers], part)
                 + "\n"
             )
+    parts.append(held_markdown())
     return "\n".join(parts)
 
 

@@ -575,6 +575,31 @@ MUTANTS = {
         "if False:",
         ["tests/test_scale_by_window.py", "-k", "stays_private"],
     ),
+    # ------------------------------- gather once per step (gather_once.py)
+    "held_copy_reduced_over_held_axes_only": (  # per-micro-batch psum
+        "gather_once.py",
+        "reduced = spec.reduced | (\n        frozenset(cfg.batch_axes)",
+        "reduced = spec.reduced | axes | (\n        frozenset()",
+        ["tests/test_gather_once.py", "-k", "deferral"],
+    ),
+    "gather_once_holds_nothing": (
+        "gather_once.py",
+        "    if not axes or not sharding.all_explicit(",
+        "    if True or not sharding.all_explicit(",
+        ["tests/test_gather_once.py", "-k", "census"],
+    ),
+    "held_scatter_without_rest_psum": (
+        "gather_once.py",
+        "return lax.psum(c, rest) if rest else c",
+        "return c",
+        ["tests/test_gather_once.py", "-k", "deferral"],
+    ),
+    "held_smallest_first": (
+        "gather_once.py",
+        "for i in sorted(costs, key=lambda i: -costs[i]):",
+        "for i in sorted(costs, key=lambda i: costs[i]):",
+        ["tests/test_gather_once.py", "-k", "budget"],
+    ),
 }
 
 

@@ -22,6 +22,14 @@ arrives reduced over ``data`` must stay reduced (over every batch axis) when
 gathered, or JAX reduces its gradient in the backward pass after all (see
 docs/scaling.md).
 
+Then it compiles the same model's in-step variant: one jitted step of
+``k`` micro-batches (``oa.microbatched_value_and_grad``), with and without
+``gather_once=oa.GatherOnce(("data", "fsdp"))``, and prints the weights'
+all-gathers and reduce-scatters per step (those inside the scan's loop run
+once per micro-batch) and the step's per-device memory: held, each weight
+is gathered once before the micro-batches and its gradient reduce-scattered
+once after them.
+
 On CPU the script asks XLA for 8 host devices (unless ``XLA_FLAGS`` sets a
 count). Run: ``python examples/fsdp.py [--steps 80] [--accum 4]``.
 """
@@ -35,6 +43,7 @@ if "xla_force_host_platform_device_count" not in _FLAGS:
     )
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -107,6 +116,42 @@ def census_per_window(compiled, mesh, k):
     ]
     runs = [k if not o["branches"] else 1 for o in ops]
     return sum(runs), sum(r * o["bytes"] for r, o in zip(runs, ops))
+
+
+def gather_once_report(mesh, params, batch, k):
+    """Prints, for one jitted step of ``k`` in-step micro-batches with and
+    without ``oa.GatherOnce``, the weights' all-gathers and reduce-scatters
+    per step (in the scan's loop: once per micro-batch) and the step's
+    per-device memory (argument + output - alias + temp bytes)."""
+    print(f"in-step, {k} micro-batches: weight collectives per step, memory")
+    for name, hold in (
+        ("default", None),
+        ("gather_once", oa.GatherOnce(BATCH_AXES)),
+    ):
+        micro = functools.partial(
+            oa.microbatched_value_and_grad,
+            num_microbatches=k,
+            batch_argnums=(1, 2, 3),
+            interleave=True,
+            weight_fn=lambda b: b[2].sum(),
+            gather_once=hold,
+        )
+        f = oa.unreduced_value_and_grad(loss_fn, "data", value_and_grad=micro)
+        compiled = jax.jit(f).lower(params, *batch).compile()
+        per_step = {"all-gather": [0, 0], "reduce-scatter": [0, 0]}
+        for o in oa.collective_census(compiled, mesh):
+            if o["op"] in per_step and o["bytes"] > 64:
+                per_step[o["op"]][0] += k if o["loop"] else 1
+                per_step[o["op"]][1] += o["loop"]
+        m, memory = compiled.memory_analysis(), "n/a"
+        if m is not None:
+            used = m.argument_size_in_bytes + m.output_size_in_bytes
+            used += m.temp_size_in_bytes - m.alias_size_in_bytes
+            memory = f"{used / 1024:.0f} KiB"
+        counts = ", ".join(
+            f"{n} {c[0]} ({c[1]} in the loop)" for n, c in per_step.items()
+        )
+        print(f"  {name:12s} {counts}; memory {memory}")
 
 
 def main(argv=None):
@@ -182,6 +227,13 @@ def main(argv=None):
             compiled = step.lower(params, state, *micro_batch()).compile()
             n, nbytes = census_per_window(compiled, mesh, args.accum)
             print(f"  {name:28s}{n:8d} ops {nbytes / 1024:10.1f} KiB")
+        batches = [micro_batch() for _ in range(args.accum)]
+        gather_once_report(
+            mesh,
+            params,
+            [jnp.concatenate(parts) for parts in zip(*batches, strict=True)],
+            args.accum,
+        )
         losses = []
         for _ in range(args.steps):
             params, state, loss = step(params, state, *micro_batch())

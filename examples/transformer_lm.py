@@ -39,27 +39,46 @@ parameters from those of (a), (b)'s ``B_simple`` per window, and saves
 and the parameters' distance to (a)) and ``transformer_lm_noise_scale.png``
 (the train loss and ``B_simple`` against the tokens per window).
 
-Run: ``python examples/transformer_lm.py [--epochs 2] [--out DIR] [--quick]``.
+``--mesh`` compiles the model's training step instead, on a ``data=2 x
+fsdp=4`` mesh of 8 devices (8 host CPU devices unless ``XLA_FLAGS`` says
+otherwise): every kernel sharded over ``fsdp`` and gathered with
+``oa.fsdp_gather``, one jitted step of k micro-batches
+(``oa.microbatched_value_and_grad``), with and without
+``gather_once=oa.GatherOnce(("data", "fsdp"))``, and prints the kernels'
+all-gathers and reduce-scatters per step (those inside the scan's loop run
+once per micro-batch) and the step's per-device memory. Nothing is trained.
+
+Run: ``python examples/transformer_lm.py [--epochs 2] [--out DIR] [--quick]
+[--mesh]``.
 """
 
-import argparse
-import dataclasses
 import os
-import pathlib
-import re
-import sysconfig
-import time
+import sys
 
-import jax
-import jax.numpy as jnp
-import matplotlib
-import numpy as np
-import optax
-from flax import nnx
-from tqdm import tqdm
+if "--mesh" in sys.argv:  # 8 host devices, before jax starts
+    _FLAGS = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in _FLAGS:
+        os.environ["XLA_FLAGS"] = (
+            f"{_FLAGS} --xla_force_host_platform_device_count=8"
+        )
 
-import optaxaccum as oa
-from optaxaccum.flax import nnx as oa_nnx
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import sysconfig  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import matplotlib  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import optaxaccum as oa  # noqa: E402
+from optaxaccum.flax import nnx as oa_nnx  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -157,6 +176,20 @@ class Block(nnx.Module):
         return h + self.down(nnx.gelu(self.up(self.ln2(h))))
 
 
+def embed_tokens(embed, x):
+    """``embed(x)``; on an explicit mesh (``--mesh``) the lookup names its
+    output sharding (the rows of ``x``'s), which JAX cannot infer for
+    a gather of a replicated table by sharded indices."""
+    spec = jax.typeof(x).sharding.spec
+    if not any(spec.partitions):
+        return embed(x)
+    return (
+        embed.embedding[...]
+        .at[x]
+        .get(out_sharding=jax.P(*spec.partitions, None))
+    )
+
+
 class CharLM(nnx.Module):
     """Decoder-only transformer over 128 characters."""
 
@@ -171,7 +204,7 @@ class CharLM(nnx.Module):
         # Padding is trailing, so the causal mask alone keeps every real
         # position from seeing a pad; pad positions are masked in the loss.
         mask = nnx.make_causal_mask(x)
-        h = self.embed(x) + self.pos(jnp.arange(x.shape[1]))
+        h = embed_tokens(self.embed, x) + self.pos(jnp.arange(x.shape[1]))
         for block in self.blocks:
             h = block(h, mask)
         return self.head(self.ln(h))
@@ -428,6 +461,69 @@ def plot_noise_scale(hist, path, title):
     plt.close(fig)
 
 
+def mesh_report(cfg, tokens, k=4):
+    """Compiles one step of k micro-batches on a data=2 x fsdp=4 mesh, with
+    and without ``oa.GatherOnce``, and prints the kernels' collectives per
+    step and the per-device memory (nothing is run)."""
+    from jax.sharding import AxisType, NamedSharding
+
+    axes = ("data", "fsdp")
+    mesh = jax.make_mesh(
+        (2, 4), axes, (AxisType.Explicit,) * 2, devices=jax.devices()[:8]
+    )
+    graphdef, params = nnx.split(CharLM(cfg, nnx.Rngs(0)))
+
+    def sharded(p):
+        return any(jax.typeof(p).sharding.spec.partitions)
+
+    def loss_fn(params, batch):  # the sharded kernels gathered
+        params = jax.tree.map(
+            lambda p: oa.fsdp_gather(p, axes) if sharded(p) else p, params
+        )
+        return token_loss(nnx.merge(graphdef, params), *batch)
+
+    def put(path, a):  # kernels over fsdp (their first axis), others whole
+        kernel = "kernel" in jax.tree_util.keystr(path) and a.shape[0] % 4 == 0
+        spec = jax.P("fsdp") if kernel else jax.P()
+        return jax.device_put(a, NamedSharding(mesh, spec))
+
+    print(f"--mesh: data=2 x fsdp=4, one step of {k} micro-batches")
+    with jax.set_mesh(mesh):
+        params = jax.tree_util.tree_map_with_path(put, params)
+        rows = NamedSharding(mesh, jax.P(axes))
+        batch = split_batch(tokens[: 2 * 8 * k])
+        batch = tuple(jax.device_put(a, rows) for a in batch)
+        for name, hold in (("default", None), ("gather_once", axes)):
+            step = oa.microbatched_value_and_grad(
+                loss_fn,
+                k,
+                interleave=True,
+                weight_fn=lambda b: jnp.sum(b[2]),  # per-token mean
+                gather_once=hold and oa.GatherOnce(hold),
+            )
+            compiled = jax.jit(step).lower(params, batch).compile()
+            print(f"  {name:12s} {_census_line(compiled, mesh, k)}")
+
+
+def _census_line(compiled, mesh, k):
+    """The kernels' all-gathers and reduce-scatters per step (in the
+    loop: once per micro-batch) and the per-device memory."""
+    per_step = {"all-gather": [0, 0], "reduce-scatter": [0, 0]}
+    for o in oa.collective_census(compiled, mesh):
+        if o["op"] in per_step and o["bytes"] > 64:
+            per_step[o["op"]][0] += k if o["loop"] else 1
+            per_step[o["op"]][1] += o["loop"]
+    m, memory = compiled.memory_analysis(), "n/a"
+    if m is not None:
+        used = m.argument_size_in_bytes + m.output_size_in_bytes
+        used += m.temp_size_in_bytes - m.alias_size_in_bytes
+        memory = f"{used / 1024:.0f} KiB"
+    counts = ", ".join(
+        f"{n} {c[0]} ({c[1]} in the loop)" for n, c in per_step.items()
+    )
+    return f"{counts}; memory {memory}"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=None)
@@ -447,6 +543,11 @@ def main(argv=None):
         help="a tiny model and data set (a smoke test)",
     )
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--mesh",
+        action="store_true",
+        help="compile the step on 8 devices with and without gather_once",
+    )
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else Config()
     if args.epochs is not None:
@@ -455,6 +556,8 @@ def main(argv=None):
     tokens, lengths = load_documents(
         cfg.context, max_rows=4 * (cfg.n_train + cfg.n_eval)
     )
+    if args.mesh:
+        return mesh_report(cfg, tokens)
     train_tokens = tokens[: cfg.n_train]
     eval_tokens = tokens[cfg.n_train : cfg.n_train + cfg.n_eval]
     real = lengths[: cfg.n_train] - 1

@@ -22,6 +22,7 @@ from optaxaccum._src.base import (
 from optaxaccum._src.chain import apply_gradients, chain, flush
 from optaxaccum._src.collectives import collective_census
 from optaxaccum._src.every_weight import every_weight
+from optaxaccum._src.gather_once import GatherOnce
 from optaxaccum._src.loss_scale import (
     DynamicLossScaleState,
     StaticLossScaleState,
@@ -99,4 +100,6 @@ __all__ = [
     "scale_by_window",
     "window_progress",
     "ScaleByWindowState",
+    # Gather once per step.
+    "GatherOnce",
 ]

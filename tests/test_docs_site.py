@@ -67,7 +67,12 @@ def test_a_link_to_another_site_is_fine():
 
 @pytest.mark.parametrize(
     "text",
-    ["B5 (" + "issue" + " 12)", "this session", "other agents' jobs", "on branch i25"],
+    [
+        "B5 (" + "issue" + " 12)",
+        "this session",
+        "other agents' jobs",
+        "on branch i25",
+    ],
 )
 def test_work_log_words_fail(text):
     problems = page_problems(_page(f"<h2>{text}</h2>"), "p")

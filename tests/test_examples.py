@@ -183,6 +183,21 @@ def test_transformer_lm(tmp_path):
         assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
+def test_transformer_lm_mesh_gather_once(tmp_path):
+    """--mesh: on data=2 x fsdp=4, the default step reduce-scatters every
+    kernel inside the scan's loop; with gather_once each kernel is gathered
+    and reduce-scattered once per step, nothing in the loop."""
+    stdout = _run("transformer_lm.py", "--quick", "--mesh", cwd=tmp_path)
+    line = r"{} +all-gather (\d+) \((\d+) in the loop\), "
+    line += r"reduce-scatter (\d+) \((\d+) in the loop\)"
+    default = re.search(line.format("default"), stdout)
+    held = re.search(line.format("gather_once"), stdout)
+    assert default and held, stdout
+    kernels = int(held[1])
+    assert kernels > 0 and held.groups()[1:] == ("0", str(kernels), "0")
+    assert int(default[3]) == 4 * kernels and int(default[4]) == kernels
+
+
 def test_equinox_batchnorm(tmp_path):
     """An Equinox BatchNorm built on the framework-neutral helpers follows
     the optimizer's windows of changing length (critical_batch_every_k)."""

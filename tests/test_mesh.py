@@ -794,6 +794,14 @@ def test_example_fsdp_runs_on_8_cpu_devices():
     assert ours and int(ours[1]) == 1, out
     assert "optimizer steps 2" in out, out
     assert "stacked over data" in out and "@data" in out, out
+    # In-step, 4 micro-batches: held, each of the 3 weights is gathered and
+    # reduce-scattered once per step, nothing in the loop.
+    held = re.search(
+        r"gather_once +all-gather (\d+) \((\d+) in the loop\), "
+        r"reduce-scatter (\d+) \((\d+) in the loop\)",
+        out,
+    )
+    assert held and held.groups() == ("3", "0", "3", "0"), out
 
 
 # ------------------------------------------------- two processes (gloo)

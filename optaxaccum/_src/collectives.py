@@ -96,7 +96,8 @@ def collective_census(compiled: Any, mesh: Any) -> list[dict]:
     compiled one. A collective inside a ``lax.cond`` branch (e.g. the
     window's reduction of :func:`accumulate`) runs only when that branch is
     taken. XLA may combine several reductions into one op (a tuple); an
-    op inside a loop (``lax.scan``) is listed once, whatever its trip count.
+    op inside a loop (``lax.scan``) is listed once, whatever its trip
+    count, with ``loop=True``.
 
     Args:
       compiled: ``jax.jit(f).lower(*args).compile()`` or its ``as_text()``.
@@ -104,9 +105,11 @@ def collective_census(compiled: Any, mesh: Any) -> list[dict]:
 
     Returns:
       One dict per collective: ``op`` (e.g. ``"all-reduce"``), ``bytes``
-      (of its result), ``axes`` (frozenset of mesh axis names it spans) and
+      (of its result), ``axes`` (frozenset of mesh axis names it spans),
       ``branches`` (the conditional branches leading to it; ``()`` when it
-      runs on every call).
+      runs on every call) and ``loop`` (whether it is inside a ``while``
+      loop, e.g. a :func:`microbatched_value_and_grad` scan: once per
+      iteration).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -120,7 +123,8 @@ def collective_census(compiled: Any, mesh: Any) -> list[dict]:
     mesh_ids = np.vectorize(lambda d: d.id)(mesh.devices)
     names = tuple(mesh.axis_names)
     found: list[dict] = []
-    for _, branches, line, shape, opcode in hlo.instructions(text):
+    loops = hlo.loop_computations(text)
+    for name, branches, line, shape, opcode in hlo.instructions(text):
         op = opcode.removesuffix("-start")
         if op in OPS:
             groups = replica_groups(line, mesh_ids.size)
@@ -130,6 +134,7 @@ def collective_census(compiled: Any, mesh: Any) -> list[dict]:
                     bytes=hlo.shape_bytes(shape),
                     axes=group_axes(groups, mesh_ids, names),
                     branches=branches,
+                    loop=name in loops,
                 )
             )
     return found

@@ -199,6 +199,25 @@ def _reachable(
     return seen
 
 
+_WHILE_RE = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
+
+
+def loop_computations(text: str) -> set[str]:
+    """The computations of an HLO module that run inside a ``while`` loop
+    (a ``lax.scan``'s or ``lax.fori_loop``'s body, once per iteration):
+    those reachable from a ``while`` instruction's body or condition."""
+    comps, _ = parse_hlo(text)
+    found: set[str] = set()
+    for lines in comps.values():
+        for line in lines:
+            parsed = split_instruction(line)
+            if parsed is None or parsed[1] != "while":
+                continue
+            for name in _WHILE_RE.findall(line):
+                found |= _reachable(comps, name, into_branches=True)
+    return found
+
+
 def split(text: str) -> tuple[list[str], list[str]]:
     """``(unconditional_lines, branch_lines)`` of an HLO module.
 

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optaxaccum._src import gather_once as gather_lib
 from optaxaccum._src import sharding, utils
+from optaxaccum._src.gather_once import GatherOnce
 
 __all__ = [
     "microbatched_step_memory",
@@ -275,6 +277,43 @@ def _weighted_mean(
     return loss.astype(losses.dtype), grads
 
 
+def _struct(x: Any) -> Any:
+    """``x`` as a :class:`jax.ShapeDtypeStruct` with its type's sharding."""
+    x = jnp.asarray(x) if not hasattr(x, "shape") else x
+    return jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding.sharding_of(x)
+    )
+
+
+def _holding(
+    cfg: GatherOnce | None,
+    fixed: gather_lib.Plan | None,
+    diff_args: Any,
+    make: Callable[[gather_lib.Plan], Callable[..., Any]],
+    args: Sequence[Any],
+) -> gather_lib.Plan | None:
+    """The leaves to hold: ``fixed`` (a step compiled to measure a plan),
+    else planned for ``cfg`` (None: no holding), a memory budget checked by
+    compiling the step on the shapes and shardings of ``args``."""
+    if cfg is None:
+        return None
+    if fixed is not None:
+        return fixed
+    structs = jax.tree.map(_struct, tuple(args))
+    base: list[int] = []
+
+    def measure(p: gather_lib.Plan) -> int:
+        if not base:
+            none = gather_lib.Plan.nothing(p.treedef)
+            base.append(
+                _memory_bytes(jax.jit(make(none)).lower(*structs).compile())
+            )
+        held = _memory_bytes(jax.jit(make(p)).lower(*structs).compile())
+        return held - base[0]
+
+    return gather_lib.plan(cfg, diff_args, measure)
+
+
 # ---------------------------------------------------------------- public
 
 
@@ -288,6 +327,7 @@ def microbatched_value_and_grad(
     weight_fn: Callable[[Any], Any] | None = None,
     state_argnums: _ArgnumsLike | None = None,
     interleave: bool = False,
+    gather_once: GatherOnce | None = None,
 ) -> Callable[..., Any]:
     r"""Like :func:`jax.value_and_grad`, one micro-batch at a time.
 
@@ -309,6 +349,9 @@ def microbatched_value_and_grad(
       state_argnums: optional state argument(s) threaded through the scan;
         ``loss_fn`` returns ``(loss, new_state)``/``(loss, (new_state, aux))``.
       interleave: micro-batch ``i`` is ``x[i::n]``, not a consecutive slice.
+      gather_once: optional :class:`GatherOnce`: FSDP-sharded parameters
+        gathered once before the micro-batches, their gradients
+        reduce-scattered once after (see docs/scaling.md).
 
     Returns:
       ``f(*args) -> (loss, grads)``, ``((loss, aux), grads)`` with ``has_aux``;
@@ -344,6 +387,11 @@ def microbatched_value_and_grad(
     }
     diff, batch, state_nums = named.values()
     utils.check_callable("weight_fn", weight_fn, none_ok=True)
+    if gather_once is not None and not isinstance(gather_once, GatherOnce):
+        raise TypeError(
+            "gather_once must be None or an oa.GatherOnce, got "
+            f"gather_once={gather_once!r}"
+        )
     # Catches what can be seen before the number of arguments is known
     # (negative indices are checked again at call time).
     _check_disjoint({k: a.indices for k, a in named.items()})
@@ -352,59 +400,75 @@ def microbatched_value_and_grad(
         loss_fn, argnums=diff.pick(diff.indices), has_aux=has_aux or has_state
     )
 
-    def f(*args):
-        d_idx, b_idx, s_idx = _argnum_indices(len(args), named)
-        batches = tuple(args[i] for i in b_idx)
-        batch_size = _batch_size(batch.pick(batches))
-        _check_divisible(batch_size, n)
-        m = batch_size // n
-        # A reshape, no copy: micro-batch i is reshaped[i] (consecutive) or
-        # reshaped[:, i] = x[i::n] (interleaved, local to sharded rows).
-        xs = jax.tree.map(
-            lambda x: jnp.reshape(x, split_shape(m) + np.shape(x)[1:]), batches
-        )
-        diff_args = tuple(args[i] for i in d_idx)
-        acc0 = jax.tree.map(
-            lambda p: sharding.grad_zeros(p, utils.widen(jnp.result_type(p))),
-            diff_args,
-        )
-        state0 = jax.tree.map(_strong, tuple(args[i] for i in s_idx))
-
-        def body(carry, i):
-            acc, state = carry
-            mb = jax.tree.map(
-                lambda x: lax.dynamic_index_in_dim(
-                    x, i, axis=split_axis, keepdims=False
-                ),
-                xs,
+    def make(fixed: gather_lib.Plan | None) -> Callable[..., Any]:
+        def f(*args):
+            d_idx, b_idx, s_idx = _argnum_indices(len(args), named)
+            batches = tuple(args[i] for i in b_idx)
+            batch_size = _batch_size(batch.pick(batches))
+            _check_divisible(batch_size, n)
+            m = batch_size // n
+            # A reshape, no copy: micro-batch i is reshaped[i] (consecutive) or
+            # reshaped[:, i] = x[i::n] (interleaved, local to sharded rows).
+            xs = jax.tree.map(
+                lambda x: jnp.reshape(x, split_shape(m) + np.shape(x)[1:]),
+                batches,
             )
-            call = list(args)
-            for k, x in zip(b_idx + s_idx, mb + state, strict=True):
-                call[k] = x
-            loss, new_state, aux, grads = _unpack(vg(*call), has_aux, has_state)
-            grads = diff.wrap(grads)
-            w = None
-            if weight_fn is not None:
-                w = _microbatch_weight(weight_fn, batch.pick(mb), grads)
-            acc = _add_grads(acc, grads, w)
+            diff_args = tuple(args[i] for i in d_idx)
+            holding = _holding(gather_once, fixed, diff_args, make, args)
+            if holding is not None:  # the held copies, gathered once
+                args = list(args)
+                held = holding.hold(diff_args)
+                for k, x in zip(d_idx, held, strict=True):
+                    args[k] = x
+            acc0 = jax.tree.map(
+                lambda p: sharding.grad_zeros(
+                    p, utils.widen(jnp.result_type(p))
+                ),
+                tuple(args[i] for i in d_idx),
+            )
+            state0 = jax.tree.map(_strong, tuple(args[i] for i in s_idx))
+
+            def body(carry, i):
+                acc, state = carry
+                mb = jax.tree.map(
+                    lambda x: lax.dynamic_index_in_dim(
+                        x, i, axis=split_axis, keepdims=False
+                    ),
+                    xs,
+                )
+                call = list(args)
+                for k, x in zip(b_idx + s_idx, mb + state, strict=True):
+                    call[k] = x
+                loss, new_state, aux, grads = _unpack(
+                    vg(*call), has_aux, has_state
+                )
+                grads = diff.wrap(grads)
+                w = None
+                if weight_fn is not None:
+                    w = _microbatch_weight(weight_fn, batch.pick(mb), grads)
+                acc = _add_grads(acc, grads, w)
+                if has_state:
+                    state = _check_carry(state_nums.wrap(new_state), state)
+                return (acc, state), (loss, w, aux)
+
+            (acc, state), (losses, ws, auxs) = lax.scan(
+                body, (acc0, state0), jnp.arange(n)
+            )
+            if holding is not None:  # one reduce-scatter per held leaf
+                acc = holding.release(acc)
+            loss, grads = _weighted_mean(losses, ws, acc, n)
+            grads = jax.tree.map(
+                lambda g, p: g.astype(jnp.result_type(p)), grads, diff_args
+            )
+            grads = diff.pick(grads)
             if has_state:
-                state = _check_carry(state_nums.wrap(new_state), state)
-            return (acc, state), (loss, w, aux)
+                state = state_nums.pick(state)
+                return (loss, (state, auxs) if has_aux else state), grads
+            return ((loss, auxs) if has_aux else loss), grads
 
-        (acc, state), (losses, ws, auxs) = lax.scan(
-            body, (acc0, state0), jnp.arange(n)
-        )
-        loss, grads = _weighted_mean(losses, ws, acc, n)
-        grads = jax.tree.map(
-            lambda g, p: g.astype(jnp.result_type(p)), grads, diff_args
-        )
-        grads = diff.pick(grads)
-        if has_state:
-            state = state_nums.pick(state)
-            return (loss, (state, auxs) if has_aux else state), grads
-        return ((loss, auxs) if has_aux else loss), grads
+        return f
 
-    return f
+    return make(None)
 
 
 def _memory_bytes(compiled: Any) -> int:

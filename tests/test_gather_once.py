@@ -1,0 +1,435 @@
+"""Gather once per step: ``oa.microbatched_value_and_grad(...,
+gather_once=oa.GatherOnce(...))`` on ``data=2 x fsdp=4`` and
+``replica=2 x fsdp=4`` meshes of the 8 CPU devices conftest.py gives.
+
+References: the per-micro-batch path (``gather_once=None``) and
+``jax.value_and_grad`` of the whole batch on one device. The collective
+census reads the compiled step's HLO: which collectives run inside the
+scan's ``while`` loop (once per micro-batch) and which once per step.
+XLA:CPU hoists the per-micro-batch all-gathers of the default path out of
+the loop on its own (loop-invariant code motion); its reduce-scatters stay
+inside, and those are what holding moves out.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optaxaccum as oa
+from optaxaccum._src import sharding
+
+pytestmark = pytest.mark.devices(8)
+
+D_IN, HIDDEN, D_OUT = 8, 16, 2  # weights of distinct sizes
+BATCH = 64
+TOL = dict(rtol=2e-5, atol=2e-6)
+# (mesh shape, axis names, the fsdp-sharded weights' dimension entry)
+MESHES = {
+    "data2xfsdp4": ((2, 4), ("data", "fsdp"), "fsdp"),
+    "replica2xfsdp4": ((2, 4), ("replica", "fsdp"), ("fsdp", "replica")),
+}
+W_BYTES = {"w1": 4 * D_IN * HIDDEN, "w2": 4 * HIDDEN * D_OUT}
+
+
+def _mesh(name):
+    shape, names, _ = MESHES[name]
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * 2)
+
+
+def _params():
+    rng = np.random.default_rng(1)
+    return {
+        "w1": (rng.normal(size=(D_IN, HIDDEN)) / 3).astype(np.float32),
+        "b1": (0.1 * rng.normal(size=HIDDEN)).astype(np.float32),
+        "w2": (rng.normal(size=(HIDDEN, D_OUT)) / 4).astype(np.float32),
+    }
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(BATCH, D_IN)).astype(np.float32)
+    y = rng.normal(size=(BATCH, D_OUT)).astype(np.float32)
+    mask = (rng.random(BATCH) < 0.7).astype(np.float32)
+    mask[:2] = 1.0
+    return x, y, mask
+
+
+def _loss(axes):
+    """Per-token mean squared error; ``axes=None``: one device, else the
+    weights gathered with oa.fsdp_gather over the batch axes ``axes``."""
+
+    def gather(w):
+        return w if axes is None else oa.fsdp_gather(w, axes)
+
+    def loss(params, batch):
+        x, y, mask = batch
+        h = x @ gather(params["w1"])
+        b = jnp.broadcast_to(gather(params["b1"]), h.shape)
+        if axes is not None:
+            b = jax.reshard(b, jax.typeof(h).sharding.spec)
+        h = jnp.tanh(h + b)
+        per = ((h @ gather(params["w2"]) - y) ** 2).mean(-1)
+        return (mask * per).sum() / jnp.maximum(mask.sum(), 1.0)
+
+    return loss
+
+
+def _put(mesh_name, params, batch):
+    mesh = _mesh(mesh_name)
+    entry = MESHES[mesh_name][2]
+    specs = {"w1": P(entry, None), "b1": P(), "w2": P(entry, None)}
+    params = {
+        k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+        for k, v in params.items()
+    }
+    rows = NamedSharding(mesh, P(mesh.axis_names))
+    return params, tuple(jax.device_put(a, rows) for a in batch)
+
+
+def _grad_fn(mesh_name, k, gather_once, unreduced=True):
+    """The step's value_and_grad: on data x fsdp wrapped in
+    oa.unreduced_value_and_grad(..., "data") (the window's deferred
+    reduction), token-weighted, interleaved micro-batches."""
+    axes = MESHES[mesh_name][1]
+    micro = functools.partial(
+        oa.microbatched_value_and_grad,
+        num_microbatches=k,
+        interleave=True,
+        weight_fn=lambda batch: batch[2].sum(),
+        gather_once=gather_once,
+    )
+    if unreduced and "data" in axes:
+        return oa.unreduced_value_and_grad(
+            _loss(axes), "data", value_and_grad=micro
+        )
+    return micro(_loss(axes))
+
+
+def _reduced(g):
+    """``g`` summed over the axes it is unreduced over (for comparing)."""
+    return jax.reshard(
+        g, sharding.without_unreduced(jax.typeof(g).sharding.spec)
+    )
+
+
+def _run(mesh_name, k, gather_once, params=None, batch=None):
+    """(loss, reduced grads as numpy, grads' types) of one jitted step."""
+    mesh = _mesh(mesh_name)
+    f = _grad_fn(mesh_name, k, gather_once)
+    types = {}
+
+    def step(p, b):
+        value, grads = f(p, b)
+        types.update(jax.tree.map(jax.typeof, grads))
+        return value, jax.tree.map(_reduced, grads)
+
+    with jax.set_mesh(mesh):
+        p, b = _put(mesh_name, params or _params(), batch or _data())
+        value, grads = jax.jit(step)(p, b)
+    return float(value), jax.tree.map(np.asarray, grads), types
+
+
+def _census(mesh_name, k, gather_once, unreduced=True):
+    """The compiled step's collectives (its gradients left unreduced) and
+    its per-device memory (argument + output - alias + temp bytes)."""
+    mesh = _mesh(mesh_name)
+    f = _grad_fn(mesh_name, k, gather_once, unreduced)
+    with jax.set_mesh(mesh):
+        p, b = _put(mesh_name, _params(), _data())
+        compiled = jax.jit(f).lower(p, b).compile()
+    m = compiled.memory_analysis()
+    memory = (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+    return oa.collective_census(compiled, mesh), memory
+
+
+def _of_weight(ops, name, op, *, loop):
+    """The census entries of ``op`` carrying weight ``name`` (its whole
+    bytes for an all-gather, a shard of it for a reduce-scatter)."""
+    full = W_BYTES[name]
+    sizes = {"all-gather": {full}, "reduce-scatter": {full // 8, full // 4}}
+    return [
+        o
+        for o in ops
+        if o["op"] == op and o["loop"] == loop and o["bytes"] in sizes[op]
+    ]
+
+
+def _want():
+    x, y, mask = _data()
+    return jax.value_and_grad(_loss(None))(_params(), (x, y, mask))
+
+
+# ------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_held_step_equals_per_micro_batch_and_big_batch(mesh_name):
+    """Holding every fsdp-sharded weight: the loss and the gradients equal
+    the per-micro-batch path's and jax.value_and_grad of the whole batch
+    on one device (float32 rounding); the gradients come back in the
+    params' shardings, still unreduced over 'data' where
+    oa.unreduced_value_and_grad asked for it."""
+    over = None if mesh_name == "data2xfsdp4" else ("replica", "fsdp")
+    held = oa.GatherOnce(MESHES[mesh_name][1], over=over)
+    value, grads, types = _run(mesh_name, 4, held)
+    value0, grads0, types0 = _run(mesh_name, 4, None)
+    want_value, want = _want()
+    chex.assert_trees_all_close(grads, want, **TOL)
+    chex.assert_trees_all_close(grads, grads0, **TOL)
+    np.testing.assert_allclose(value, want_value, **TOL)
+    np.testing.assert_allclose(value, value0, **TOL)
+    assert types == types0, (types, types0)
+
+
+def test_bf16_held_copy_within_bf16_rounding():
+    """dtype=bfloat16: the forward and backward run on a bf16 copy; the
+    gradients (float32, the params' dtype) are within bf16's rounding of
+    the float32 reference: |g - g_ref| <= 2e-2 * max|g_ref| (bf16 keeps 8
+    significant bits, a relative step of 2**-8 = 0.4%, compounded through
+    two matrix products and tanh)."""
+    held = oa.GatherOnce(("data", "fsdp"), dtype=jnp.bfloat16)
+    value, grads, types = _run("data2xfsdp4", 4, held)
+    want_value, want = _want()
+    for name, g in grads.items():
+        assert g.dtype == np.float32, (name, g.dtype)
+        scale = np.abs(want[name]).max()
+        np.testing.assert_allclose(g, want[name], rtol=0, atol=2e-2 * scale)
+    np.testing.assert_allclose(value, want_value, rtol=2e-2)
+    exact = _run("data2xfsdp4", 4, oa.GatherOnce(("data", "fsdp")))[1]
+    assert not all(np.array_equal(grads[n], exact[n]) for n in grads)
+
+
+# ------------------------------------------------------------ the census
+
+
+def _per_step(ops, name, op, k):
+    """How many times per step ``op`` of weight ``name`` runs: k times
+    inside the loop, once outside."""
+    return sum(k if o["loop"] else 1 for o in _of_weight_any(ops, name, op))
+
+
+def _of_weight_any(ops, name, op):
+    return _of_weight(ops, name, op, loop=True) + _of_weight(
+        ops, name, op, loop=False
+    )
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_census_one_gather_one_scatter_per_held_leaf_whatever_k(k):
+    """data=2 x fsdp=4, k micro-batches. Today's path (the baseline): each
+    weight's reduce-scatter over fsdp runs inside the scan's loop, k per
+    step (XLA:CPU hoists the all-gathers out of the loop itself: 1 per
+    step). Held: per weight 1 all-gather and 1 reduce-scatter per step,
+    none inside the loop; the unheld bias's all-reduce over fsdp stays in
+    the loop as before; no collective over 'data' carries more than a
+    few scalars, inside the loop or out (the gradients stay unreduced over
+    'data')."""
+    base, _ = _census("data2xfsdp4", k, None)
+    held, _ = _census("data2xfsdp4", k, oa.GatherOnce(("data", "fsdp")))
+    for name in W_BYTES:
+        assert _per_step(base, name, "reduce-scatter", k) == k, (name, base)
+        assert _per_step(base, name, "all-gather", k) == 1, (name, base)
+        for op in ("all-gather", "reduce-scatter"):
+            assert not _of_weight(held, name, op, loop=True), (name, held)
+            assert _per_step(held, name, op, k) == 1, (name, op, held)
+    gathers = [o for o in held if o["op"] == "all-gather"]
+    scatters = [o for o in held if o["op"] == "reduce-scatter"]
+    assert len(gathers) == len(scatters) == len(W_BYTES), held
+    assert all(o["axes"] == {"fsdp"} for o in gathers + scatters), held
+    bias = lambda ops: [  # noqa: E731
+        (o["op"], o["loop"]) for o in ops if o["bytes"] == 4 * HIDDEN
+    ]
+    assert bias(held) == bias(base) == [("all-reduce", k > 1)], held
+    data = [o for o in held if "data" in o["axes"] and o["bytes"] > 16]
+    assert not data, held
+
+
+def test_without_deferral_data_is_reduced_once_per_step():
+    """Without oa.unreduced_value_and_grad (gradients reduced in the step):
+    the held copy is reduced over every batch axis, so the weights'
+    gradients are summed over 'data' once per step, after the loop (the
+    default path: per micro-batch, inside it); equal to one device's."""
+    hold = oa.GatherOnce(("data", "fsdp"))
+    held, _ = _census("data2xfsdp4", 4, hold, unreduced=False)
+    base, _ = _census("data2xfsdp4", 4, None, unreduced=False)
+    shards = sum(W_BYTES.values()) // 4  # each weight's fsdp shard
+
+    def over_data(ops):  # (XLA may combine the weights' reductions)
+        ops = [o for o in ops if o["axes"] == {"data"} and o["bytes"] > 16]
+        return sum(o["bytes"] for o in ops), {o["loop"] for o in ops}
+
+    assert over_data(base) == (shards, {True}), base  # k per step
+    assert over_data(held) == (shards, {False}), held  # once per step
+    value, grads = _grad_fn("data2xfsdp4", 4, hold, unreduced=False), None
+    with jax.set_mesh(_mesh("data2xfsdp4")):
+        value, grads = jax.jit(value)(*_put("data2xfsdp4", _params(), _data()))
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, grads), _want()[1], **TOL
+    )
+
+
+def test_hierarchical_over_the_slow_axis_only():
+    """replica=2 x fsdp=4, weights sharded over ("fsdp", "replica") (all 8
+    devices), over=("replica",): per weight one all-gather and one
+    reduce-scatter over 'replica' per step, outside the loop; the
+    reduce-scatter over 'fsdp' stays in the loop (per micro-batch, as
+    ZeRO++ hpZ); nothing over 'replica' of weight size in the loop. The
+    gradients equal the one-device ones."""
+    axes = ("replica", "fsdp")
+    held = oa.GatherOnce(axes, over="replica")
+    ops, _ = _census("replica2xfsdp4", 4, held)
+    for name, full in W_BYTES.items():
+        out = [o for o in ops if not o["loop"] and o["axes"] == {"replica"}]
+        assert [o["bytes"] for o in out if o["op"] == "all-gather"].count(
+            full // 4
+        ) == 1, (name, ops)
+        assert [o["bytes"] for o in out if o["op"] == "reduce-scatter"].count(
+            full // 8
+        ) == 1, (name, ops)
+        inner = [
+            o
+            for o in ops
+            if o["loop"]
+            and o["op"] == "reduce-scatter"
+            and o["bytes"] == full // 4
+        ]
+        assert len(inner) == 1 and inner[0]["axes"] == {"fsdp"}, (name, ops)
+    slow = [
+        o
+        for o in ops
+        if o["loop"] and "replica" in o["axes"] and o["bytes"] > 64
+    ]
+    assert [o["op"] for o in slow] == ["all-reduce"], ops  # the bias only
+    _, grads, _ = _run("replica2xfsdp4", 4, held)
+    chex.assert_trees_all_close(grads, _want()[1], **TOL)
+
+
+def test_fsdp_gather_of_a_held_leaf_moves_nothing():
+    """loss_fn sees each held weight replicated and reduced over every
+    batch axis: oa.fsdp_gather of such a copy (forward and backward)
+    returns its type and compiles to no collective at all."""
+    mesh = _mesh("data2xfsdp4")
+    axes = ("data", "fsdp")
+    seen = {}
+
+    def loss(params, batch):
+        seen.update(jax.tree.map(jax.typeof, params))
+        return _loss(axes)(params, batch)
+
+    f = oa.microbatched_value_and_grad(
+        loss, 2, interleave=True, gather_once=oa.GatherOnce(axes)
+    )
+    with jax.set_mesh(mesh):
+        jax.jit(f).trace(*_put("data2xfsdp4", _params(), _data()))
+        spec = seen["w1"].sharding.spec
+        assert spec.partitions in ((), (None, None)), spec
+        assert spec.reduced == set(axes), spec
+        w = jax.device_put(jnp.ones((8, 4)), P(None, None, reduced=set(axes)))
+
+        def g(w):
+            full = oa.fsdp_gather(w, axes)
+            assert jax.typeof(full) == jax.typeof(w)
+            return jax.grad(lambda w: jnp.sum(oa.fsdp_gather(w, axes)))(w)
+
+        compiled = jax.jit(g).lower(w).compile()
+    assert oa.collective_census(compiled, mesh) == []
+
+
+def test_gather_once_none_changes_nothing():
+    """gather_once=None compiles to the very program of the default."""
+    mesh = _mesh("data2xfsdp4")
+    loss, micro = _loss(("data", "fsdp")), oa.microbatched_value_and_grad
+    with jax.set_mesh(mesh):
+        p, b = _put("data2xfsdp4", _params(), _data())
+        texts = [
+            jax.jit(micro(loss, 4, interleave=True, **kw)).lower(p, b).as_text()
+            for kw in ({}, {"gather_once": None})
+        ]
+    assert texts[0] == texts[1]
+
+
+# ------------------------------------------------------------ the budget
+
+
+def test_memory_budget_zero_half_all():
+    """Budgets 0, half the held bytes, all of them (per device: a held copy
+    plus a float32 gradient sum per weight), and w1's alone. 0 holds
+    nothing (the program of gather_once=None); all holds both weights;
+    half holds the largest weight that fits (w2, as w1 alone is over it);
+    w1's holds w1 (largest first, not w2 then nothing). Every compiled
+    step needs at most the step without holding plus its budget."""
+    axes = ("data", "fsdp")
+    costs = {n: 2 * b for n, b in W_BYTES.items()}  # f32 copy + f32 sum
+    base, base_memory = _census("data2xfsdp4", 2, None)
+    assert costs["w1"] > sum(costs.values()) / 2 >= costs["w2"]
+    held_names = {}
+    for label, budget in (
+        ("0", 0),
+        ("half", sum(costs.values()) / 2),
+        ("all", sum(costs.values())),
+        ("w1", costs["w1"]),
+    ):
+        hold = oa.GatherOnce(axes, memory_budget=budget)
+        ops, memory = _census("data2xfsdp4", 2, hold)
+        assert memory <= base_memory + budget, (label, memory, base_memory)
+        held_names[label] = {
+            n
+            for n in W_BYTES
+            if not _of_weight(ops, n, "reduce-scatter", loop=True)
+        }
+        if label == "0":
+            assert ops == base
+    assert held_names == {
+        "0": set(),
+        "half": {"w2"},
+        "all": {"w1", "w2"},
+        "w1": {"w1"},
+    }
+
+
+def test_leaves_predicate_chooses_the_held_leaves():
+    """leaves=(path, leaf) -> bool: only w1 is held."""
+    hold = oa.GatherOnce(
+        ("data", "fsdp"),
+        leaves=lambda path, leaf: "w1" in jax.tree_util.keystr(path),
+    )
+    ops, _ = _census("data2xfsdp4", 2, hold)
+    assert not _of_weight(ops, "w1", "reduce-scatter", loop=True), ops
+    assert _of_weight(ops, "w2", "reduce-scatter", loop=True), ops
+    _, grads, _ = _run("data2xfsdp4", 2, hold)
+    chex.assert_trees_all_close(grads, _want()[1], **TOL)
+
+
+# ------------------------------------------------------------ bad input
+
+
+def test_bad_input_is_named():
+    axes = ("data", "fsdp")
+    with pytest.raises(ValueError, match=r"memory_budget=-1"):
+        oa.GatherOnce(axes, memory_budget=-1)
+    with pytest.raises(ValueError, match=r"over='model' names 'model'"):
+        oa.GatherOnce(axes, over="model")
+    with pytest.raises(ValueError, match="dtype"):
+        oa.GatherOnce(axes, dtype=jnp.int32)
+    with pytest.raises(TypeError, match="leaves"):
+        oa.GatherOnce(axes, leaves=3)
+    with pytest.raises(TypeError, match="gather_once"):
+        oa.microbatched_value_and_grad(lambda w, x: 0.0, 2, gather_once=axes)
+    # At trace time: an axis not on the mesh; 'data' shards the batch only.
+    for hold, match in (
+        (oa.GatherOnce(("data", "fsdp", "dp")), r"'dp'.*\('data', 'fsdp'\)"),
+        (oa.GatherOnce(axes, over="data"), r"'data'.*shards the batch but"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            _census("data2xfsdp4", 2, hold)
