@@ -19,7 +19,7 @@ It writes ``GPU_COMPILE.md`` next to this script (``--out``).
 
 Run: ``python benchmarks/gpu_compile.py [--cache DIR] [--out FILE]
 [--quick]`` (``make bench-gpu-compile``); ``--quick`` leaves out the
-transformer, the H200 and the bfloat16 model.
+transformer and the H200.
 """
 
 from __future__ import annotations
@@ -133,7 +133,9 @@ def measure(quick: bool) -> str:
     cards = ", ".join(f"{t}: {d.device_kind}" for t, d in devices.items())
     start = time.perf_counter()
     gated = _gated_rows(compile_, steps, hlo, utils)
-    models = ["mlp"] if quick else ["mlp", "transformer", "mlp_bf16"]
+    models = (
+        ["mlp", "mlp_bf16"] if quick else ["mlp", "transformer", "mlp_bf16"]
+    )
     fold = _fold_rows(compile_, steps, hlo, models)
     memory = _memory_rows(compile_, steps)
     gpus = [t for t in devices if t != "tpu"]

@@ -7,9 +7,10 @@ compile it to (README.md in this folder):
 * every gated step keeps a ``conditional`` with the followers' work (Adam's
   ``sqrt``) only inside it; with the barriers off, XLA:GPU turns it into a
   ``select`` (the control: the check can fail);
-* in a train step (gradients and the update in one jit), each dense weight's
-  accumulation is the epilogue of the GEMM fusion that makes its gradient:
-  no loop fusion reads the gradient again;
+* in a train step (gradients and the update in one jit), where each dense
+  weight's accumulation runs: the epilogue of the GEMM fusion that makes
+  its gradient, or a loop fusion reading the gradient again (today's, a
+  strict expected failure: see ``_NOT_FOLDED``);
 * the memory premises of the suite hold for the compiled GPU program.
 
 Run with ``make test-gpu-compile`` (``tests/gpu_compile/run.py``), which
@@ -115,6 +116,60 @@ def _train(api, model, target):
     return hlo.fold(module, hlo.is_kernel_accumulator), counts
 
 
+WHERE = {"gemm", "split-k", "merged", "loop"}
+
+
+@pytest.mark.parametrize("target", ["h100", "h200"])
+@pytest.mark.parametrize("form", ["folded", "overwrite"])
+def test_the_fold_check_sees_both_forms(form, target):
+    """The check on a bare accumulation: ``acc + x.T @ dy`` is the GEMM's
+    epilogue; the lazy reset's ``where(fresh, g, acc + g)`` is a loop
+    fusion of its own."""
+    x = jax.ShapeDtypeStruct((256, 512), jax.numpy.float32)
+    acc = {"acc": {"kernel": jax.ShapeDtypeStruct((512, 768), x.dtype)}}
+
+    def step(acc, x, dy, fresh):
+        g = x.T @ dy
+        a = acc["acc"]["kernel"]
+        new = a + g if form == "folded" else jax.numpy.where(fresh, g, a + g)
+        return {"acc": {"kernel": new}}
+
+    dy = jax.ShapeDtypeStruct((256, 768), x.dtype)
+    args = (acc, x, dy, jax.ShapeDtypeStruct((), bool))
+    compiled = targets.compile_for(step, args, _gpu(target), (0,))
+    where = hlo.fold(
+        hlo.Module.parse(compiled.as_text()), hlo.is_kernel_accumulator
+    )
+    assert list(where.values()) == ["gemm" if form == "folded" else "loop"]
+
+
+# The transformer on one target: its compiles take most of the run.
+TRAIN_CASES = [
+    *((m, t) for m in ["mlp"] for t in ["h100", "h200"]),
+    ("transformer", "h100"),
+]
+
+
+@pytest.mark.parametrize(("model", "target"), TRAIN_CASES)
+@pytest.mark.parametrize("api", list(steps.TRAIN))
+def test_every_accumulation_is_found(api, model, target):
+    where, counts = _train(api, model, target)
+    assert len(where) == len(counts) and set(where.values()) <= WHERE, where
+
+
+# The accumulator is reset lazily (``where(mini_step == 0, w*g, acc + w*g)``
+# on a window's first micro-batch), which keeps the accumulation out of the
+# GEMM; zeroing it as the window closes instead costs a copy of every
+# accumulator on each non-closing step on XLA:GPU (copy insertion in the
+# gate's pass-through branch: benchmarks/GPU_FOLD.md). Strict: a library or
+# compiler change that folds the accumulation fails here, to be noticed.
+_NOT_FOLDED = pytest.mark.xfail(
+    strict=True,
+    reason="lazy reset: the accumulation is a loop fusion of its own",
+)
+
+
+@_NOT_FOLDED
 @pytest.mark.parametrize("target", ["h100", "h200"])
 @pytest.mark.parametrize("api", list(steps.TRAIN))
 def test_mlp_accumulation_is_the_gemm_epilogue(api, target):
@@ -123,7 +178,8 @@ def test_mlp_accumulation_is_the_gemm_epilogue(api, target):
     assert set(where.values()) == {"gemm"}, where
 
 
-@pytest.mark.parametrize("target", ["h100", "h200"])
+@_NOT_FOLDED
+@pytest.mark.parametrize("target", ["h100"])
 @pytest.mark.parametrize("api", list(steps.TRAIN))
 def test_transformer_reads_no_gradient_twice(api, target):
     """Every dense weight of examples/transformer_lm.py's model: the
