@@ -35,11 +35,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _e2e  # noqa: E402
 import _pipeline  # noqa: E402
 import jax  # noqa: E402
 
 FULL_SHAPES = {f"w{i}": (4096, 4096) for i in range(8)}  # 512 MiB per tree
 TINY_SHAPES = {"w0": (64, 128), "w1": (32, 32), "b": (128,)}
+# The end-to-end micro-step: (width, layers, rows of each micro-batch).
+FULL_E2E = [(4096, 8, 512), (4096, 8, 4096)]
+TINY_E2E = [(32, 2, 8)]
 
 
 def _targets(r: dict[str, float]) -> list[tuple[str, float, bool]]:
@@ -107,6 +111,7 @@ def main(cpu: bool = False, calls: int | None = None) -> dict:
         print(f"\nFAIL: the gate lost its conditional in: {', '.join(lost)}")
     else:
         print("\nEvery gated step keeps its conditional in the compiled HLO.")
+    e2e = [_print_e2e(*size, calls) for size in (TINY_E2E if cpu else FULL_E2E)]
     return {
         "device": info,
         "shapes": {k: list(v) for k, v in shapes.items()},
@@ -117,7 +122,39 @@ def main(cpu: bool = False, calls: int | None = None) -> dict:
             {"target": t, "measured": v, "met": m} for t, v, m in targets
         ],
         "lost": lost,
+        "end_to_end": e2e,
     }
+
+
+def _print_e2e(width: int, layers: int, rows: int, calls: int) -> dict:
+    """Measures and prints the end-to-end micro-step (``_e2e.py``)."""
+    res = _e2e.measure(width, layers, rows, calls=calls)
+    alone = res["gradient alone"]["seconds"]
+    ideal = res["gradient + donated add"]["seconds"]
+    print(
+        f"\nEnd to end: gradient + accumulation in one jit, {layers} tanh "
+        f"layers {width} wide (float32), micro-batch {rows} rows"
+    )
+    keys = [k for k in res["oa fused non-closing"] if k != "seconds"]
+    print(
+        "| step | ms/call | vs gradient alone | vs gradient + donated add | "
+        + " | ".join(keys)
+        + " |"
+    )
+    print("|---" * (4 + len(keys)) + "|")
+    for name, v in res.items():
+        s = v["seconds"]
+        counts = " | ".join(str(v.get(k, "")) for k in keys)
+        print(
+            f"| {name} | {1e3 * s:.3f} | {s / alone:.2f}x | {s / ideal:.2f}x "
+            f"| {counts} |"
+        )
+    fused = res["oa fused non-closing"]["seconds"]
+    print(
+        "| target: oa fused non-closing <= 1.02x gradient alone "
+        f"| {fused / alone:.2f}x | {'yes' if fused <= 1.02 * alone else 'NO'} |"
+    )
+    return {"width": width, "layers": layers, "rows": rows, "rows_out": res}
 
 
 def _cli(argv: list[str]) -> int:

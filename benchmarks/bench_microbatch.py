@@ -2,11 +2,16 @@
 
 An MLP of ~2.1M float32 parameters (512-1024-1024-512-10, GELU, softmax
 cross-entropy, mean over the batch), a global batch of 1024 examples, and
-three ways of computing the loss and its gradient, each jitted:
+five ways of computing the loss and its gradient, each jitted:
 
 * ``full batch``: ``jax.value_and_grad(loss)`` on the whole batch;
-* ``optax micro_grad``: ``optax.microbatching.micro_grad`` (per-example
-  gradients, mean-accumulated over micro-batches of 1024 / 8 examples);
+* ``optax microbatch``: ``optax.microbatching.microbatch`` of
+  ``jax.value_and_grad(loss)`` over the batch argument, micro-batches of
+  1024 / 8 examples, ``MEAN`` accumulator: optax's own in-step
+  microbatching of a gradient, the reference for ``oa.microbatched``;
+* ``optax micro_grad``: ``optax.microbatching.micro_grad``, which computes
+  *per-example* gradients (for per-example clipping) and means them: a
+  different algorithm, shown for its cost only;
 * ``oa.microbatched``: ``oa.microbatched_value_and_grad(loss, 8)``;
 * ``lax.scan by hand``: the least a scan over 8 micro-batches can do (sum
   the losses and gradients, divide at the end), as a reference for the cost
@@ -70,6 +75,16 @@ def optax_micro_grad(num_microbatches, batch_size):
     return value_and_grad
 
 
+def optax_microbatch(num_microbatches, batch_size):
+    """``(params, batch) -> (loss, grads)`` with optax's ``microbatch``."""
+    return optax.microbatching.microbatch(
+        jax.value_and_grad(loss_fn),
+        argnums=1,
+        microbatch_size=batch_size // num_microbatches,
+        accumulator=optax.microbatching.AccumulationType.MEAN,
+    )
+
+
 def scan_by_hand(num_microbatches):
     """``(params, batch) -> (loss, grads)``: a minimal ``lax.scan``."""
 
@@ -107,6 +122,7 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
 
     fns = {
         "full batch": jax.value_and_grad(loss_fn),
+        "optax microbatch": optax_microbatch(NUM_MICROBATCHES, batch_size),
         "optax micro_grad": optax_micro_grad(NUM_MICROBATCHES, batch_size),
         "oa.microbatched": oa.microbatched_value_and_grad(
             loss_fn, NUM_MICROBATCHES
@@ -115,7 +131,7 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     }
     compiled = {name: compile_fn(fn) for name, fn in fns.items()}
 
-    # Sanity: all three compute the same loss and gradients.
+    # Sanity: all of them compute the same loss and gradients.
     ref_loss, ref_grads = compiled["full batch"](params, batch)
     for name in list(compiled)[1:]:
         loss, grads = compiled[name](params, batch)
@@ -168,14 +184,19 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     ]
     headers = ["variant", "ms/step", "time vs full", "temp", "temp vs full"]
 
-    t_ours, t_optax = seconds["oa.microbatched"], seconds["optax micro_grad"]
+    t_ours, t_optax = seconds["oa.microbatched"], seconds["optax microbatch"]
     t_scan = seconds["lax.scan by hand"]
     temps = [sweep[n] for n in SWEEP]
     targets = [
         _common.target(
-            "oa.microbatched <= 0.65x optax micro_grad time",
+            "oa.microbatched <= 1.1x optax microbatch time",
             t_ours / t_optax,
-            t_ours <= 0.65 * t_optax,
+            t_ours <= 1.1 * t_optax,
+        ),
+        _common.target(
+            "oa.microbatched temp <= optax microbatch temp",
+            mem["oa.microbatched"]["temp"] / mem["optax microbatch"]["temp"],
+            mem["oa.microbatched"]["temp"] <= mem["optax microbatch"]["temp"],
         ),
         _common.target(
             "oa.microbatched <= 1.2x full-batch time",
@@ -224,9 +245,10 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
         "notes": [
             f"oa.microbatched takes {t_ours / t_scan:.2f}x the time of the "
             f"minimal lax.scan by hand ({t_scan / t_full:.2f}x the full "
-            "batch): the rest of its gap to the full batch is the cost of "
-            f"running {NUM_MICROBATCHES} smaller micro-batches one after "
-            "another.",
+            f"batch), and {t_ours / t_optax:.2f}x the time of optax's "
+            "microbatch of jax.value_and_grad; optax's micro_grad computes "
+            "per-example gradients (for per-example clipping), a different "
+            "algorithm, shown for its cost only.",
         ],
     }
 

@@ -491,6 +491,90 @@ MUTANTS = {
         "both = jnp.stack([sq_sum, count])",
         ["tests/test_noise_scale.py", "-k", "small_batches"],
     ),
+    # ------------------------------- behaviours a mutation run found unpinned
+    "stacked_in_the_given_axis_order": (  # axis_name out of mesh order
+        "reducer.py",
+        "        axes = sharding.ordered_axes(named.mesh, "
+        "utils.axis_names(axis_name))\n        n = int(",
+        "        axes = utils.axis_names(axis_name)\n        n = int(",
+        ["tests/test_mesh.py", "-k", "out_of_mesh_order"],
+    ),
+    "stack_read_in_the_given_axis_order": (
+        "reducer.py",
+        "    axes = sharding.ordered_axes(named.mesh, "
+        "utils.axis_names(axis_name))\n    first = ",
+        "    axes = utils.axis_names(axis_name)\n    first = ",
+        ["tests/test_mesh.py", "-k", "out_of_mesh_order"],
+    ),
+    "has_updated_flagless_rule_swapped": (  # optax's rule, its two counters
+        "windows.py",
+        "utils.optax_has_updated(found.mini_step, found.gradient_step)",
+        "utils.optax_has_updated(found.gradient_step, found.mini_step)",
+        ["tests/test_multisteps.py", "-k", "has_updated"],
+    ),
+    "bn_window_of_no_element_closes": (  # all masked: running stats stay
+        "batch_stats.py",
+        "    use = do_close & seen\n",
+        "    use = do_close\n",
+        ["tests/test_flax.py", "-k", "mask"],
+    ),
+    "head_steps_on_a_refused_call": (  # behind a loss scale that overflows
+        "chain.py",
+        "counts = utils.both(ctx.passed, _nonzero(ctx.window_weight))",
+        "counts = _nonzero(ctx.window_weight)",
+        _CHAIN + ["-k", "skips_an_overflow"],
+    ),
+    "window_of_weight_0_stops_at_an_eager_gate": (  # not counted after it
+        "chain.py",
+        "        if plain:  # they do not step on a window of weight 0\n",
+        "        if True:  # they do not step on a window of weight 0\n",
+        _CHAIN + ["-k", "reaches_a_second_accumulate"],
+    ),
+    "reshard_state_folds_complex_as_real": (  # the imaginary part lost
+        "reshard.py",
+        "    return np.complex128 if np.iscomplexobj(np.zeros((), dtype)) "
+        "else np.float64",
+        "    return np.float64",
+        ["tests/test_reshard_state.py", "-k", "complex"],
+    ),
+    "older_batch_stats_warn_on_every_call": (  # not only where a close is due
+        "../flax/_train_state.py",
+        "    if (known is not None and not known) or not _has_windows(kept):",
+        "    if not _has_windows(kept):",
+        ["tests/test_flax.py", "-k", "older_batch_stats"],
+    ),
+    "counted_reads_the_innermost_window": (  # nested windows
+        "windows.py",
+        '    return _moved(old, _find_window(new_state, "counted"))',
+        "    return _moved(\n        _window_states(old_state)[-1], "
+        "_window_states(new_state)[-1]\n    )",
+        ["tests/test_accumulate.py", "-k", "counted"],
+    ),
+    # Windows that follow the data, an optimizer that follows the window.
+    "every_weight_max_k_off_by_one": (
+        "every_weight.py",
+        "return reached | (mini_step >= self.max_k)",
+        "return reached | (mini_step > self.max_k)",
+        ["tests/test_every_weight.py", "-k", "hand_loop"],
+    ),
+    "scale_by_window_schedule_after_the_window": (
+        "window_scale.py",
+        "scale = r if schedule is None else r * schedule(state.tau)",
+        "scale = r if schedule is None else r * schedule(state.tau + r)",
+        ["tests/test_scale_by_window.py", "-k", "schedule_at_tau"],
+    ),
+    "scale_by_window_gain_nan_kept": (
+        "window_scale.py",
+        "return jnp.where(jnp.isnan(r), jnp.ones_like(r), r)",
+        "return r",
+        ["tests/test_scale_by_window.py", "-k", "unset"],
+    ),
+    "window_noise_reaches_every_follower": (
+        "chain.py",
+        "if noise is not None and base.WINDOW_NOISE_ARG not in declared:",
+        "if False:",
+        ["tests/test_scale_by_window.py", "-k", "stays_private"],
+    ),
 }
 
 

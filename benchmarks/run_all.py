@@ -1,4 +1,8 @@
-"""Runs every benchmark, prints one table, writes RESULTS.md and results.png.
+"""Runs every benchmark, prints one table, writes the record and its views.
+
+The record is ``results.json`` (machine-readable, read by ``figures.py``
+for the documentation pages); ``RESULTS.md``, ``results.png`` and README.md's
+benchmark summary are written from it.
 
 Each benchmark module has ``main(tiny: bool = False) -> dict`` returning
 
@@ -16,17 +20,20 @@ always run; the
 multi-device benchmarks (B3 ``bench_multidevice``, B4 ``bench_mesh``) run
 when their modules are there.
 
-Run: ``python benchmarks/run_all.py [--tiny] [--out DIR]`` (``make bench``).
-``--tiny`` runs on toy sizes (a smoke test; the figures mean nothing) and
-``--out`` chooses where RESULTS.md and results.png go (default: next to this
-script). Sections of an existing RESULTS.md below ``HAND_MARKER`` (figures
-recorded by hand) are kept.
+Run: ``python benchmarks/run_all.py [--tiny] [--out DIR] [--only MODULES]``
+(``make bench``). ``--tiny`` runs on toy sizes (a smoke test; the figures
+mean nothing), ``--out`` chooses where the files go (default: next to this
+script) and ``--only bench_microbatch,...`` reruns those benchmarks alone
+and replaces their results in the existing record. Sections of an existing
+RESULTS.md below ``HAND_MARKER`` (figures recorded by hand) are kept, and so
+is the record's ``hand`` part.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import time
@@ -35,6 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import _common  # noqa: E402
+import figures  # noqa: E402
 
 BENCHMARKS = (
     "bench_step",
@@ -45,6 +53,21 @@ BENCHMARKS = (
     "comm_model",
 )
 OPTIONAL = ("bench_multidevice", "bench_mesh")
+# The machine-readable record (``figures.py`` reads it for the pages).
+RECORD = "results.json"
+RECORD_KEYS = (
+    "name",
+    "title",
+    "headers",
+    "rows",
+    "targets",
+    "ratios",
+    "ratio_label",
+    "notes",
+    "wall_s",
+    "date",
+    "load",
+)
 
 # Everything from this line on in an existing RESULTS.md was recorded by hand
 # (before/after comparisons, measurements of single issues) and is kept.
@@ -64,12 +87,16 @@ def _load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run_benchmarks(tiny: bool = False) -> list[dict]:
-    """Runs :data:`BENCHMARKS` and those of :data:`OPTIONAL` present."""
+def run_benchmarks(
+    tiny: bool = False, modules: list[str] | None = None
+) -> list[dict]:
+    """Runs ``modules`` (default: :data:`BENCHMARKS` and those of
+    :data:`OPTIONAL` present)."""
     names = list(BENCHMARKS)
     names += [
         n for n in OPTIONAL if os.path.exists(os.path.join(HERE, f"{n}.py"))
     ]
+    names = names if modules is None else modules
     results = []
     for name in names:
         module = importlib.import_module(name)
@@ -87,6 +114,11 @@ def render(results: list[dict]) -> str:
     parts = []
     for res in results:
         parts.append(f"### {res['title']}\n")
+        if res.get("date"):
+            parts.append(
+                f"Run alone on {res['date']} (wall time {res['wall_s']:.0f} s;"
+                f" load average {res['load']}).\n"
+            )
         parts.append(_common.markdown_table(res["headers"], res["rows"]))
         parts.append("")
         parts.append(_common.targets_table(res["targets"]))
@@ -97,46 +129,114 @@ def render(results: list[dict]) -> str:
     return "\n".join(parts)
 
 
+def make_record(
+    results: list[dict], tiny: bool, load: str, hand: list | None = None
+) -> dict:
+    """The machine-readable record of a run (``results.json``): ``meta``
+    (date, machine, versions, load), ``results`` (each benchmark's
+    :data:`RECORD_KEYS`) and ``hand`` (tables recorded by hand, kept)."""
+    return {
+        "meta": {
+            "date": _common.today(),
+            "machine": _common.machine_info(),
+            "versions": _common.versions(),
+            "load": load,
+            "tiny": tiny,
+        },
+        "results": [
+            {k: res[k] for k in RECORD_KEYS if k in res} for res in results
+        ],
+        "hand": list(hand or ()),
+    }
+
+
+def render_report(record: dict) -> str:
+    """RESULTS.md above :data:`HAND_MARKER`, from the record."""
+    meta, results = record["meta"], record["results"]
+    return "\n".join(
+        [
+            "# optaxaccum benchmarks",
+            "",
+            "Written by `benchmarks/run_all.py` (`make bench`)"
+            + (
+                " with `--tiny`: toy sizes, the figures mean nothing."
+                if meta.get("tiny")
+                else "."
+            ),
+            "",
+            f"- date: {meta['date']}",
+            "- machine: "
+            + ", ".join(f"{k} {v}" for k, v in meta["machine"].items()),
+            "- versions: "
+            + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+            "- wall time: "
+            + ", ".join(f"{r['name']} {r['wall_s']:.0f} s" for r in results),
+            f"- load average (1/5/15 min): {meta['load']}",
+            "",
+            NOISE_NOTE,
+            "",
+            "![ratios](results.png)",
+            "",
+            render(results),
+        ]
+    )
+
+
+def read_record(out_dir: str) -> dict | None:
+    """The record in ``out_dir``, or None."""
+    path = os.path.join(out_dir, RECORD)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def write_report(
     results: list[dict], out_dir: str, tiny: bool, load: str = ""
 ) -> list[str]:
-    """Writes ``RESULTS.md`` and ``results.png`` into ``out_dir``.
+    """Writes ``results.json``, ``RESULTS.md`` and ``results.png`` into
+    ``out_dir`` (the hand-recorded parts of the old ones kept).
 
     ``load`` describes the machine's load during the run (shown as is).
     """
+    old = read_record(out_dir) or {}
+    record = make_record(results, tiny, load or _load(), old.get("hand"))
+    return write_record(record, out_dir)
+
+
+def write_record(record: dict, out_dir: str) -> list[str]:
+    """Writes the record and what is made from it into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, RECORD)
     md_path = os.path.join(out_dir, "RESULTS.md")
     png_path = os.path.join(out_dir, "results.png")
-    machine, versions = _common.machine_info(), _common.versions()
-    lines = [
-        "# optaxaccum benchmarks",
-        "",
-        "Written by `benchmarks/run_all.py` (`make bench`)"
-        + (
-            " with `--tiny`: toy sizes, the figures mean nothing."
-            if tiny
-            else "."
-        ),
-        "",
-        f"- date: {_common.today()}",
-        "- machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()),
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
-        "- wall time: "
-        + ", ".join(f"{r['name']} {r['wall_s']:.0f} s" for r in results),
-        f"- load average (1/5/15 min): {load or _load()}",
-        "",
-        NOISE_NOTE,
-        "",
-        "![ratios](results.png)",
-        "",
-        render(results),
-    ]
-    lines += ["", _hand_recorded(md_path)]
-    with open(md_path + ".tmp", "w") as f:  # replaced whole, or not at all
-        f.write("\n".join(lines))
-    os.replace(md_path + ".tmp", md_path)
-    plot(results, png_path)
-    return [md_path, png_path]
+    text = render_report(record) + "\n" + _hand_recorded(md_path)
+    _replace(json_path, json.dumps(record, indent=1) + "\n")
+    _replace(md_path, text)
+    plot(record["results"], png_path)
+    return [json_path, md_path, png_path]
+
+
+def _replace(path: str, text: str) -> None:
+    """Writes ``path`` whole, or not at all."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def update_readme(record: dict, path: str) -> bool:
+    """Rewrites README.md's benchmark summary from the record; False when
+    the README has no such block."""
+    with open(path) as f:
+        text = f.read()
+    begin, end = text.find(figures.README_BEGIN), text.find(figures.README_END)
+    if begin < 0 or end < begin:
+        return False
+    head = text[: begin + len(figures.README_BEGIN)]
+    _replace(
+        path, head + "\n" + figures.readme_summary(record) + "\n" + text[end:]
+    )
+    return True
 
 
 def _hand_recorded(md_path: str) -> str:
@@ -192,9 +292,48 @@ def main(tiny: bool = False, out_dir: str | None = None) -> list[dict]:
     results = run_benchmarks(tiny=tiny)
     load = f"{before} before the run, {_load()} after"
     print(render(results))
-    for path in write_report(results, out_dir or HERE, tiny, load):
+    out_dir = out_dir or HERE
+    for path in write_report(results, out_dir, tiny, load):
         print("wrote", path)
+    _readme(out_dir)
     return results
+
+
+def rerun(modules: list[str], out_dir: str | None = None) -> list[dict]:
+    """Reruns ``modules`` alone and replaces their results in the record
+    (each marked with its own date and load); the others are kept."""
+    out_dir = out_dir or HERE
+    record = read_record(out_dir)
+    if record is None:
+        raise SystemExit(f"no {RECORD} in {out_dir} to update: run all first")
+    before = _load()
+    results = run_benchmarks(
+        tiny=record["meta"].get("tiny", False), modules=modules
+    )
+    for res in results:
+        res.update(
+            date=_common.today(), load=f"{before} before, {_load()} after"
+        )
+        kept = {k: res[k] for k in RECORD_KEYS if k in res}
+        names = [r["name"] for r in record["results"]]
+        if res["name"] in names:
+            record["results"][names.index(res["name"])] = kept
+        else:
+            record["results"].append(kept)
+    print(render(results))
+    for path in write_record(record, out_dir):
+        print("wrote", path)
+    _readme(out_dir)
+    return results
+
+
+def _readme(out_dir: str) -> None:
+    """Rewrites README.md's figures after a run written next to this file."""
+    readme = os.path.join(HERE, "..", "README.md")
+    if os.path.abspath(out_dir) == HERE and os.path.exists(readme):
+        record = read_record(out_dir)
+        if record and update_readme(record, readme):
+            print("wrote", os.path.abspath(readme))
 
 
 if __name__ == "__main__":
@@ -205,5 +344,14 @@ if __name__ == "__main__":
     parser.add_argument(
         "--out", default=None, help="directory for RESULTS.md and results.png"
     )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated modules (bench_microbatch,...) to rerun alone,"
+        " replacing their results in the existing record",
+    )
     args = parser.parse_args()
-    main(tiny=args.tiny, out_dir=args.out)
+    if args.only:
+        rerun(args.only.split(","), out_dir=args.out)
+    else:
+        main(tiny=args.tiny, out_dir=args.out)

@@ -1,7 +1,7 @@
 """Sphinx configuration for the optaxaccum documentation.
 
-Built offline (no intersphinx, no remote themes, fonts or scripts: MathJax
-is served from the site itself) by ``make docs``: an HTML build and a doctest
+Built offline (no remote themes, fonts or scripts: MathJax is served from
+the site itself; intersphinx reads inventories vendored in _inventories/) by ``make docs``: an HTML build and a doctest
 build, both with ``-W``. The local extension ``_ext/coverage_check.py`` fails
 the build when a name in a public ``__all__`` is left out of the API
 reference; ``_ext/doc_links.py`` turns the ``docs/<page>.md`` pointers in
@@ -14,6 +14,9 @@ import sys
 import tomllib
 
 sys.path.insert(0, os.path.abspath("_ext"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import figures  # noqa: E402
 
 import optaxaccum  # noqa: E402
 
@@ -30,6 +33,7 @@ extensions = [
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
     "sphinx.ext.viewcode",
+    "sphinx.ext.intersphinx",
     # Sets mathjax_path to a copy of MathJax 3 shipped in the built site.
     "sphinx-mathjax-offline",
     "sphinx_copybutton",
@@ -52,7 +56,17 @@ exclude_patterns = [
 ]
 
 # -- MyST (Markdown pages) ---------------------------------------------------
-myst_enable_extensions = ["amsmath", "colon_fence", "deflist", "dollarmath"]
+myst_enable_extensions = [
+    "amsmath",
+    "colon_fence",
+    "deflist",
+    "dollarmath",
+    "substitution",
+]
+# Every benchmark figure on a page comes from the record that
+# benchmarks/run_all.py writes: ``{{ fig("B1", "fused closing", "vs floor") }}``
+# (see benchmarks/figures.py; tests/test_figures.py checks the pages).
+myst_substitutions = figures.substitutions(figures.load())
 myst_heading_anchors = 3
 
 # -- autodoc / napoleon ------------------------------------------------------
@@ -82,6 +96,25 @@ napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 # The API page lists its entries itself; nothing is generated into the tree.
 autosummary_generate = False
+
+# -- intersphinx -------------------------------------------------------------
+# Links into the optax, JAX and Flax references, from inventories vendored
+# in _inventories/ (made by _inventories/make_inventories.py from each
+# project's documentation sources): the build never downloads one.
+_INV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_inventories")
+intersphinx_mapping = {
+    "optax": (
+        "https://optax.readthedocs.io/en/latest/",
+        os.path.join(_INV, "optax.inv"),
+    ),
+    "jax": ("https://docs.jax.dev/en/latest/", os.path.join(_INV, "jax.inv")),
+    "flax": (
+        "https://flax.readthedocs.io/en/latest/",
+        os.path.join(_INV, "flax.inv"),
+    ),
+}
+intersphinx_disabled_reftypes = ["std:*"]
+intersphinx_timeout = 1
 
 # -- doctest -----------------------------------------------------------------
 # The ``>>>`` examples in the library's docstrings are run by pytest
@@ -126,4 +159,6 @@ html_theme_options = {
     "use_repository_button": bool(repository_url),
     "path_to_docs": "docs",
     "repository_branch": "main",
+    # One search field, the sidebar's: the header bar would repeat it.
+    "navbar_persistent": [],
 }

@@ -21,6 +21,7 @@ from optaxaccum._src.base import (
 )
 from optaxaccum._src.chain import apply_gradients, chain, flush
 from optaxaccum._src.collectives import collective_census
+from optaxaccum._src.every_weight import every_weight
 from optaxaccum._src.loss_scale import (
     DynamicLossScaleState,
     StaticLossScaleState,
@@ -46,6 +47,11 @@ from optaxaccum._src.sharding import (
     fsdp_gather,
     state_shardings,
     unreduced_value_and_grad,
+)
+from optaxaccum._src.window_scale import (
+    ScaleByWindowState,
+    scale_by_window,
+    window_progress,
 )
 from optaxaccum._src.windows import has_updated
 
@@ -88,4 +94,9 @@ __all__ = [
     "static_loss_scale",
     "unitwise_norm",
     "unreduced_value_and_grad",
+    # Windows that follow the data, an optimizer that follows the window.
+    "every_weight",
+    "scale_by_window",
+    "window_progress",
+    "ScaleByWindowState",
 ]

@@ -258,6 +258,41 @@ def test_counted_with_a_window_of_one(jit):
     ]
 
 
+_NESTED_WINDOWS_WITH_A_SKIP = {
+    "nested_accumulates": lambda: oa.chain(
+        oa.accumulate(2, skip_nonfinite=True),
+        oa.accumulate(3),
+        optax.sgd(1.0),
+    ),
+    "accumulate_in_multisteps": lambda: oa.MultiSteps(
+        oa.chain(oa.accumulate(3), optax.sgd(1.0)),
+        2,
+        should_skip_update_fn=optax.skip_not_finite,
+    ),
+}
+
+
+@pytest.mark.parametrize("build", list(_NESTED_WINDOWS_WITH_A_SKIP))
+def test_counted_with_nested_windows_reads_the_outermost(build):
+    """With nested windows, whether a call counted is the outermost
+    window's answer (the one every call reaches): every finite micro-batch
+    counts, the dropped one does not, whatever the inner window (which
+    moves only where the outer one closes) did."""
+    from optaxaccum._src import windows
+
+    tx = _NESTED_WINDOWS_WITH_A_SKIP[build]()
+    params = jnp.zeros(2)
+    update = jax.jit(tx.update)
+    s = tx.init(params)
+    grads = [jnp.ones(2)] * 3 + [jnp.array([1.0, jnp.nan])] + [jnp.ones(2)] * 3
+    got = []
+    for g in grads:
+        _, new = update(g, s, params)
+        got.append(bool(windows.counted(s, new)))
+        s = new
+    assert got == [True, True, True, False, True, True, True]
+
+
 @pytest.mark.parametrize("transform", JIT_OR_NOT)
 def test_flush_partial_window_uses_true_divisor(transform):
     """Lightning #19987: the last partial window is the mean of what it saw."""
@@ -492,7 +527,7 @@ def test_axis_name_window_of_zero_total_weight_emits_zeros(reduction):
     state = jax.tree.map(lambda x: jnp.stack([x, x]), tx.init(params[0]))
     grads = jnp.array([[1.0, 2.0], [jnp.nan, 4.0]])
     # (Weights summing to 0 over the devices must both be 0: a negative
-    # weight is invalid input since the contract of issue 10.)
+    # weight is invalid input: the contract says so.)
     weights = jnp.zeros(2)
 
     def step(g, s, w):

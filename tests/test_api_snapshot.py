@@ -1,4 +1,4 @@
-"""The public surface, frozen (issue 25): every name of ``optaxaccum.__all__``,
+"""The public surface, frozen: every name of ``optaxaccum.__all__``,
 ``optaxaccum.flax.__all__`` and ``optaxaccum.flax.nnx.__all__`` with its
 signature (for a class: its constructor and the public methods it defines),
 checked against ``tests/api_snapshot.txt``.

@@ -8,6 +8,7 @@ in ``test_multidevice.py``.
 """
 
 import importlib.util
+import json
 import pathlib
 
 import chex
@@ -109,6 +110,7 @@ def test_bench_microbatch_main_tiny():
     _check_result_format(res)
     assert set(res["seconds"]) == {
         "full batch",
+        "optax microbatch",
         "optax micro_grad",
         "oa.microbatched",
         "lax.scan by hand",
@@ -134,8 +136,15 @@ def test_run_all_write_report(tmp_path):
             "wall_s": 1.0,
         }
     ]
-    md_path, png_path = run_all.write_report(results, str(tmp_path), tiny=True)
+    json_path, md_path, png_path = run_all.write_report(
+        results, str(tmp_path), tiny=True
+    )
     md = pathlib.Path(md_path).read_text()
+    # The record holds the tables the pages quote; RESULTS.md is made from it.
+    record = json.loads(pathlib.Path(json_path).read_text())
+    assert record["results"][0]["rows"] == results[0]["rows"]
+    assert record["meta"]["tiny"] is True and record["hand"] == []
+    assert md.startswith(run_all.render_report(record))
     for text in (
         "Bx: a made-up benchmark",
         "| slow one | 2.00 |",
@@ -206,8 +215,14 @@ def test_run_all_keeps_hand_recorded_sections(tmp_path):
             "wall_s": 1.0,
         }
     ]
-    md_path, _ = run_all.write_report(results, str(tmp_path), tiny=True)
+    json_path, md_path, _ = run_all.write_report(
+        results, str(tmp_path), tiny=True
+    )
     first = pathlib.Path(md_path).read_text()
+    # The record's hand-recorded tables survive a new run too.
+    record = json.loads(pathlib.Path(json_path).read_text())
+    record["hand"] = [{"name": "GPU", "headers": ["a"], "rows": [["1"]]}]
+    pathlib.Path(json_path).write_text(json.dumps(record))
     assert first.rstrip().endswith(run_all.HAND_MARKER)
     hand = "\n## Before and after (by hand)\n\n| a | 1.23x |\n"
     pathlib.Path(md_path).write_text(first + hand)
@@ -216,6 +231,8 @@ def test_run_all_keeps_hand_recorded_sections(tmp_path):
     assert second.count(run_all.HAND_MARKER) == 1
     assert second.endswith(run_all.HAND_MARKER + "\n" + hand)
     assert "Bx: a made-up benchmark" in second
+    again = json.loads(pathlib.Path(json_path).read_text())
+    assert again["hand"] == record["hand"]
 
 
 def test_compile_limits_quick():
@@ -279,3 +296,37 @@ def test_bench_compile_one_size():
     targets = [t["target"] for t in res["targets"]]
     assert not any("time(" in t for t in targets), targets
     assert any("< MultiSteps" in t for t in targets), targets
+
+
+def test_run_all_rerun_replaces_one_benchmark(tmp_path, monkeypatch):
+    """``run_all.py --only MODULE`` reruns one benchmark and replaces its
+    results in the record, marked with its own date and load; the others
+    stay as recorded, and RESULTS.md is written again from the record."""
+    run_all = _load("run_all")
+
+    def result(name, ms):
+        return {
+            "name": name,
+            "title": f"{name}: made up",
+            "headers": ["variant", "ms"],
+            "rows": [["one", ms]],
+            "targets": [],
+            "ratios": {f"{name} one": 1.0},
+            "ratio_label": "time / one",
+            "wall_s": 1.0,
+        }
+
+    run_all.write_report(
+        [result("Bx", "1.00"), result("By", "2.00")], str(tmp_path), tiny=True
+    )
+    monkeypatch.setattr(
+        run_all, "run_benchmarks", lambda **kw: [result("By", "3.00")]
+    )
+    run_all.rerun(["bench_y"], out_dir=str(tmp_path))
+    record = json.loads((tmp_path / "results.json").read_text())
+    bx, by = record["results"]
+    assert bx["rows"] == [["one", "1.00"]] and "date" not in bx
+    assert by["rows"] == [["one", "3.00"]] and by["date"] and by["load"]
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert md.startswith(run_all.render_report(record))
+    assert "Run alone on" in md

@@ -439,7 +439,7 @@ def test_gates_survive_pytree_round_trips():
     chex.assert_trees_all_equal(u, -jnp.ones(2))
 
 
-# ------------------- issue 23, item 1: followers see exactly the call's keywords
+# ------------------------------- followers see exactly the call's keywords
 
 
 def _window_loss(p, batch):
@@ -498,7 +498,7 @@ def test_linesearch_optimizer_after_accumulate(name, jit, path):
     np.testing.assert_allclose(params, p_ref, rtol=1e-5, atol=1e-6)
 
 
-# ------------- issue 23, item 3: a nested window of weight 0 is one micro-batch
+# --------------------------- a nested window of weight 0 is one micro-batch
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
@@ -686,6 +686,64 @@ def test_nested_chain_steps_as_one_accumulate_of_4(nested, weights, fused):
     )
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+@pytest.mark.parametrize("weights", ["padding_first", "token_counts"])
+@pytest.mark.parametrize("middle", list(_MIDDLE_GATES))
+def test_window_of_weight_0_reaches_a_second_accumulate_through_a_gate(
+    middle, weights, fused
+):
+    """API.md 2: a window of weight 0 that reaches a second accumulate
+    through another gate (a loss scale, a user's gate) counts there as one
+    micro-batch of weight 0: the second accumulate's position advances, its
+    weight stays 0, and accumulates of 2 and 2 step where
+    ``oa.accumulate(4)`` does (calls 4 and 8), with its result."""
+    tx = oa.chain(
+        oa.accumulate(2),
+        _MIDDLE_GATES[middle](),
+        oa.accumulate(2),
+        optax.sgd(1.0),
+    )
+    flat = oa.chain(oa.accumulate(4), optax.sgd(1.0))
+    weights = _PADDED_WEIGHTS[weights]
+    zero = weights.index(0.0) // 2  # the inner window of weight 0
+    rng = np.random.default_rng(4)
+    grads = jnp.asarray(rng.normal(size=(8, 2)), jnp.float32)
+    grads = jnp.where(jnp.asarray(weights)[:, None] == 0, jnp.nan, grads)
+
+    def step(tx, params, state, g, w):
+        if fused:
+            return oa.apply_gradients(tx, g, state, params, accum_weight=w)
+        u, state = tx.update(g, state, params, accum_weight=w)
+        return optax.apply_updates(params, u), state
+
+    step = jax.jit(step, static_argnums=0)
+    stepped, params = {}, {}
+    for name, t in (("nested", tx), ("flat", flat)):
+        p = jnp.zeros(2)
+        s = t.init(p)
+        stepped[name] = []
+        for i, (g, w) in enumerate(zip(grads, weights, strict=True)):
+            new, s = step(t, p, s, g, w)
+            if not np.array_equal(new, p):
+                stepped[name].append(i + 1)
+            p = new
+            if name == "nested" and i == 2 * zero + 1:
+                # The second accumulate after the window of weight 0: one
+                # more micro-batch seen (the first of its window, or the
+                # second, which closed it), nothing added to its weight.
+                second = s[2]
+                assert int(second.mini_step) == (zero + 1) % 2
+                assert int(second.gradient_step) == zero
+                if zero == 0:
+                    assert float(second.weight) == 0.0
+        params[name] = p
+    assert stepped["flat"] == [4, 8]
+    assert stepped["nested"] == stepped["flat"]
+    np.testing.assert_allclose(
+        params["nested"], params["flat"], rtol=1e-6, atol=1e-7
+    )
+
+
 _ADAM_BEFORE_A_NESTED_GATE = {
     "flat": lambda: oa.chain(
         oa.accumulate(2),
@@ -733,6 +791,64 @@ def test_stateful_element_before_a_nested_gate_skips_a_window_of_weight_0(
     assert int(got_s.count) == 1
     chex.assert_trees_all_close(got_s, want_s, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(p, -want_u, rtol=1e-6, atol=1e-7)
+
+
+_ADAM_BEHIND_A_LOSS_SCALE = {
+    "flat": lambda: oa.chain(
+        oa.dynamic_loss_scale(1.0),
+        optax.scale_by_adam(),
+        oa.accumulate(2),
+        optax.sgd(1.0),
+    ),
+    "nested": lambda: oa.chain(
+        oa.dynamic_loss_scale(1.0),
+        oa.chain(optax.scale_by_adam(), oa.accumulate(2), optax.sgd(1.0)),
+    ),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+@pytest.mark.parametrize("build", list(_ADAM_BEHIND_A_LOSS_SCALE))
+def test_element_before_a_nested_accumulate_skips_an_overflow(build, fused):
+    """Behind a loss scale, Adam in front of an accumulate (the head of the
+    chain that follows the scale) steps only on the micro-batches the
+    scale lets through: with overflows at calls 1 and 4 its state is that
+    of Adam on the three finite gradients (count 3, finite moments), and
+    the one closed window (calls 2 and 3) is the mean of those two Adam
+    updates."""
+    tx = _ADAM_BEHIND_A_LOSS_SCALE[build]()
+    rng = np.random.default_rng(3)
+    grads = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    grads = grads.at[0, 1].set(jnp.inf).at[3, 0].set(jnp.nan)
+
+    def step(params, state, g):
+        if fused:
+            return oa.apply_gradients(tx, g, state, params)
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    step = jax.jit(step)
+    p = jnp.zeros(3)
+    s = tx.init(p)
+    for g in grads:
+        p, s = step(p, s, g)
+    adam = optax.scale_by_adam()
+    want_s, want_u = adam.init(p), []
+    for g in grads[jnp.array([1, 2, 4])]:
+        u, want_s = adam.update(g, want_s)
+        want_u.append(u)
+    (got_s,) = [
+        x
+        for x in jax.tree.leaves(
+            s, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)
+        )
+        if isinstance(x, optax.ScaleByAdamState)
+    ]
+    assert int(got_s.count) == 3
+    chex.assert_trees_all_close(got_s, want_s, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        p, -(want_u[0] + want_u[1]) / 2, rtol=1e-6, atol=1e-7
+    )
 
 
 # ------------------------------------------------- gates users write (gates.md)
@@ -1059,7 +1175,7 @@ def test_user_keyword_passed_cannot_drop_a_micro_batch():
     """'passed' used to be a keyword of the gate protocol inside the user's
     own extra arguments, where a user's passed=False would have silently
     dropped the micro-batch. The protocol's flag now travels in
-    ``oa.GateContext`` (issue 25): a user's ``passed`` is an ordinary
+    ``oa.GateContext``: a user's ``passed`` is an ordinary
     keyword that no gate reads, and the micro-batch counts."""
     tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
     params = jnp.zeros(1)

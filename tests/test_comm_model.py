@@ -1,4 +1,4 @@
-"""The communication model (``benchmarks/comm_model.py``, issue 27) against
+"""The communication model (``benchmarks/comm_model.py``) against
 the HLO census of compiled steps on the 8 CPU devices of conftest.py.
 
 For the modes the library controls (``deferred``, ``shard_update``), every

@@ -91,7 +91,7 @@ TRANSFORMS = {
         ),
         _inf,
     ),
-    # optax's linesearches hand unknown keywords to value_fn (issue 23).
+    # optax's linesearches hand unknown keywords to value_fn.
     "chain_accumulate_lbfgs": (
         lambda: oa.chain(oa.accumulate(2), optax.lbfgs()),
         _same,

@@ -1,4 +1,4 @@
-"""The Equinox recipe of docs/getting_started.md (issue 14).
+"""The Equinox recipe of docs/getting_started.md.
 
 An ``eqx.filter``-ed model with ``oa.chain`` and the fused
 ``oa.apply_gradients`` inside ``eqx.filter_jit`` with donation; the reference

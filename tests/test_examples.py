@@ -169,7 +169,7 @@ def test_transformer_lm(tmp_path):
     # near-zero gradients into differences of ~1e-5; (c)'s is ~1e-2.
     assert row(b, 3) < 1e-4 and row(c, 3) > 1e-3
     assert abs(row(b, 1) - row(a, 1)) < 1e-4  # final train loss
-    # Padding is a real share of every batch (issue 28): 30-50% of tokens.
+    # Padding is a real share of every batch: 30-50% of tokens.
     mean = _number(r"mean ([\d.]+) of 32\)", stdout)
     assert 0.5 <= mean / 32 <= 0.7, mean
     # (b) logs B_simple per window, in tokens: finite and positive once
@@ -209,3 +209,28 @@ def test_equinox_batchnorm(tmp_path):
     ours = {m for m in imported if m.startswith("optaxaccum")}
     assert ours == {"optaxaccum", "optaxaccum._src.batch_stats"}, ours
     assert not any(m.split(".")[0] == "flax" for m in imported), imported
+
+
+def test_adascale(tmp_path):
+    """examples/adascale.py, short: the growing windows with the gain lose
+    less per example than without scaling, on a fraction of the steps."""
+    stdout = _run(
+        "adascale.py",
+        "--micro-steps",
+        "240",
+        "--out",
+        str(tmp_path / "figures"),
+        cwd=tmp_path,
+    )
+
+    def row(name, column):  # the table: opt steps, train loss, tau
+        match = re.search(rf"^{re.escape(name)} .*$", stdout, re.MULTILINE)
+        assert match, stdout
+        return float(match.group(0)[len(name) :].split()[column])
+
+    base, plain, gain = "(a) base batch", "(b) ramp, no scale", "(d) ramp, gain"
+    assert row(base, 0) == 240 and row(gain, 0) == row(plain, 0) < 240 / 2
+    assert row(gain, 1) < row(plain, 1)
+    assert row(plain, 0) == row(plain, 2) < row(gain, 2) <= row(base, 2)
+    png = tmp_path / "figures" / "adascale.png"
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -6,6 +6,7 @@ concatenated window, and the same model trained on the big batch.
 """
 
 import functools
+import warnings
 
 import chex
 import flax.linen as nn
@@ -842,6 +843,66 @@ def test_empty_masks_add_nothing_to_the_window(use_fast_variance):
     _assert_masked_window_is_the_concatenated_batch(ours, ref, batches, masks)
 
 
+def test_window_with_every_element_masked_leaves_running_stats_alone():
+    """A window in which every element of a feature is masked out leaves
+    that feature's running mean and variance exactly as they were (it saw
+    no element: nothing to average in); the other features follow
+    ``nn.BatchNorm`` on the masked window. A window in which everything is
+    masked, closed by its last micro-batch or by a flush, changes no
+    running statistic and is emptied."""
+    batches = _data((4,) * 7, (2,))  # one shape: one trace
+    ours = AccumBatchNorm(
+        use_running_average=False, momentum=0.8, accum_steps=2
+    )
+    ref = nn.BatchNorm(use_running_average=False, momentum=0.8)
+    variables = ours.init(jax.random.key(0), batches[0])
+    ref_stats = ref.init(jax.random.key(0), batches[0])["batch_stats"]
+
+    @jax.jit
+    def apply(stats, xb, m):
+        variables_ = {**variables, "batch_stats": stats}
+        return ours.apply(variables_, xb, mask=m, mutable=["batch_stats"])[1]
+
+    def run(stats, xs, masks):
+        for xb, m in zip(xs, masks, strict=True):
+            stats = apply(stats, xb, m)["batch_stats"]
+        return stats
+
+    def ref_run(stats, xs, masks):
+        _, upd = ref.apply(
+            {"params": variables["params"], "batch_stats": stats},
+            jnp.concatenate(xs),
+            mask=jnp.concatenate(masks),
+            mutable=["batch_stats"],
+        )
+        return upd["batch_stats"]
+
+    # A first window with every element: the running stats move off 0 and 1.
+    full = [jnp.ones(xb.shape, bool) for xb in batches[:2]]
+    stats = run(variables["batch_stats"], batches[:2], full)
+    ref_stats = ref_run(ref_stats, batches[:2], full)
+    first = stats
+    # Feature 0 masked out in both micro-batches of the second window.
+    masks = [jnp.array([[False, True]] * xb.shape[0]) for xb in batches[2:4]]
+    stats = run(stats, batches[2:4], masks)
+    ref_stats = ref_run(ref_stats, batches[2:4], masks)
+    assert int(stats["window_step"]) == 0
+    for name in ("mean", "var"):
+        assert float(first[name][0]) != {"mean": 0.0, "var": 1.0}[name]
+        np.testing.assert_array_equal(stats[name][0], first[name][0])
+        np.testing.assert_allclose(stats[name][1], ref_stats[name][1], **TOL)
+        assert stats[name][1] != first[name][1]
+    # Every element masked: a closed window, then a flushed partial one.
+    before = stats
+    none = [jnp.zeros(xb.shape, bool) for xb in batches[4:]]
+    stats = run(stats, batches[4:6], none[:2])
+    assert int(stats["window_step"]) == 0
+    stats = flush_batch_stats(run(stats, batches[6:], none[2:]))
+    assert int(stats["window_step"]) == 0
+    for name in ("mean", "var"):
+        np.testing.assert_array_equal(stats[name], before[name])
+
+
 @pytest.mark.parametrize("axis", [1, (1, 2), (-1, 1)])
 @pytest.mark.parametrize("use_fast_variance", [True, False])
 def test_feature_axes_and_two_pass_variance(axis, use_fast_variance):
@@ -978,7 +1039,7 @@ def test_flush_batch_stats_keeps_mapping_type_and_works_under_jit():
     np.testing.assert_allclose(jitted["mean"], [1.0])
 
 
-# ------------------------------------- issue 10 (items 7, 8), issue 13 (dtypes) --
+# ---------------------------------------- bad input, dtypes of the statistics --
 
 
 class TwoBN(nn.Module):
@@ -1407,3 +1468,39 @@ def test_trainstate_keeps_stepping_batch_stats_without_a_momentum(jit):
             state = step(state)
     assert bool(oa.has_updated(state.opt_state))
     chex.assert_trees_all_equal(state.batch_stats, older)
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["accumulate", "optax"])
+def test_trainstate_warns_about_older_batch_stats_only_where_a_close_is_due(
+    plain,
+):
+    """The warning about ``batch_stats`` without a recorded momentum comes
+    where the optimizer's window closes (calls 2 and 4 of four with
+    ``oa.accumulate(2)``: where the layers would have closed with it), not
+    on every call, and never with a plain optax optimizer (no window to
+    follow: the layers close on ``accum_steps``, as they always did)."""
+    model = _BNHead(accum_steps=2)
+    x = jax.random.normal(jax.random.key(0), (4, 4))
+    variables = model.init(jax.random.key(0), x, False)
+    layer = variables["batch_stats"]["AccumBatchNorm_0"]
+    older = {
+        "AccumBatchNorm_0": {k: v for k, v in layer.items() if k != "momentum"}
+    }
+    tx = optax.sgd(0.1)
+    tx = tx if plain else oa.chain(oa.accumulate(2), tx)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=tx,
+        batch_stats=older,
+    )
+    grads = jax.tree.map(jnp.ones_like, state.params)
+    warned = []
+    for _ in range(4):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = state.apply_gradients(grads=grads, batch_stats=older)
+        texts = [str(w.message) for w in caught]
+        assert all("convert_batch_stats" in t for t in texts), texts
+        warned.append(len(texts))
+    assert warned == ([0] * 4 if plain else [0, 1, 0, 1])

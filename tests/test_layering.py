@@ -1,4 +1,4 @@
-"""The package's layering, read from its source (issue 25).
+"""The package's layering, read from its source.
 
 * The modules of ``optaxaccum/`` import each other without a circle, lazy
   imports inside functions included.

@@ -1,4 +1,4 @@
-"""Trees of 1 000 leaves of mixed dtypes and shapes (issue 12).
+"""Trees of 1 000 leaves of mixed dtypes and shapes.
 
 Real models are trees of hundreds to thousands of leaves. These tests run the
 fused and the plain steps on such a tree against outside references (the

@@ -1,4 +1,4 @@
-"""Sharded meshes under ``jax.jit`` (issue 11): unreduced gradients and one
+"""Sharded meshes under ``jax.jit``: unreduced gradients and one
 data-axis reduction per window, on ``data=2 x fsdp=4`` and ``data=8`` meshes
 of the 8 CPU devices conftest.py gives.
 
@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
-from optaxaccum._src import collectives, sharding
+from optaxaccum._src import collectives, reducer, sharding
 
 # Meshes of 8 devices of the default backend (conftest: 8 CPU devices).
 pytestmark = pytest.mark.devices(8)
@@ -517,6 +517,42 @@ def test_naming_fsdp_too_defers_both_reductions():
     assert branch[0]["bytes"] == tree_bytes, ops
 
 
+@pytest.mark.parametrize("eager_init", [False, True], ids=["jit", "eager"])
+def test_axis_names_out_of_mesh_order(eager_init):
+    """axis_name=("fsdp", "data") on the mesh ("data", "fsdp"): the same
+    axes in another order are the same reduction. The accumulator is
+    stacked in the mesh's order (its leading dimension over both axes, as
+    the steps restack it: a stack in the given order failed with a shape
+    ValueError on the second step), by ``jax.jit(tx.init)`` under the mesh
+    or by the first step after an eager init, and two windows equal the
+    big-batch Adam."""
+    mesh = _mesh("data2xfsdp4")
+    axis = ("fsdp", "data")
+    tx = oa.chain(oa.accumulate(K, axis_name=axis), optax.adam(0.05))
+
+    def check_stacked(acc):
+        for a, p in zip(
+            jax.tree.leaves(acc), jax.tree.leaves(_init_params()), strict=True
+        ):
+            assert a.shape == (mesh.size, *p.shape), (a.shape, p.shape)
+            assert _partitions(a)[0] == ("data", "fsdp"), a.sharding
+            assert not a.sharding.spec.unreduced
+            # What the steps read as a stack over the named axes.
+            assert reducer.stacked_axes(a, axis) == ("data", "fsdp")
+
+    params = _put_params(mesh, _init_params())
+    if not eager_init:  # tx.init off the mesh context: plain, stacked later
+        with jax.set_mesh(mesh):
+            check_stacked(jax.jit(tx.init)(params)[0].acc)
+    data = _make_data(K * WINDOWS)
+    params, state = _run(tx, mesh, data, eager_init, axis=axis)
+    want = _reference(optax.adam(0.05), _init_params(), *data)
+    chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
+    assert int(state[0].gradient_step) == WINDOWS
+    check_stacked(state[0].acc)
+    _same_sharding(params, _put_params(mesh, _init_params()))
+
+
 def test_hlo_plain_gather_reduces_every_micro_batch():
     """The trap behind the issue's first probe: a forward that gathers the
     reduced weight with ``jax.reshard(w, P(None, None))`` drops its reduced
@@ -728,7 +764,7 @@ def test_bench_mesh_tiny():
             r["acc_bytes"]["oa.unreduced_value_and_grad"] * fsdp
             == (r["tree_bytes"])
         )
-        # FSDP's own bytes: all-gather + reduce-scatter (issue 24).
+        # FSDP's own bytes: all-gather + reduce-scatter.
         assert ours["micro_step_trees"] <= 1 + 1 / fsdp, ours
         assert ours["all_bytes"] < naive["all_bytes"], (ours, naive)
     both = res["results"]["data=2 x fsdp=4"]["census"][
@@ -1005,7 +1041,7 @@ def test_plan_microbatches_counts_per_device_for_sharded_args():
             )
 
 
-# ------------------------------------------------- checkpoints (issue 24)
+# ----------------------------------------------------------- checkpoints
 
 
 def _ckpt_tx(k):
@@ -1091,7 +1127,7 @@ def test_checkpoint_round_trip_mid_window_and_boundary(
     chex.assert_trees_all_close(jax.device_get(resumed), want, **TOL)
 
 
-# ------------------------------------------------ named mistakes (issue 24)
+# -------------------------------------------------------- named mistakes
 
 
 def _one_step(tx, mesh, vg):

@@ -1,4 +1,4 @@
-"""Data parallelism (issue 5): ``oa.accumulate(axis_name=...)`` under
+"""Data parallelism: ``oa.accumulate(axis_name=...)`` under
 ``jax.pmap`` and ``jax.shard_map``, sharded states, two processes.
 
 Each device computes the plain local gradient of its own micro-batch (no

@@ -616,6 +616,26 @@ def test_multisteps_has_updated_on_an_optax_state_answers_as_optax():
     assert bool(oa.has_updated(our_state)) and bool(ours.has_updated(our_state))
 
 
+def test_oa_has_updated_on_a_flagless_state_answers_as_optax():
+    """``oa.has_updated`` of an ``oa.MultiStepsState`` without its
+    ``updated`` flag (built from optax's fields, as an older checkpoint
+    restores it) follows optax's rule, on every call of two windows: false
+    before the first window closes and inside a window, true where one just
+    closed (position 0 after at least one step)."""
+    params = jnp.zeros(2)
+    theirs = optax.MultiSteps(optax.adam(0.1), 3)
+    state = theirs.init(params)
+    got, want = [], []
+    for i in range(7):
+        flagless = oa.MultiStepsState(*state)
+        assert flagless.updated is None
+        got.append(bool(oa.has_updated(flagless)))
+        want.append(bool(theirs.has_updated(state)))
+        _, state = theirs.update(jnp.full(2, i + 1.0), state, params)
+    assert want == [False, False, False, True, False, False, True]
+    assert got == want
+
+
 def test_multisteps_takes_accumulator_dtype_fifth_positional():
     """Issue 23, item 8: optax's constructor order, ``accumulator_dtype``
     fifth positional included."""

@@ -1,4 +1,4 @@
-"""Tests for ``optaxaccum.flax.nnx.Optimizer`` (issue 14).
+"""Tests for ``optaxaccum.flax.nnx.Optimizer``.
 
 The reference is flax's own ``nnx.Optimizer`` holding the same ``oa.chain``
 (the plain protocol), with the partial window closed by hand as the issue's
@@ -64,7 +64,8 @@ _flush = nnx.jit(lambda model, opt: opt.flush(model), donate_argnums=(0, 1))
 
 
 def _stock_flush(model, opt):
-    """What users wrote before issue 14: close both windows by hand."""
+    """What users wrote before the nnx Optimizer: close both windows by
+    hand."""
     oa_nnx.flush_batch_stats(model)
     params = nnx.as_pure(nnx.state(model, opt.wrt))
     updates, opt_state = oa.flush(opt.tx, nnx.as_pure(opt.opt_state), params)
@@ -98,7 +99,7 @@ def _train(
         grads = jax.tree.map(lambda g: jnp.where(bad, jnp.inf, 1.0) * g, grads)
         opt.update(model, grads, accum_weight=w)
         if opt_cls is not oa_nnx.Optimizer:
-            # By hand, as users had to (issue 23, item 6): the BatchNorm
+            # By hand, as users had to: the BatchNorm
             # statistics of a dropped micro-batch are thrown away.
             after = nnx.as_pure(nnx.state(model, nnx.BatchStat))
             kept = jax.tree.map(
@@ -465,7 +466,7 @@ def test_bench_nnx_runs_and_measures_memory():
     assert len(memory) == 2 and all(t["met"] for t in memory), memory
 
 
-# ------------------------- issue 23, item 6: refused micro-batches and BN
+# ---------------------------------------- refused micro-batches and BN
 
 
 class BNFirst(nnx.Module):

@@ -1,4 +1,4 @@
-"""Gradient noise scale from the window (issue 28, API.md section 9).
+"""Gradient noise scale from the window (docs/noise_scale.md).
 
 Outside truths:
 
@@ -704,7 +704,7 @@ def test_jit_mesh_state_round_trips_mid_window():
     """The estimate's per-device sum of squares is state (API.md section 9):
     on a jit mesh it must survive jax.device_get mid-window (each device's
     own partial sum, stored stacked like the accumulator) and the restored
-    run lands on the uninterrupted run's estimate (issue 28)."""
+    run lands on the uninterrupted run's estimate."""
     _, straight = _mesh_run("data2xfsdp4", 0.5)
     _, resumed = _mesh_run("data2xfsdp4", 0.5, checkpoint_at=1)
     np.testing.assert_allclose(resumed.trace_cov, straight.trace_cov, rtol=1e-6)

@@ -1,4 +1,4 @@
-"""Packaging (issue 26): the version, the floors, the wheel and the sdist.
+"""Packaging: the version, the floors, the wheel and the sdist.
 
 The checks on the built distributions read the ones ``make test``,
 ``make test-floors`` and ``make test-newest`` build (the folder in

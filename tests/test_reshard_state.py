@@ -7,6 +7,8 @@ On the 8 CPU devices of conftest.py, against the single-device big-batch
 reference of tests/test_mesh.py.
 """
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -274,6 +276,32 @@ def test_reshard_state_from_a_single_device_and_bad_input():
         oa.reshard_state(tx, (bad[0],), params)
     with pytest.raises(ValueError, match="does not have"):
         oa.reshard_state(tx, (*bad, {"extra": np.zeros(1)}), params)
+
+
+def test_reshard_state_folds_a_complex_accumulator_with_its_imaginary_part():
+    """The rows of a complex accumulator are folded as complex numbers: two
+    devices' partial sums 1+2j and 3+4j become 4+6j on one device (and in
+    the first row on a mesh with more rows), not 4+0j; the dtype stays."""
+    tx = oa.chain(oa.accumulate(3, axis_name="data"), optax.sgd(0.1))
+    plain = {"w": jnp.zeros(2, jnp.complex64)}
+    state = jax.device_get(tx.init(plain))
+    rows = np.array([[1 + 2j, -1j], [3 + 4j, 0.5 + 0j]], np.complex64)
+    saved = (state[0]._replace(acc={"w": rows}), *state[1:])
+    want = np.array([4 + 6j, 0.5 - 1j], np.complex64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a cast to real warns, then check
+        moved = oa.reshard_state(tx, saved, plain)
+    assert moved[0].acc["w"].dtype == jnp.complex64
+    np.testing.assert_array_equal(moved[0].acc["w"], want)
+    assert not caught, [str(w.message) for w in caught]
+    mesh = jax.make_mesh(
+        (4,), ("data",), (AxisType.Explicit,), devices=jax.devices()[:4]
+    )
+    params = {"w": jax.device_put(plain["w"], NamedSharding(mesh, P()))}
+    moved = jax.device_get(oa.reshard_state(tx, saved, params))
+    assert moved[0].acc["w"].shape == (4, 2)
+    np.testing.assert_array_equal(moved[0].acc["w"][0], want)
+    np.testing.assert_array_equal(moved[0].acc["w"][1:], 0)
 
 
 def test_docs_scaling_resume_on_another_mesh_runs_as_written(capsys):

@@ -1,4 +1,4 @@
-"""``oa.accumulate(k, axis_name=..., shard_update=True)`` (issue 27): the
+"""``oa.accumulate(k, axis_name=..., shard_update=True)`` : the
 window's one reduction over the data axes is a reduce-scatter, the optimizer
 runs on each device's shard with its state sharded over the data axes too
 (ZeRO-1, once per window), and the updates are all-gathered back.

@@ -11,7 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, noise_scale, reducer, sharding, utils
+from optaxaccum._src import (
+    base,
+    every_weight,
+    noise_scale,
+    reducer,
+    sharding,
+    utils,
+)
 from optaxaccum._src import shard_update as _shard_update
 
 __all__ = ["AccumulateState", "accumulate", "map_accumulators"]
@@ -53,7 +60,9 @@ class AccumulateState(NamedTuple):
 class _Config(NamedTuple):
     """The static configuration of one :func:`accumulate`."""
 
-    window: Callable[[AccumulateState], Any]  # state -> window length
+    # (state, mini_step, weight, sums) -> whether the window closes, given
+    # its position and weight with the call counted (_window_fn).
+    closes: Callable[..., Any]
     reduction: str
     accumulator_dtype: np.dtype | None  # None: at least float32 and the leaf's
     axis_name: Hashable | None
@@ -63,7 +72,10 @@ class _Config(NamedTuple):
 
 
 def accumulate(
-    every_k: int | Callable[[jax.Array], Any] | noise_scale.CriticalBatchEveryK,
+    every_k: int
+    | Callable[[jax.Array], Any]
+    | noise_scale.CriticalBatchEveryK
+    | every_weight.EveryWeight,
     *,
     reduction: str = "mean",
     accumulator_dtype: Any = None,
@@ -118,7 +130,7 @@ def accumulate(
       Array([-2.], dtype=float32)
     """
     decay = noise_scale.check_decay(noise_scale_decay)
-    window = _window_fn(every_k, decay)
+    closes = _window_fn(every_k, decay)
     if isinstance(every_k, noise_scale.CriticalBatchEveryK):
         noise_scale.check_can_grow(every_k, axis_name)
     if reduction not in ("mean", "sum"):
@@ -126,7 +138,7 @@ def accumulate(
             f'reduction must be "mean" or "sum", got reduction={reduction!r}'
         )
     cfg = _Config(
-        window,
+        closes,
         reduction,
         None
         if accumulator_dtype is None
@@ -161,18 +173,29 @@ def _check_shard_update(shard_update: Any, axis_name: Any) -> bool:
     return shard_update
 
 
-def _window_fn(
-    every_k: Any, decay: float | None
-) -> Callable[[AccumulateState], Any]:
-    """``every_k`` as a function of the state: the window's length."""
+def _window_fn(every_k: Any, decay: float | None) -> Callable[..., Any]:
+    """``every_k`` as ``closes(state, mini_step, weight, sums)``: whether
+    the window closes with the call counted (position ``mini_step``, total
+    ``weight`` on this device, ``sums`` the window sums' reducer), decided
+    from the state before the call."""
+    if isinstance(every_k, every_weight.EveryWeight):
+        # The global weight: one scalar psum under pmap/shard_map, nothing
+        # where it is global already (jit meshes, one device).
+        return lambda state, mini_step, weight, sums: every_k.closes(
+            mini_step, sums.global_weight(weight)
+        )
     if isinstance(every_k, noise_scale.CriticalBatchEveryK):
         if decay is None:
             raise ValueError(noise_scale.NEEDS_DECAY_MSG)
-        return lambda state: every_k.window(state.noise_scale)
-    if callable(every_k):
-        return lambda state: every_k(state.gradient_step)
-    k = utils.check_positive_int("every_k", every_k)
-    return lambda state: k
+        length = lambda state: every_k.window(state.noise_scale)  # noqa: E731
+    elif callable(every_k):
+        length = lambda state: every_k(state.gradient_step)  # noqa: E731
+    else:
+        k = utils.check_positive_int("every_k", every_k)
+        length = lambda state: k  # noqa: E731
+    return lambda state, mini_step, weight, sums: (
+        mini_step >= jnp.asarray(length(state), jnp.int32)
+    )
 
 
 def _leaf_dtype(cfg: _Config, leaf: Any) -> np.dtype:
@@ -241,8 +264,7 @@ def _gate_update(
         cfg, sums, state, updates, accum_weight, ctx.passed
     )
     mini_step = utils.select(counted, state.mini_step + 1, state.mini_step)
-    window = jnp.asarray(cfg.window(state), jnp.int32)
-    closing = utils.both(counted, mini_step >= window)
+    closing = utils.both(counted, cfg.closes(state, mini_step, weight, sums))
     new_state = AccumulateState(
         mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
         gradient_step=jnp.where(
@@ -387,6 +409,7 @@ def _emitter(
             state=state._replace(updated=updated, noise_scale=noise),
             opened=opened,
             window_weight=follower_weight,
+            noise=None if noise is None else noise_scale.estimates(noise),
         )
 
     return emit

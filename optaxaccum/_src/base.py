@@ -92,6 +92,15 @@ class _Emission(NamedTuple):
     # Whether the call got through every gate inside this one (a chain):
     # a later gate gets it as ctx.passed.
     passed: Any = True
+    # The noise scale estimates (a NoiseScale) of the accumulate that
+    # closed the window, or None (off): the plain followers that declare
+    # WINDOW_NOISE_ARG by name get it (oa.scale_by_window).
+    noise: Any = None
+
+
+# The keyword under which a plain follower gets the closing window's noise
+# scale estimates (an oa.NoiseScale), if it declares it by name.
+WINDOW_NOISE_ARG = "window_noise_scale"
 
 
 class _Result(NamedTuple):

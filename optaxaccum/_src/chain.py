@@ -269,10 +269,17 @@ def _follower_args(
 ) -> dict[str, Any]:
     """The keywords a plain follower ``tx`` sees (API.md 2): exactly the
     call's (already :func:`_replaced`), plus the window's total as
-    ``accum_weight`` if ``tx`` declares ``accum_weight`` by name. No other
+    ``accum_weight`` if ``tx`` declares ``accum_weight`` by name, and the
+    window's noise scale estimates (put among ``extra_args`` by
+    :func:`_emit_into`) if it declares ``base.WINDOW_NOISE_ARG``. No other
     keyword reaches it: optax's linesearches hand unknown keywords to
     ``value_fn``."""
-    if window is None or "accum_weight" not in utils.declared_extra_args(tx):
+    declared = utils.declared_extra_args(tx)
+    noise = extra_args.get(base.WINDOW_NOISE_ARG)
+    if noise is not None and base.WINDOW_NOISE_ARG not in declared:
+        extra_args = dict(extra_args)
+        del extra_args[base.WINDOW_NOISE_ARG]
+    if window is None or "accum_weight" not in declared:
         return extra_args
     return {**extra_args, "accum_weight": window}
 
@@ -384,7 +391,11 @@ def _shut(
 
 
 def _emit_into(out, tail_state, rest, params, args) -> base._Emission:
-    """The plain followers run where the gate ``opened`` after all."""
+    """The plain followers run where the gate ``opened`` after all; the
+    window's noise scale estimates go with the call's keywords, for the
+    followers that ask for them (:func:`_follower_args`)."""
+    if out.noise is not None:
+        args = {**args, base.WINDOW_NOISE_ARG: out.noise}
 
     def run():
         return rest(out.updates, tail_state, params, out.window_weight, args)

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from optaxaccum._src import accumulate as _accumulate
-from optaxaccum._src import base, utils
+from optaxaccum._src import base, every_weight, utils
 from optaxaccum._src import chain as _chain
 
 __all__ = ["MultiSteps", "MultiStepsState"]
@@ -120,8 +120,9 @@ class MultiSteps(base.GatedTransformation):
 
     Args:
       opt: the wrapped optax optimizer.
-      every_k_schedule: micro-steps per window: a positive int, or a
-        jit-traceable function ``gradient_step -> int``.
+      every_k_schedule: micro-steps per window: a positive int, a
+        jit-traceable function ``gradient_step -> int``, or a weight budget
+        (:func:`every_weight`).
       use_grad_mean: average the window's gradients (else sum them).
       should_skip_update_fn: ``(updates, gradient_step, params) ->
         (should_skip, skip_state)``, e.g. :func:`optax.skip_not_finite`.
@@ -153,7 +154,9 @@ class MultiSteps(base.GatedTransformation):
     def __new__(
         cls,
         opt: optax.GradientTransformation,
-        every_k_schedule: int | Callable[[jax.Array], Any],
+        every_k_schedule: int
+        | Callable[[jax.Array], Any]
+        | every_weight.EveryWeight,
         use_grad_mean: bool = True,
         should_skip_update_fn: Callable | None = None,
         accumulator_dtype: Any = jnp.float32,
@@ -332,7 +335,8 @@ def _check_args(opt, every_k_schedule, use_grad_mean, should_skip_update_fn):
             "opt must be an optax GradientTransformation, got "
             f"opt={opt!r} of type {type(opt).__name__}"
         )
-    if not callable(every_k_schedule):
+    budget = isinstance(every_k_schedule, every_weight.EveryWeight)
+    if not (callable(every_k_schedule) or budget):
         utils.check_positive_int("every_k_schedule", every_k_schedule)
     if not isinstance(use_grad_mean, (bool, np.bool_)):
         raise TypeError(

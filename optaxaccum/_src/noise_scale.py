@@ -223,13 +223,21 @@ def noise_scale(opt_state: optax.OptState) -> NoiseScale:
         found = utils.find_state(opt_state, NoiseScaleState, "oa.noise_scale")
     except ValueError:
         raise ValueError(f"oa.noise_scale {NOT_ON_MSG}") from None
+    return estimates(found)
+
+
+def estimates(state: NoiseScaleState) -> NoiseScale:
+    """The debiased averages of ``state`` as a :class:`NoiseScale` of
+    float32 scalars (NaN while unset): what :func:`noise_scale` returns, and
+    what a closing window passes on to the followers that ask for it
+    (:func:`optaxaccum.scale_by_window`)."""
     trace_cov, grad_sq, norm = (
-        jnp.asarray(x) for x in (found.trace_cov, found.grad_sq, found.norm)
+        jnp.asarray(x) for x in (state.trace_cov, state.grad_sq, state.norm)
     )
     unset = norm == 0  # no window with k >= 2 yet
     norm = jnp.where(unset, jnp.nan, norm)
     return NoiseScale(
-        b_simple(found).astype(jnp.float32),
+        b_simple(state).astype(jnp.float32),
         (trace_cov / norm).astype(jnp.float32),
         (grad_sq / norm).astype(jnp.float32),
     )

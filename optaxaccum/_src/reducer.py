@@ -86,6 +86,11 @@ class Reducer:
         """The noise scale's two sums over the devices."""
         return sq_sum, count
 
+    def global_weight(self, weight: jax.Array) -> jax.Array:
+        """The window's running ``weight`` over the devices, on every
+        micro-batch (:func:`optaxaccum.every_weight`): here as it is."""
+        return weight
+
     def sum_scale(self, reduction: str) -> Any:
         """What the reduced window sum must be multiplied by to be the sum
         over all devices (``None``: nothing)."""
@@ -144,6 +149,10 @@ class Mapped(Reducer):
         """One ``psum`` of both."""
         both = lax.psum(jnp.stack([sq_sum, count]), self.axis_name)
         return both[0], both[1]
+
+    def global_weight(self, weight: jax.Array) -> jax.Array:
+        """One scalar ``psum``: each device holds its own weight."""
+        return lax.psum(weight, self.axis_name)
 
     def agree(self, flag: jax.Array) -> jax.Array:
         """``lax.pmin`` of ``flag`` (one global value already when it lies

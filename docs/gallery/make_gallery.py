@@ -1,0 +1,202 @@
+"""Writes the gallery's pages (``docs/gallery/*.md``) from ``examples/``.
+
+Each page shows an example's description (its docstring), its code (included
+from ``examples/`` when the docs are built, so it is always the current
+code), what it printed and the plot it saved, as recorded by ``--run``: the
+docs build never runs an example (some take minutes), it shows the recorded
+output with the command, machine and date that produced it.
+
+Run: ``python docs/gallery/make_gallery.py [--run [NAME ...]]``. Without
+``--run`` it rewrites the pages from the recorded outputs (seconds);
+``--run`` first reruns the named examples (default: all) and records their
+output in ``docs/gallery/outputs/``. ``tests/test_gallery.py`` fails when a
+page differs from what this script writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+EXAMPLES = os.path.join(ROOT, "examples")
+OUTPUTS = os.path.join(HERE, "outputs")
+WIDTH = 88  # the site's code width (tests/docs_site_check.py)
+
+# (example, arguments it is recorded with): the order of the gallery.
+GALLERY = (
+    ("quickstart", ()),
+    ("flax_trainstate", ()),
+    ("nnx_example", ()),
+    ("equinox_batchnorm", ()),
+    ("token_weighting", ()),
+    ("flush_epoch", ()),
+    ("fp16_loss_scale", ()),
+    ("data_parallel", ()),
+    ("fsdp", ()),
+)
+
+
+def docstring(name: str) -> str:
+    """The module docstring of ``examples/<name>.py``."""
+    with open(os.path.join(EXAMPLES, f"{name}.py")) as f:
+        return ast.get_docstring(ast.parse(f.read())) or name
+
+
+def record(name: str, args: tuple[str, ...]) -> None:
+    """Runs one example as a user would and records what it printed and
+    the figures it saved."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, MPLBACKEND="Agg", JAX_PLATFORMS="cpu")
+        env.pop("XLA_FLAGS", None)
+        command = ["python", f"examples/{name}.py", *args]
+        cpu = os.times()
+        proc = subprocess.run(
+            [sys.executable, os.path.join(EXAMPLES, f"{name}.py"), *args],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        after = os.times()
+        cpu_s = (after.children_user - cpu.children_user) + (
+            after.children_system - cpu.children_system
+        )
+        for png in sorted(f for f in os.listdir(tmp) if f.endswith(".png")):
+            shutil.copy(os.path.join(tmp, png), os.path.join(OUTPUTS, png))
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    header = (
+        f"# {' '.join(command)}\n# recorded {when} with JAX on the CPU of a "
+        f"{os.cpu_count()}-core {platform.machine()} {platform.system()} "
+        f"machine ({cpu_s:.0f} CPU seconds)\n"
+    )
+    with open(os.path.join(OUTPUTS, f"{name}.txt"), "w") as f:
+        f.write(header + proc.stdout)
+
+
+def page(name: str) -> str:
+    """The gallery page of one example, from its recorded output."""
+    title, _, body = docstring(name).partition("\n\n")
+    title = " ".join(title.split())
+    with open(os.path.join(OUTPUTS, f"{name}.txt")) as f:
+        recorded = f.read()
+    command, meta, printed = recorded.split("\n", 2)
+    figures = sorted(
+        f
+        for f in os.listdir(OUTPUTS)
+        if f.endswith(".png") and f.startswith(name)
+    )
+    wrapped = [
+        textwrap.fill(
+            line, WIDTH, subsequent_indent="    ", break_on_hyphens=False
+        )
+        if len(line) > WIDTH
+        else line
+        for line in printed.rstrip().splitlines()
+    ]
+    note = (
+        " (lines longer than the page wrapped, continued with an indent)"
+        if wrapped != printed.rstrip().splitlines()
+        else ""
+    )
+    parts = [
+        f"# {title.rstrip('.')}",
+        "",
+        body.strip(),
+        "",
+        "## The code",
+        "",
+        f"`examples/{name}.py`:",
+        "",
+        f"```{{literalinclude}} ../../examples/{name}.py",
+        ":language: python",
+        ":lines: " + _code_start(name),
+        "```",
+        "",
+        "## What it prints",
+        "",
+        f"`{command.removeprefix('# ')}`, {meta.removeprefix('# ')}{note}:",
+        "",
+        "```text",
+        *wrapped,
+        "```",
+    ]
+    for png in figures:
+        parts += ["", f"![{png}](outputs/{png})"]
+    return "\n".join(parts) + "\n"
+
+
+def _code_start(name: str) -> str:
+    """The code after the docstring (``"N-"``), which the page shows
+    above it as prose."""
+    with open(os.path.join(EXAMPLES, f"{name}.py")) as f:
+        tree = ast.parse(f.read())
+    first = tree.body[0]
+    return f"{first.end_lineno + 1}-"
+
+
+def index() -> str:
+    """The gallery's index page: one entry per example."""
+    parts = [
+        "# Gallery",
+        "",
+        "The scripts in `examples/`, each with its code, what it printed "
+        "and the plot it saves, where it saves one, recorded on CPU. Run one "
+        "with `python examples/<name>.py` (the `examples` extra installs what "
+        "they need); `--tiny` or `--quick` runs it in seconds.",
+        "",
+        "- {doc}`The language model <../lm_example>`: "
+        "padded variable-length documents, the per-token mean, weighted "
+        "against naive accumulation, the noise scale "
+        "(`examples/transformer_lm.py`).",
+    ]
+    for name, _ in GALLERY:
+        title = " ".join(docstring(name).partition("\n\n")[0].split())
+        title = title.rstrip(".")
+        parts.append(f"- {{doc}}`{name}`: {title} (`examples/{name}.py`).")
+    parts += [
+        "",
+        "```{toctree}",
+        ":hidden:",
+        "",
+        *[name for name, _ in GALLERY],
+        "```",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def pages() -> dict[str, str]:
+    """Every page this script writes, by file name."""
+    out = {"index.md": index()}
+    out.update({f"{name}.md": page(name) for name, _ in GALLERY})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", nargs="*", default=None)
+    args = parser.parse_args()
+    if args.run is not None:
+        os.makedirs(OUTPUTS, exist_ok=True)
+        for name, argv in GALLERY:
+            if not args.run or name in args.run:
+                print("recording", name, flush=True)
+                record(name, argv)
+    for file, text in pages().items():
+        with open(os.path.join(HERE, file), "w") as f:
+            f.write(text)
+        print("wrote", os.path.join("docs/gallery", file))
+
+
+if __name__ == "__main__":
+    main()
