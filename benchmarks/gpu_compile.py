@@ -88,6 +88,56 @@ def _fold_rows(targets_, steps, hlo, models):
     return rows
 
 
+# A bare accumulation of one weight's gradient (x: 256 x 512, dy: 256 x
+# 768) into a float32 accumulator, donated.
+BARE = {
+    "float32: acc + x.T @ dy": "f32",
+    "float32, lazy reset: where(fresh, g, acc + g)": "overwrite",
+    "bfloat16 GEMM, output cast to float32": "bf16",
+    "bfloat16 GEMM, float32 output (preferred_element_type)": "bf16->f32",
+}
+
+
+def _bare_step(form):
+    import jax
+    import jax.numpy as jnp
+
+    def step(acc, x, dy, fresh):
+        a = acc["acc"]["kernel"]
+        if form.startswith("bf16"):
+            x, dy = x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16)
+        out = jnp.float32 if form == "bf16->f32" else None
+        g = jax.lax.dot_general(
+            x, dy, (((0,), (0,)), ((), ())), preferred_element_type=out
+        ).astype(jnp.float32)
+        new = jnp.where(fresh, g, a + g) if form == "overwrite" else a + g
+        return {"acc": {"kernel": new}}
+
+    sds = jax.ShapeDtypeStruct
+    args = (
+        {"acc": {"kernel": sds((512, 768), jnp.float32)}},
+        sds((256, 512), jnp.float32),
+        sds((256, 768), jnp.float32),
+        sds((), jnp.bool_),
+    )
+    return step, args
+
+
+def _bare_rows(targets_, hlo):
+    rows = []
+    for label, form in BARE.items():
+        step, args = _bare_step(form)
+        row = [label]
+        for target in targets_:
+            if target == "tpu":
+                continue
+            text = targets_[target](step, args, (0,)).as_text()
+            where = hlo.fold(hlo.Module.parse(text), hlo.is_kernel_accumulator)
+            row.append(", ".join(where.values()))
+        rows.append(row)
+    return rows
+
+
 def _memory_rows(targets_, steps):
     rows = []
     cases = [(n, True, False) for n in steps.PREMISE_CHAINS]
@@ -138,6 +188,7 @@ def measure(quick: bool) -> str:
     )
     fold = _fold_rows(compile_, steps, hlo, models)
     memory = _memory_rows(compile_, steps)
+    bare = _bare_rows(compile_, hlo)
     gpus = [t for t in devices if t != "tpu"]
     out = [
         "# Compiled XLA:GPU and XLA:TPU programs (deviceless)",
@@ -166,6 +217,13 @@ def measure(quick: bool) -> str:
         "and accumulator.",
         "",
         _table(["model", "api", "dense weights", *gpus], fold),
+        "",
+        "## One accumulation alone: float32 and bfloat16 products",
+        "",
+        "Where the accumulation of one weight's gradient into a float32 "
+        "accumulator runs, by the form it is written in.",
+        "",
+        _table(["accumulation", *gpus], bare),
         "",
         "## Temporaries of the suite's memory premises (bytes)",
         "",
