@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-floors test-newest dist docs bench bench-gpu lint clean
+.PHONY: demo test test-floors test-newest test-gpu-compile dist docs bench \
+	bench-gpu bench-gpu-compile lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -110,7 +111,7 @@ lint: $(VENV)/.installed-dev
 
 clean:
 	rm -rf $(VENV) docs/_build .pytest_cache $(DIST) $(FLOORS_DIR) \
-		$(NEWEST_DIR)
+		$(NEWEST_DIR) $(GPU_COMPILE_CACHE)
 
 # On a machine with a GPU: per gated step, the conditionals left in the
 # compiled HLO and the pipelined cost vs the floor, Adam alone and
@@ -122,3 +123,22 @@ BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 bench-gpu:
 	XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$(CURDIR) \
 		$(BENCH_PY) benchmarks/bench_gpu.py
+
+# The compiled XLA:GPU (H100, H200) and XLA:TPU (v5e) programs, without a
+# GPU or TPU (tests/gpu_compile/README.md): installs the jax CUDA plugin of
+# the jaxlib of $(GPU_COMPILE_PY) and the libtpu jax's tpu extra pins into
+# $(GPU_COMPILE_CACHE) (about 350 MB of wheels; reruns reuse them) and runs
+# the tests marked gpu_compile in a pytest process of their own. Where the
+# package registry cannot serve the wheels it says why and exits 0. CI runs
+# it with the floors leg's and the newest leg's python.
+GPU_COMPILE_PY ?= $(BENCH_PY)
+GPU_COMPILE_CACHE ?= build/gpu-compile
+test-gpu-compile:
+	$(GPU_COMPILE_PY) tests/gpu_compile/run.py \
+		--cache $(abspath $(GPU_COMPILE_CACHE)) -n 2 $(PYTEST_ARGS)
+
+# The same compiles summarized per gated step and train step, with the card
+# and jaxlib named, into benchmarks/GPU_COMPILE.md.
+bench-gpu-compile:
+	$(GPU_COMPILE_PY) benchmarks/gpu_compile.py \
+		--cache $(abspath $(GPU_COMPILE_CACHE))

@@ -1,0 +1,293 @@
+"""The steps whose compiled programs are checked.
+
+``GATED``: every gated path of ``tests/test_gpu_branch.py`` (a window's
+optimizer step behind a gate), each as ``() -> (fn, args)``. ``TRAIN``: one
+jitted train step computing the gradients and applying them through each
+way of calling an accumulating optimizer, on a model from ``MODELS``, as
+``model -> (fn, args, weight_counts)`` (the element counts of its dense
+weights).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import optaxaccum as oa
+from optaxaccum import flax as oa_flax
+from optaxaccum.flax import nnx as oa_nnx
+
+K = 4
+ADAM = optax.adam(1e-3)
+# Sizes kept apart: no activation has a weight's element count.
+WIDTHS = (512, 768, 1024, 384)
+ROWS = 256
+# ``sqrt`` is Adam's (``mu / (sqrt(nu) + eps)``): the followers' work.
+FOLLOWER_OPS = ("sqrt", "rsqrt")
+
+CHAINS = {
+    "accumulate": lambda: oa.chain(oa.accumulate(K), ADAM),
+    "loss_scale": lambda: oa.chain(
+        oa.dynamic_loss_scale(), oa.agc(0.01), oa.accumulate(K), ADAM
+    ),
+    "loss_scale_alone": lambda: oa.chain(oa.dynamic_loss_scale(), ADAM),
+    "noise_scale": lambda: oa.chain(
+        oa.accumulate(K, noise_scale_decay=0.9), ADAM
+    ),
+    "nested_in_optax": lambda: optax.chain(
+        oa.agc(0.01), oa.chain(oa.accumulate(K), ADAM)
+    ),
+    "nested_gates": lambda: oa.chain(
+        oa.accumulate(K), oa.chain(oa.accumulate(K), ADAM)
+    ),
+    "skip_nonfinite": lambda: oa.chain(
+        oa.accumulate(K, skip_nonfinite=True), ADAM
+    ),
+    "MultiSteps": lambda: oa.MultiSteps(ADAM, K),
+}
+
+
+def _params():
+    return {"w": jnp.ones((64, 128)), "b": jnp.zeros((128,))}
+
+
+def _fused(name, **extra):
+    tx = CHAINS[name]()
+
+    def step(params, state, grads):
+        return oa.apply_gradients(tx, grads, state, params, **extra)
+
+    p = _params()
+    return step, (p, tx.init(p), p)
+
+
+def _plain(name):
+    tx = CHAINS[name]()
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    p = _params()
+    return step, (p, tx.init(p), p)
+
+
+def _flush():
+    tx = CHAINS["accumulate"]()
+
+    def step(params, state):
+        return oa.flush(tx, state, params)
+
+    p = _params()
+    return step, (p, tx.init(p))
+
+
+class _Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(128)(x)
+
+
+def _train_state():
+    params = _Dense().init(jax.random.key(0), jnp.ones((1, 64)))["params"]
+    state = oa_flax.TrainState.create(
+        apply_fn=_Dense().apply, params=params, tx=CHAINS["accumulate"]()
+    )
+    return (lambda s, g: s.apply_gradients(grads=g)), (state, params)
+
+
+def _nnx():
+    model = nnx.Linear(64, 128, rngs=nnx.Rngs(0))
+    opt = oa_nnx.Optimizer(model, CHAINS["accumulate"]())
+    graphdef, state = nnx.split((model, opt))
+
+    def step(state, grads):
+        model, opt = nnx.merge(graphdef, state)
+        opt.update(model, grads)
+        return nnx.state((model, opt))
+
+    return step, (state, nnx.state(model, nnx.Param))
+
+
+GATED = {
+    **{f"fused {n}": (lambda n=n: _fused(n)) for n in CHAINS},
+    **{f"plain {n}": (lambda n=n: _plain(n)) for n in CHAINS},
+    "fused weighted": lambda: _fused("accumulate", accum_weight=3.0),
+    "flush": _flush,
+    "TrainState": _train_state,
+    "nnx Optimizer": _nnx,
+}
+
+
+class MLP(nnx.Module):
+    """Dense layers of ``WIDTHS`` with tanh between them, computing in
+    ``dtype`` (float32 weights)."""
+
+    def __init__(self, rngs: nnx.Rngs, dtype=jnp.float32):
+        pairs = zip(WIDTHS[:-1], WIDTHS[1:])
+        self.layers = nnx.List(
+            [nnx.Linear(a, b, dtype=dtype, rngs=rngs) for a, b in pairs]
+        )
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == 0 else layer(jnp.tanh(x))
+        return x
+
+
+def _mlp(dtype=jnp.float32):
+    model = MLP(nnx.Rngs(0), dtype)
+    x = jnp.zeros((ROWS, WIDTHS[0]))
+    y = jnp.zeros((ROWS, WIDTHS[-1]))
+    loss = lambda m, x, y: jnp.mean((m(x).astype(jnp.float32) - y) ** 2)  # noqa: E731
+    return model, loss, (x, y)
+
+
+def _load_example(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples"
+    spec = importlib.util.spec_from_file_location(name, path / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _transformer():
+    lm = _load_example("transformer_lm")
+    cfg = lm.Config(dim=512, heads=8, layers=1)
+    model = lm.CharLM(cfg, nnx.Rngs(0))
+    rows = 3  # activations of 3 x 96 tokens: no weight's element count
+    x = jnp.ones((rows, cfg.context), jnp.int32)
+    mask = jnp.ones((rows, cfg.context))
+
+    def loss(*args):
+        with jax.numpy_rank_promotion("allow"):  # the example broadcasts
+            return lm.token_loss(*args)
+
+    return model, loss, (x, x, mask)
+
+
+MODELS = {
+    "mlp": _mlp,
+    "transformer": _transformer,
+    # bfloat16 products: each weight's gradient is a bfloat16 GEMM output
+    # converted to the float32 accumulator.
+    "mlp_bf16": lambda: _mlp(jnp.bfloat16),
+}
+
+
+def dense_weight_counts(model) -> list[int]:
+    """The element count of every matrix product's weight (a ``kernel``)."""
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    return [
+        int(x.size)
+        for path, x in leaves
+        if "kernel" in jax.tree_util.keystr(path)
+    ]
+
+
+def _adamw():
+    return optax.adamw(1e-3, weight_decay=1e-4)
+
+
+def _pure(model, loss, batch, make_tx, train_state=False):
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss_of(p, *batch):
+        return loss(nnx.merge(graphdef, p), *batch)
+
+    tx = make_tx()
+    if train_state:
+        state = oa_flax.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+        def ts_step(state, *batch):
+            grads = jax.grad(loss_of)(state.params, *batch)
+            return state.apply_gradients(grads=grads)
+
+        return ts_step, (state, *batch)
+
+    def step(params, opt_state, *batch):
+        grads = jax.grad(loss_of)(params, *batch)
+        return oa.apply_gradients(tx, grads, opt_state, params)
+
+    return step, (params, tx.init(params), *batch)
+
+
+def _nnx_train(model, loss, batch):
+    opt = oa_nnx.Optimizer(model, oa.chain(oa.accumulate(K), _adamw()))
+    graphdef, state = nnx.split((model, opt))
+
+    def step(state, *batch):
+        model, opt = nnx.merge(graphdef, state)
+        grads = nnx.grad(loss)(model, *batch)
+        opt.update(model, grads)
+        return nnx.state((model, opt))
+
+    return step, (state, *batch)
+
+
+TRAIN = {
+    "chain": lambda m, f, b: _pure(
+        m, f, b, lambda: oa.chain(oa.accumulate(K), _adamw())
+    ),
+    "MultiSteps": lambda m, f, b: _pure(
+        m, f, b, lambda: oa.MultiSteps(_adamw(), K)
+    ),
+    "TrainState": lambda m, f, b: _pure(
+        m, f, b, lambda: oa.chain(oa.accumulate(K), _adamw()), True
+    ),
+    "nnx Optimizer": _nnx_train,
+}
+
+
+def train_step(api: str, model: str):
+    """``(fn, args, weight_counts)`` of a train step of ``model`` through
+    ``api``, with the first two arguments (params and state) donated by the
+    caller."""
+    m, loss, batch = MODELS[model]()
+    counts = dense_weight_counts(m)
+    fn, args = TRAIN[api](m, loss, batch)
+    return fn, args, counts
+
+
+# The memory premises of the suite (tests/test_chain.py,
+# tests/test_accumulate.py): 256 x 256 float32, params and state donated.
+PREMISE_SHAPE = (256, 256)
+TREE_BYTES = 256 * 256 * 4
+PREMISE_CHAINS = {
+    "accumulate": lambda: oa.chain(oa.accumulate(4), ADAM),
+    "loss_scale": lambda: oa.chain(
+        oa.dynamic_loss_scale(), oa.accumulate(4), ADAM
+    ),
+    "eager_gate_own_chain": lambda: oa.chain(
+        oa.chain(oa.dynamic_loss_scale()), oa.accumulate(4), ADAM
+    ),
+    "headline": lambda: oa.chain(
+        oa.dynamic_loss_scale(), oa.agc(0.01), oa.accumulate(4), ADAM
+    ),
+}
+
+
+def premise_step(name: str, fused: bool = True, weighted: bool = False):
+    """``(fn, args)`` of a premise's step (donate arguments 0 and 1)."""
+    tx = PREMISE_CHAINS[name]()
+    params = {"w": jnp.zeros(PREMISE_SHAPE)}
+    args = (params, tx.init(params), params)
+
+    if fused and weighted:
+        return (
+            lambda p, s, g, w: oa.apply_gradients(tx, g, s, p, accum_weight=w)
+        ), (*args, jnp.float32(1.0))
+    if fused:
+        return (lambda p, s, g: oa.apply_gradients(tx, g, s, p)), args
+
+    def plain(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    return plain, args
