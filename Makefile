@@ -131,14 +131,14 @@ bench-gpu:
 # the tests marked gpu_compile in a pytest process of their own. Where the
 # package registry cannot serve the wheels it says why and exits 0. CI runs
 # it with the floors leg's and the newest leg's python.
-GPU_COMPILE_PY ?= $(BENCH_PY)
+GPU_COMPILE_PY ?= $(PY)
 GPU_COMPILE_CACHE ?= build/gpu-compile
-test-gpu-compile:
+test-gpu-compile: $(VENV)/.installed-dev
 	$(GPU_COMPILE_PY) tests/gpu_compile/run.py \
 		--cache $(abspath $(GPU_COMPILE_CACHE)) -n 2 $(PYTEST_ARGS)
 
 # The same compiles summarized per gated step and train step, with the card
 # and jaxlib named, into benchmarks/GPU_COMPILE.md.
-bench-gpu-compile:
+bench-gpu-compile: $(VENV)/.installed-dev
 	$(GPU_COMPILE_PY) benchmarks/gpu_compile.py \
 		--cache $(abspath $(GPU_COMPILE_CACHE))
