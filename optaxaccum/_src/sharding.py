@@ -13,6 +13,7 @@ locally and reduces them once, when the window closes (the reducers of
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
@@ -304,14 +305,40 @@ def _scatter_back(
 
     def body(c):
         for i, d in enumerate(dims):
-            if d is not None:
+            # Over axes of size 1 the scatter is the identity (and JAX's
+            # lowering rejects it: a resumed run on a one-device mesh).
+            if d is not None and _size(mesh, d) > 1:
                 c = lax.psum_scatter(c, d, scatter_dimension=i, tiled=True)
         return lax.psum(c, rest) if rest else c
 
     out = P(*dims, unreduced=spec.reduced & unreduced, reduced=frozenset())
+    return local_map(body, mesh=mesh, in_specs=spec_of(ct), out_specs=out)(ct)
+
+
+def local_map(
+    body: Callable, *, in_specs: Any, out_specs: Any, mesh: Any = None
+) -> Callable:
+    """``jax.shard_map(body, ..., check_vma=False)``, also where every axis
+    of the mesh has size 1 (a run resumed on one device): JAX then inlines
+    the body and rejects an unreduced output that does not end in a
+    sharding constraint; a body called through ``jax.jit`` ends in a call,
+    which it accepts."""
+    kwargs = {} if mesh is None else {"mesh": mesh}
+    context = mesh or jax.sharding.get_abstract_mesh()
+    size = math.prod(context.shape.values())
     return jax.shard_map(
-        body, mesh=mesh, in_specs=spec_of(ct), out_specs=out, check_vma=False
-    )(ct)
+        jax.jit(body) if size == 1 else body,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+        **kwargs,
+    )
+
+
+def _size(mesh: Any, axes: Any) -> int:
+    """The number of devices along the mesh axes ``axes`` (a name or a
+    tuple of names)."""
+    return math.prod(mesh.shape[a] for a in utils.axis_names(axes))
 
 
 def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
