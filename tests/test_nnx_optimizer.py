@@ -662,3 +662,44 @@ def test_batchnorm_windows_close_with_a_critical_batch_window(jit):
     for w in windows:
         ref.bn(jnp.concatenate([batches[i][0] for i in w]))
     _assert_bn_equals(model, ref)
+
+
+def test_getting_started_says_a_dropped_micro_batch_leaves_batchnorm_alone():
+    """docs/getting_started.md says what
+    test_refused_micro_batch_stays_out_of_the_batchnorm_window measures: a
+    micro-batch the loss scale drops leaves the AccumBatchNorm window
+    unchanged; no passage says its statistics enter the window (a stale
+    one did, contradicting the page's own nnx paragraph)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    text = " ".join((root / "docs" / "getting_started.md").read_text().split())
+    assert "leaves every `AccumBatchNorm` window as it was" in text
+    stale = r"statistics enter the `AccumBatchNorm` window|window can then "
+    stale += r"close before the optimizer"
+    assert not re.search(stale, text)
+
+
+def test_has_updated_of_the_optimizer_state_is_a_plain_array():
+    """``oa.has_updated(optimizer.opt_state)`` answers with a plain boolean
+    array, like ``oa.loss_scale`` and ``oa.noise_scale`` on the same state
+    (it returned an nnx OptArray, on which ``bool()`` raised TypeError)."""
+    model = Net(nnx.Rngs(0))
+    tx = oa.chain(
+        oa.dynamic_loss_scale(2.0**4),
+        oa.accumulate(2, noise_scale_decay=0.5),
+        optax.sgd(0.1),
+    )
+    opt = oa_nnx.Optimizer(model, tx)
+    flags = []
+    for i in range(3):
+        x, y = _batch(i)
+        opt.update(model, nnx.grad(_loss)(model, x, y))
+        readers = (oa.has_updated, oa.loss_scale, oa.noise_scale)
+        for reader in readers:
+            got = reader(opt.opt_state)
+            for leaf in jax.tree.leaves(got):
+                assert type(leaf) is type(jnp.zeros(())), (reader, leaf)
+        flags.append(bool(oa.has_updated(opt.opt_state)))
+    assert flags == [False, True, False]
