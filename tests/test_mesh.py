@@ -1339,3 +1339,32 @@ def test_reshard_state_onto_one_device_mesh_resumes():
             params, state, _ = step(params, state, *micro)
     want = _reference(opt, _init_params(), *data)
     chex.assert_trees_all_close(jax.device_get(params), want, **TOL)
+
+
+@pytest.mark.parametrize("where", ["accumulate", "skip", "loss_scale", "flush"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_axis_name_without_mesh_or_map_says_what_to_change(where, jit):
+    """A chain built with axis_name='data' stepped under plain jax.jit (or
+    eagerly) with no mesh and no pmap/shard_map (a run resumed on one
+    device) raises ValueError naming axis_name and saying what to change,
+    not JAX's raw NameError 'Found an unbound axis name'."""
+    tx = oa.chain(
+        oa.dynamic_loss_scale(
+            axis_name="data" if where == "loss_scale" else None
+        ),
+        oa.accumulate(
+            2,
+            axis_name=None if where == "loss_scale" else "data",
+            skip_nonfinite=where == "skip",
+        ),
+        optax.sgd(0.1),
+    )
+    params = jnp.ones(3)
+    state = tx.init(params)
+    if where == "flush":
+        run = lambda s, p: oa.flush(tx, s, p)  # noqa: E731
+    else:
+        run = lambda s, p: oa.apply_gradients(tx, jnp.ones(3), s, p)  # noqa: E731
+    run = jax.jit(run) if jit else run
+    with pytest.raises(ValueError, match=r"axis_name='data'.*no mesh.*drop"):
+        run(state, params)

@@ -101,25 +101,42 @@ def check_mesh_axes(axis_name: Any, caller: str, tree: Any = ()) -> None:
     one of its names is neither an axis of the current mesh (or of the
     mesh of a leaf of ``tree``) nor a bound mapped axis (``pmap``,
     ``shard_map``, ``vmap``): before JAX's own ``NameError``, which points
-    to ``shard_map``. Without any mesh there is nothing to list: JAX's
-    errors stand."""
+    to ``shard_map``. Without any mesh the message says what a run on one
+    device (e.g. one resumed there) changes."""
     if axis_name is None:
         return
     meshes = [jax.sharding.get_abstract_mesh()]
     meshes += [s.mesh for s in map(sharding_of, jax.tree.leaves(tree)) if s]
     known = {n for m in meshes for n in m.axis_names}
     for name in utils.axis_names(axis_name):
-        if not known or name in known:  # no mesh: pmap, or JAX's own error
+        if name in known:
             continue
         try:
             lax.axis_size(name)
         except NameError:
+            if not known:
+                msg = _unbound_message(caller, axis_name, name)
+                raise ValueError(msg) from None
             axes = next((m.axis_names for m in meshes if m.axis_names), ())
             raise ValueError(
                 f"{caller}: axis_name={axis_name!r} names {name!r}, which is "
                 f"not an axis of the mesh (its axes: {axes!r}) nor a mapped "
                 "axis (pmap, shard_map, vmap)"
             ) from None
+
+
+def _unbound_message(caller: str, axis_name: Any, name: Any) -> str:
+    """What to change when ``axis_name`` is used with no mesh and outside
+    any ``pmap``/``shard_map``: e.g. a run resumed on one device."""
+    return (
+        f"{caller}: axis_name={axis_name!r} names {name!r}, but no mesh is "
+        "set and no pmap/shard_map maps that axis (plain jax.jit, or an "
+        "eager call). To run on one device (e.g. a run resumed there), "
+        f"drop axis_name from {caller}(...), or keep it and run the step "
+        "under jax.set_mesh(jax.make_mesh((1,), "
+        f"({name!r},), axis_types=(AxisType.Explicit,))), a mesh of one "
+        "device (docs/scaling.md)"
+    )
 
 
 _WARNED: set[tuple[Hashable, ...]] = set()  # axis names warned about once
