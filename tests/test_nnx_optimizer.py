@@ -703,3 +703,26 @@ def test_has_updated_of_the_optimizer_state_is_a_plain_array():
                 assert type(leaf) is type(jnp.zeros(())), (reader, leaf)
         flags.append(bool(oa.has_updated(opt.opt_state)))
     assert flags == [False, True, False]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_batchnorm_accum_steps_shorter_than_the_window_raises(jit):
+    """AccumBatchNorm(accum_steps=4) under an Optimizer whose windows are 6
+    long closes on its own after 4 micro-batches, a window the optimizer
+    does not have: that call raises ValueError naming the mismatch (under
+    jit when the step runs) instead of silently wrong running statistics;
+    accum_steps of the window's length steps on."""
+
+    def run(accum_steps, calls):
+        model = BNFirst(nnx.Rngs(0), accum_steps=accum_steps)
+        tx = oa.chain(oa.accumulate(6), optax.sgd(0.1))
+        opt = oa_nnx.Optimizer(model, tx)
+        step = _bn_step(jit)
+        for i in range(calls):
+            x, y = _batch(i)
+            step(model, opt, x, y, False)
+        return int(jax.block_until_ready(model.bn.window_step[...]))
+
+    with pytest.raises(Exception, match=r"accum_steps=4\).*optimizer's"):
+        run(4, 5)
+    assert run(6, 8) == 2
