@@ -678,7 +678,7 @@ def flush(
       >>> updates   # minus the mean of the three, not divided by 4
       Array([-3.], dtype=float32)
     """
-    found = _flusher(tx.update)
+    found = _flusher(tx)
     if found is None:
         warn_if_wrapped(opt_state)
         raise ValueError(
@@ -693,13 +693,14 @@ def flush(
     return base.as_update(gate_flush(opt_state, params, **extra_args))
 
 
-def _flusher(update: Any) -> tuple[Any, frozenset[str]] | None:
-    """The ``gate_flush`` of the transformation whose ``update`` this is,
-    with the keywords it declares: a gate's own; for a stock
+def _flusher(tx: Any) -> tuple[Any, frozenset[str]] | None:
+    """The ``gate_flush`` of ``tx`` (a transformation, or the ``update`` of
+    one), with the keywords it declares: a gate's own; for a stock
     ``optax.chain`` (it keeps only its elements' update functions), that of
     its first element that can flush, followed by the elements after it.
     ``None`` if there is none."""
-    gate = getattr(update, "_oa_gate", None)
+    gate = tx if base.is_gate(tx) else getattr(tx, "_oa_gate", None)
+    update: Any = getattr(tx, "update", tx)
     if gate is not None:
         if gate.gate_flush is None:
             return None

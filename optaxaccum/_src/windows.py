@@ -84,7 +84,7 @@ def has_updated(state: optax.OptState) -> jax.Array:
     # only where those before it closed, and a call that does not reach it
     # leaves its flag as it was.
     flags = [window_updated(s) for s in _window_states(state)]
-    return functools.reduce(jnp.logical_and, flags)
+    return functools.reduce(jnp.logical_and, flags[1:], flags[0])
 
 
 def window_updated(found: Any) -> jax.Array:
