@@ -403,7 +403,7 @@ MUTANTS = {
         "utils.py",
         "    for node in jax.tree.leaves(state, is_leaf=match):",
         "    for node in reversed(jax.tree.leaves(state, is_leaf=match)):",
-        ["tests/test_accumulate.py", "-k", "answers_for_the_optimizer"],
+        ["tests/test_nnx_optimizer.py", "-k", "follows_nested"],
     ),
     "nnx_flush_not_recorded_as_counted": (  # item 19
         "../flax/nnx.py",

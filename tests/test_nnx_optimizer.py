@@ -726,3 +726,26 @@ def test_batchnorm_accum_steps_shorter_than_the_window_raises(jit):
     with pytest.raises(Exception, match=r"accum_steps=4\).*optimizer's"):
         run(4, 5)
     assert run(6, 8) == 2
+
+
+def test_batchnorm_window_follows_nested_accumulates():
+    """Under ``oa.chain(oa.accumulate(2), oa.accumulate(3), opt)`` every
+    call counts (the outermost window takes each one), and the
+    AccumBatchNorm window (accum_steps=6) closes with the optimizer's, on
+    calls 6 and 12: its running statistics equal nnx.BatchNorm on each
+    concatenated window (a reading of the innermost window counted only
+    the calls that reached it)."""
+    model = BNFirst(nnx.Rngs(0), accum_steps=6)
+    tx = oa.chain(oa.accumulate(2), oa.accumulate(3), optax.sgd(0.1))
+    opt = oa_nnx.Optimizer(model, tx)
+    ref = BNFirst(nnx.Rngs(0), bn=nnx.BatchNorm)
+    step = _bn_step(False)
+    batches = [_batch(i) for i in range(12)]
+    closed = []
+    for x, y in batches:
+        step(model, opt, x, y, False)
+        closed.append(int(model.bn.window_step[...]) == 0)
+    assert closed == [i in (5, 11) for i in range(12)]
+    for w in range(2):
+        ref.bn(jnp.concatenate([x for x, _ in batches[6 * w : 6 * w + 6]]))
+    _assert_bn_equals(model, ref)
