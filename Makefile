@@ -116,11 +116,32 @@ clean:
 # On a machine with a GPU: per gated step, the conditionals left in the
 # compiled HLO and the pipelined cost vs the floor, Adam alone and
 # optax.MultiSteps at 512 MiB per tree; fails when a gate became a select.
-# Elsewhere it says there is no GPU and exits 0. Installs nothing: it runs
-# the checkout with .venv's python if there is one, else $(PYTHON) (a GPU
-# machine's own JAX, offline).
-BENCH_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
-bench-gpu:
+# Elsewhere it says there is no GPU and exits 0. It runs the checkout with
+# .venv's python if there is one, else with $(PYTHON) if that imports jax (a
+# GPU machine's own JAX, offline: nothing installed), else it makes .venv
+# with the package (jax, optax) as the other targets do. BENCH_PY=... picks
+# the python.
+BENCH_PY ?=
+BENCH_DEPS :=
+ifneq ($(filter bench-gpu,$(MAKECMDGOALS)),)
+ifeq ($(BENCH_PY),)
+ifneq ($(wildcard $(PY)),)
+BENCH_PY := $(PY)
+else ifeq ($(shell $(PYTHON) -c "import jax" >/dev/null 2>&1 && echo y),y)
+BENCH_PY := $(PYTHON)
+else
+BENCH_PY := $(PY)
+BENCH_DEPS := $(VENV)/.installed
+endif
+endif
+endif
+
+# The package alone (jax, optax), for bench-gpu.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+bench-gpu: $(BENCH_DEPS)
 	XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$(CURDIR) \
 		$(BENCH_PY) benchmarks/bench_gpu.py
 

@@ -403,7 +403,7 @@ MUTANTS = {
         "utils.py",
         "    for node in jax.tree.leaves(state, is_leaf=match):",
         "    for node in reversed(jax.tree.leaves(state, is_leaf=match)):",
-        ["tests/test_accumulate.py", "-k", "answers_for_the_first"],
+        ["tests/test_nnx_optimizer.py", "-k", "follows_nested"],
     ),
     "nnx_flush_not_recorded_as_counted": (  # item 19
         "../flax/nnx.py",
@@ -571,8 +571,8 @@ MUTANTS = {
     ),
     "window_noise_reaches_every_follower": (
         "chain.py",
-        "if noise is not None and base.WINDOW_NOISE_ARG not in declared:",
-        "if False:",
+        '        for k in ("accum_weight", base.WINDOW_NOISE_ARG)',
+        '        for k in ("accum_weight",)',
         ["tests/test_scale_by_window.py", "-k", "stays_private"],
     ),
     # ------------------------------- gather once per step (gather_once.py)
@@ -599,6 +599,49 @@ MUTANTS = {
         "for i in sorted(costs, key=lambda i: -costs[i]):",
         "for i in sorted(costs, key=lambda i: costs[i]):",
         ["tests/test_gather_once.py", "-k", "budget"],
+    ),
+    # Hardening 4, items 1-9: crashes and traps.
+    "one_device_mesh_inlines_unreduced": (  # JAX rejects the inlined body
+        "sharding.py",
+        "jax.jit(body) if size == 1 else body",
+        "body",
+        ["tests/test_mesh.py", "-k", "one_device_steps"],
+    ),
+    "has_updated_first_window_only": (  # nested: an inner window closing
+        "windows.py",
+        "flags = [window_updated(s) for s in _window_states(state)]",
+        "flags = [window_updated(s) for s in _window_states(state)][:1]",
+        ["tests/test_accumulate.py", "-k", "answers_for_the_optimizer"],
+    ),
+    "nested_flush_closes_the_first_window_only": (
+        "chain.py",
+        '        if getattr(rest, "gate_flush", None) is None:',
+        "        if True:",
+        ["tests/test_chain.py", "-k", "as_one_window"],
+    ),
+    "flush_misses_a_stock_optax_chain": (
+        "chain.py",
+        'fns = inspect.getclosurevars(update).nonlocals.get("update_fns")',
+        "fns = None",
+        ["tests/test_chain.py", "-k", "chains_of_accumulates_flush"],
+    ),
+    "accum_weight_reaches_every_follower": (  # optax.lbfgs breaks
+        "chain.py",
+        '        for k in ("accum_weight", base.WINDOW_NOISE_ARG)',
+        "        for k in (base.WINDOW_NOISE_ARG,)",
+        ["tests/test_chain.py", "-k", "lbfgs_after or reaches_only"],
+    ),
+    "unbound_axis_name_left_to_jax": (
+        "sharding.py",
+        "                raise ValueError(msg) from None",
+        "                raise",
+        ["tests/test_mesh.py", "-k", "without_mesh_or_map"],
+    ),
+    "batchnorm_early_close_unchecked": (  # accum_steps < the window
+        "batch_stats.py",
+        "    early = early & counted & jnp.logical_not(closed)",
+        "    early = early & False",
+        ["tests/test_flax.py", "-k", "shorter_than_the_window"],
     ),
 }
 

@@ -2,11 +2,12 @@
 
 Built offline (no remote themes, fonts or scripts: MathJax is served from
 the site itself; intersphinx reads inventories vendored in _inventories/)
-by ``make docs``: an HTML build and a doctest build, both with ``-W``. The local extension ``_ext/coverage_check.py`` fails
-the build when a name in a public ``__all__`` is left out of the API
-reference; ``_ext/doc_links.py`` turns the ``docs/<page>.md`` pointers in
-docstrings into links to the pages. ``tests/docs_site_check.py`` checks the
-built HTML (code lines, table widths, no remote assets, no work-log words).
+by ``make docs``: an HTML build and a doctest build, both with ``-W``. The
+local extension ``_ext/coverage_check.py`` fails the build when a name in a
+public ``__all__`` is left out of the API reference; ``_ext/doc_links.py``
+turns the ``docs/<page>.md`` pointers in docstrings into links to the
+pages. ``tests/docs_site_check.py`` checks the built HTML (code lines, table
+widths, no remote assets, no work-log words).
 """
 
 import os

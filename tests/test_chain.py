@@ -88,6 +88,8 @@ def test_closed_gate_zeros_have_open_dtypes():
 
 
 def test_extra_args_reach_every_element():
+    """Every element sees the call's keywords, except ``accum_weight``:
+    the accumulate's own, which reaches only those declaring it."""
     seen = {}
 
     def spy_update(updates, state, params=None, **extra_args):
@@ -100,7 +102,7 @@ def test_extra_args_reach_every_element():
     tx = oa.chain(spy, oa.accumulate(1), spy, optax.sgd(1.0))
     s = tx.init(jnp.zeros(1))
     tx.update(jnp.ones(1), s, jnp.zeros(1), accum_weight=2.0, foo=3)
-    assert seen == {"accum_weight": 2.0, "foo": 3}
+    assert seen == {"foo": 3}
 
 
 def test_nested_chains_are_gates():
@@ -1347,3 +1349,155 @@ def test_closed_gate_zeros_keep_the_device_varying_type_under_shard_map():
     )
     assert seen["want"][0] == frozenset({"d"}), seen
     assert seen["got"] == seen["want"], seen
+
+
+# ------------------------------------------ nested windows: flush, has_updated
+
+
+def _run_with_flushes(tx, grads, weights, flush_after, jit):
+    """Feeds ``grads`` (with ``weights``) to ``tx``; after the calls in
+    ``flush_after`` (positions), two ``oa.flush`` (the second must do
+    nothing). Returns each call's updates, has_updated and the optimizer's
+    step count."""
+    update = jax.jit(tx.update) if jit else tx.update
+    flush = jax.jit(lambda s, p: oa.flush(tx, s, p)) if jit else None
+    flush = flush or (lambda s, p: oa.flush(tx, s, p))
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    seen = []
+
+    def record(u, s):
+        count = optax.tree_utils.tree_get(s, "count")
+        seen.append((u, oa.has_updated(s), count))
+        return s
+
+    for t, (g, w) in enumerate(zip(grads, weights, strict=True)):
+        u, state = update(g, state, params, accum_weight=w)
+        state = record(u, state)
+        if t in flush_after:
+            for _ in range(2):
+                state = record(*flush(state, params))
+    return seen
+
+
+@pytest.mark.parametrize(
+    "flush_after,jit",
+    [((0,), False), ((4,), False), ((5,), True), ((7, 8), False)]
+    + [((3, 13), True)],
+)
+def test_nested_accumulates_flush_and_has_updated_as_one_window(
+    flush_after, jit
+):
+    """``oa.flush`` of nested accumulates closes the whole nested window
+    (the inner one's partial window enters the outer one, whose partial
+    window then closes), and ``oa.has_updated`` says whether Adam stepped:
+    both as for one ``oa.accumulate(6)``, over several windows, with
+    weights, a flush at various positions (after a full inner window, mid
+    inner window, right after the outer one closed)."""
+    rng = np.random.default_rng(0)
+    n = 15
+    grads = [jnp.asarray(rng.normal(size=2), jnp.float32) for _ in range(n)]
+    weights = [float(w) for w in rng.integers(1, 4, size=n)]
+    nested = oa.chain(oa.accumulate(2), oa.accumulate(3), optax.adam(0.1))
+    one = oa.chain(oa.accumulate(6), optax.adam(0.1))
+    got = _run_with_flushes(nested, grads, weights, flush_after, jit)
+    want = _run_with_flushes(one, grads, weights, flush_after, jit)
+    assert len(got) == len(want)
+    for t, ((u, up, c), (u1, up1, c1)) in enumerate(zip(got, want)):
+        assert bool(up) == bool(up1), t
+        assert int(c) == int(c1), t
+        chex.assert_trees_all_close(u, u1, rtol=1e-6, atol=1e-7)
+
+
+def test_nested_chains_of_accumulates_flush_as_one_window():
+    """The same through chains nested in chains (``oa.chain(acc,
+    oa.chain(acc, adam))``) and an outer optax.chain."""
+    rng = np.random.default_rng(1)
+    grads = [jnp.asarray(rng.normal(size=2), jnp.float32) for _ in range(9)]
+    weights = [1.0] * 9
+    inner = oa.chain(oa.accumulate(3), optax.adam(0.1))
+    for nested in (
+        oa.chain(oa.accumulate(2), inner),
+        optax.chain(optax.scale(2.0), oa.chain(oa.accumulate(2), inner)),
+    ):
+        one = optax.chain(
+            optax.scale(2.0), oa.chain(oa.accumulate(6), optax.adam(0.1))
+        )
+        if isinstance(nested, _base.GatedTransformation):
+            one = oa.chain(oa.accumulate(6), optax.adam(0.1))
+        got = _run_with_flushes(nested, grads, weights, (4, 7), False)
+        want = _run_with_flushes(one, grads, weights, (4, 7), False)
+        for t, ((u, up, c), (u1, up1, c1)) in enumerate(zip(got, want)):
+            assert (bool(up), int(c)) == (bool(up1), int(c1)), t
+            chex.assert_trees_all_close(u, u1, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_lbfgs_after_an_accumulate_with_and_without_accum_weight(weighted):
+    """``optax.lbfgs`` after an accumulate (its zoom line search hands
+    every keyword it gets to ``value_fn``) steps like optax.lbfgs on the
+    window's weighted mean, ``accum_weight=`` passed or not: the
+    accumulate's keyword does not reach it (it raised TypeError 'not
+    consumed by value_fn')."""
+
+    def f(p):
+        return jnp.sum((p - jnp.array([1.0, -2.0])) ** 2 * jnp.array([1, 3]))
+
+    grads = [jnp.array([1.0, 2.0]), jnp.array([3.0, -1.0])] * 2
+    weights = [1.0, 3.0, 2.0, 2.0]
+    tx = oa.chain(oa.accumulate(2), optax.lbfgs())
+    ref = optax.lbfgs()
+    params = ref_params = jnp.zeros(2)
+    state, ref_state = tx.init(params), ref.init(ref_params)
+    for t, (g, w) in enumerate(zip(grads, weights)):
+        first = t - t % 2  # the window's first micro-batch
+        ws = weights[first : first + 2] if weighted else [1.0, 1.0]
+        pair = grads[first : first + 2]
+        mean = (ws[0] * pair[0] + ws[1] * pair[1]) / sum(ws)
+        kw = {"accum_weight": w} if weighted else {}
+        args = dict(value=f(params), grad=mean, value_fn=f)
+        u, state = tx.update(g, state, params, **args, **kw)
+        params = optax.apply_updates(params, u)
+        if t % 2 == 1:
+            u, ref_state = ref.update(
+                mean,
+                ref_state,
+                ref_params,
+                value=f(ref_params),
+                grad=mean,
+                value_fn=f,
+            )
+            ref_params = optax.apply_updates(ref_params, u)
+    chex.assert_trees_all_close(params, ref_params, rtol=1e-6)
+
+
+def test_accum_weight_reaches_only_elements_declaring_it():
+    """Followers see exactly the call's keywords except ``accum_weight``:
+    a plain follower taking ``**extra_args`` never sees it; a gate after an
+    accumulate that declares it gets the window's total weight, also when
+    the call passed none."""
+    seen = []
+
+    def record(updates, state, params=None, **extra_args):
+        seen.append(("plain", tuple(sorted(extra_args))))
+        return updates, state
+
+    plain = optax.GradientTransformationExtraArgs(lambda p: (), record)
+
+    def gate_update(updates, state, params, ctx, *, accum_weight=None, **kw):
+        seen.append(("gate", accum_weight is None, tuple(sorted(kw))))
+        weight = jnp.full_like(updates, accum_weight)  # emitted: seen below
+        return oa.GateResult(state, True, oa.Emitted(weight, state))
+
+    gate = oa.GatedTransformation(lambda p: (), gate_update)
+    tx = oa.chain(plain, oa.accumulate(2), gate, plain)
+    params = jnp.zeros(1)
+    state = tx.init(params)
+    for w in (2.0, 3.0):
+        u, state = tx.update(jnp.ones(1), state, params, accum_weight=w, x=1)
+    assert float(u[0]) == 5.0
+    for _ in range(2):
+        u, state = tx.update(jnp.ones(1), state, params, x=1)
+    assert float(u[0]) == 2.0
+    # (traced more than once per call: the same each time)
+    assert set(seen) == {("plain", ("x",)), ("gate", False, ("x",))}

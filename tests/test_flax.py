@@ -1504,3 +1504,54 @@ def test_trainstate_warns_about_older_batch_stats_only_where_a_close_is_due(
         assert all("convert_batch_stats" in t for t in texts), texts
         warned.append(len(texts))
     assert warned == ([0] * 4 if plain else [0, 1, 0, 1])
+
+
+def _bn_trainstate_steps(accum_steps, k, calls, jit):
+    """``calls`` micro-steps of a TrainState (window ``k``) holding an
+    AccumBatchNorm(accum_steps); returns the state."""
+    model = _BNHead(accum_steps=accum_steps)
+    x0 = jax.random.normal(jax.random.key(0), (6, 4))
+    variables = model.init(jax.random.key(0), x0, False)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=oa.chain(oa.accumulate(k), optax.sgd(0.1)),
+        batch_stats=variables["batch_stats"],
+    )
+
+    def step(state, x, y):
+        def loss(params):
+            out, upd = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats},
+                x,
+                True,
+                mutable=["batch_stats"],
+            )
+            return ((out - y) ** 2).mean(), upd["batch_stats"]
+
+        grads, bs = jax.grad(loss, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads, batch_stats=bs)
+
+    step = jax.jit(step) if jit else step
+    for i in range(calls):
+        x = 3.0 + 2.0 * jax.random.normal(jax.random.key(i), (6, 4))
+        state = step(state, x, jax.random.normal(jax.random.key(50 + i), (6,)))
+    return jax.block_until_ready(state)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_trainstate_batchnorm_accum_steps_shorter_than_the_window_raises(jit):
+    """AccumBatchNorm(accum_steps=4) under a TrainState whose windows are 6
+    long closed its window after 4 micro-batches and again with the
+    optimizer's (after 2 more): running statistics 0.55 away from
+    BatchNorm on the windows, silently. The call where it closes on its own
+    raises ValueError naming the layer and the mismatch (under jit when the
+    step runs); accum_steps equal to the window, or longer, steps on."""
+    match = r"AccumBatchNorm at batch_stats\['AccumBatchNorm_0'\].*accum_steps"
+    with pytest.raises(Exception, match=match):
+        _bn_trainstate_steps(4, 6, 5, jit)
+    _bn_trainstate_steps(4, 6, 3, jit)  # before the 4th: nothing yet
+    for accum_steps in (6, 7):
+        state = _bn_trainstate_steps(accum_steps, 6, 8, jit)
+        bn = state.batch_stats["AccumBatchNorm_0"]
+        assert int(bn["window_step"]) == 2

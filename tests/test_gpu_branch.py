@@ -230,3 +230,42 @@ def test_bench_gpu_on_cpu(capsys):
     assert all(v["conditionals"] >= 1 for v in gated.values()), gated
     assert res["device"]["backend"] == jax.default_backend()
     assert all(v["seconds"] > 0 for v in res["rows"].values())
+
+
+def _make_dry_run(target, **variables):
+    """``make -n target VAR=value ...`` from the repository root: the
+    commands make would run."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    args = [f"{k}={v}" for k, v in variables.items()]
+    out = subprocess.run(
+        ["make", "-n", target, *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout
+
+
+def test_make_bench_gpu_on_a_fresh_clone_makes_the_venv(tmp_path):
+    """``make bench-gpu`` on a fresh clone (no .venv) whose python cannot
+    import jax makes the venv with the package, as the other targets do,
+    and runs the benchmark with it (it ran the system python and died
+    with ModuleNotFoundError: jax); a python that imports jax (a GPU
+    machine's own JAX, offline) is used as it is, installing nothing."""
+    import sys
+
+    venv = tmp_path / "venv"
+    fresh = _make_dry_run("bench-gpu", PYTHON="false", VENV=venv)
+    assert f"false -m venv {venv}" in fresh
+    assert f"{venv}/bin/python -m pip install -q -e ." in fresh
+    assert f"{venv}/bin/python benchmarks/bench_gpu.py" in fresh
+    own = _make_dry_run("bench-gpu", PYTHON=sys.executable, VENV=venv)
+    assert "-m venv" not in own and "pip install" not in own
+    assert f"{sys.executable} benchmarks/bench_gpu.py" in own

@@ -1321,3 +1321,94 @@ def test_fsdp_gather_keeps_the_weights_own_reduced_axes():
         out = jax.jit(gather)(sharded)
     assert types[0].sharding.spec.reduced == {"data", "fsdp"}, types[0]
     np.testing.assert_array_equal(np.asarray(out), w)
+
+
+# ------------------------------------------ meshes of one device
+
+
+def _one_device_mesh(shape):
+    names = ("data", "fsdp")[: len(shape)]
+    return jax.make_mesh(
+        shape,
+        names,
+        axis_types=(AxisType.Explicit,) * len(shape),
+        devices=jax.devices()[:1],
+    )
+
+
+@pytest.mark.parametrize(
+    "shape,kwargs",
+    [
+        ((1, 1), {}),
+        ((1, 1), {"noise_scale_decay": 0.9}),
+        ((1, 1), {"shard_update": True}),
+        ((1,), {}),
+    ],
+)
+def test_mesh_of_one_device_steps_like_the_big_batch(shape, kwargs):
+    """A run on a mesh whose axes all have size 1 (a run resumed on one
+    device) takes the jit-mesh step of docs/scaling.md (oa.fsdp_gather,
+    oa.unreduced_value_and_grad, the stacked accumulator, the noise scale's
+    sums, shard_update's scatter) and gives Adam on each window's whole
+    batch. JAX inlines a shard_map over such a mesh and rejected its
+    unreduced outputs (AssertionError: Expected last op to be
+    sdy.sharding_constraint)."""
+    mesh = _one_device_mesh(shape)
+    data = _make_data(K * WINDOWS)
+    opt = optax.adam(0.05)
+    tx = oa.chain(oa.accumulate(K, axis_name="data", **kwargs), opt)
+    params, state = _run(tx, mesh, data)
+    want = _reference(opt, _init_params(), *data)
+    chex.assert_trees_all_close(jax.device_get(params), want, **TOL)
+    assert int(state[0].gradient_step) == WINDOWS
+
+
+def test_reshard_state_onto_one_device_mesh_resumes():
+    """docs/scaling.md's resumed run on one device: the state of a
+    data=2 x fsdp=4 run, mid-window, resharded onto a (1, 1) mesh, steps
+    on; the result is that of the run that never moved."""
+    data = _make_data(K * WINDOWS)
+    opt = optax.adam(0.05)
+    tx = oa.chain(oa.accumulate(K, axis_name="data"), opt)
+    first = [a[: K + 1] for a in data]  # one window and one micro-batch
+    params, state = _run(tx, _mesh("data2xfsdp4"), first)
+    saved = jax.device_get((params, state))
+    mesh = _one_device_mesh((1, 1))
+    with jax.set_mesh(mesh):
+        params = _put_params(mesh, saved[0])
+        state = oa.reshard_state(tx, saved[1], params)
+        step = jax.jit(_step_fn(tx, mesh), donate_argnums=(0, 1))
+        for t in range(K + 1, K * WINDOWS):
+            micro = _put_batch(mesh, *(a[t] for a in data))
+            params, state, _ = step(params, state, *micro)
+    want = _reference(opt, _init_params(), *data)
+    chex.assert_trees_all_close(jax.device_get(params), want, **TOL)
+
+
+@pytest.mark.parametrize("where", ["accumulate", "skip", "loss_scale", "flush"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_axis_name_without_mesh_or_map_says_what_to_change(where, jit):
+    """A chain built with axis_name='data' stepped under plain jax.jit (or
+    eagerly) with no mesh and no pmap/shard_map (a run resumed on one
+    device) raises ValueError naming axis_name and saying what to change,
+    not JAX's raw NameError 'Found an unbound axis name'."""
+    tx = oa.chain(
+        oa.dynamic_loss_scale(
+            axis_name="data" if where == "loss_scale" else None
+        ),
+        oa.accumulate(
+            2,
+            axis_name=None if where == "loss_scale" else "data",
+            skip_nonfinite=where == "skip",
+        ),
+        optax.sgd(0.1),
+    )
+    params = jnp.ones(3)
+    state = tx.init(params)
+    if where == "flush":
+        run = lambda s, p: oa.flush(tx, s, p)  # noqa: E731
+    else:
+        run = lambda s, p: oa.apply_gradients(tx, jnp.ones(3), s, p)  # noqa: E731
+    run = jax.jit(run) if jit else run
+    with pytest.raises(ValueError, match=r"axis_name='data'.*no mesh.*drop"):
+        run(state, params)

@@ -663,3 +663,90 @@ def test_batchnorm_windows_close_with_a_critical_batch_window(jit):
     for w in windows:
         ref.bn(jnp.concatenate([batches[i][0] for i in w]))
     _assert_bn_equals(model, ref)
+
+
+def test_getting_started_says_a_dropped_micro_batch_leaves_batchnorm_alone():
+    """docs/getting_started.md says what
+    test_refused_micro_batch_stays_out_of_the_batchnorm_window measures: a
+    micro-batch the loss scale drops leaves the AccumBatchNorm window
+    unchanged; no passage says its statistics enter the window (a stale
+    one did, contradicting the page's own nnx paragraph)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    text = " ".join((root / "docs" / "getting_started.md").read_text().split())
+    assert "leaves every `AccumBatchNorm` window as it was" in text
+    stale = r"statistics enter the `AccumBatchNorm` window|window can then "
+    stale += r"close before the optimizer"
+    assert not re.search(stale, text)
+
+
+def test_has_updated_of_the_optimizer_state_is_a_plain_array():
+    """``oa.has_updated(optimizer.opt_state)`` answers with a plain boolean
+    array, like ``oa.loss_scale`` and ``oa.noise_scale`` on the same state
+    (it returned an nnx OptArray, on which ``bool()`` raised TypeError)."""
+    model = Net(nnx.Rngs(0))
+    tx = oa.chain(
+        oa.dynamic_loss_scale(2.0**4),
+        oa.accumulate(2, noise_scale_decay=0.5),
+        optax.sgd(0.1),
+    )
+    opt = oa_nnx.Optimizer(model, tx)
+    flags = []
+    for i in range(3):
+        x, y = _batch(i)
+        opt.update(model, nnx.grad(_loss)(model, x, y))
+        readers = (oa.has_updated, oa.loss_scale, oa.noise_scale)
+        for reader in readers:
+            got = reader(opt.opt_state)
+            for leaf in jax.tree.leaves(got):
+                assert type(leaf) is type(jnp.zeros(())), (reader, leaf)
+        flags.append(bool(oa.has_updated(opt.opt_state)))
+    assert flags == [False, True, False]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_batchnorm_accum_steps_shorter_than_the_window_raises(jit):
+    """AccumBatchNorm(accum_steps=4) under an Optimizer whose windows are 6
+    long closes on its own after 4 micro-batches, a window the optimizer
+    does not have: that call raises ValueError naming the mismatch (under
+    jit when the step runs) instead of silently wrong running statistics;
+    accum_steps of the window's length steps on."""
+
+    def run(accum_steps, calls):
+        model = BNFirst(nnx.Rngs(0), accum_steps=accum_steps)
+        tx = oa.chain(oa.accumulate(6), optax.sgd(0.1))
+        opt = oa_nnx.Optimizer(model, tx)
+        step = _bn_step(jit)
+        for i in range(calls):
+            x, y = _batch(i)
+            step(model, opt, x, y, False)
+        return int(jax.block_until_ready(model.bn.window_step[...]))
+
+    with pytest.raises(Exception, match=r"accum_steps=4\).*optimizer's"):
+        run(4, 5)
+    assert run(6, 8) == 2
+
+
+def test_batchnorm_window_follows_nested_accumulates():
+    """Under ``oa.chain(oa.accumulate(2), oa.accumulate(3), opt)`` every
+    call counts (the outermost window takes each one), and the
+    AccumBatchNorm window (accum_steps=6) closes with the optimizer's, on
+    calls 6 and 12: its running statistics equal nnx.BatchNorm on each
+    concatenated window (a reading of the innermost window counted only
+    the calls that reached it)."""
+    model = BNFirst(nnx.Rngs(0), accum_steps=6)
+    tx = oa.chain(oa.accumulate(2), oa.accumulate(3), optax.sgd(0.1))
+    opt = oa_nnx.Optimizer(model, tx)
+    ref = BNFirst(nnx.Rngs(0), bn=nnx.BatchNorm)
+    step = _bn_step(False)
+    batches = [_batch(i) for i in range(12)]
+    closed = []
+    for x, y in batches:
+        step(model, opt, x, y, False)
+        closed.append(int(model.bn.window_step[...]) == 0)
+    assert closed == [i in (5, 11) for i in range(12)]
+    for w in range(2):
+        ref.bn(jnp.concatenate([x for x, _ in batches[6 * w : 6 * w + 6]]))
+    _assert_bn_equals(model, ref)

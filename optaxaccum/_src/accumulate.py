@@ -421,6 +421,7 @@ def _gate_flush(
     """Closes the current window now, if it holds any micro-batch."""
     del extra_args  # the caller checks extra args (near-misses)
     params = _gradient_params(params)
+    sharding.check_mesh_axes(cfg.axis_name, "oa.flush", state.acc)
     sums = reducer.of(cfg.axis_name, state.acc, cfg.shard_update)
     utils.check_same_structure(
         "the params", params, sums.load(state.acc), "the accumulator"

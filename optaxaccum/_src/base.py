@@ -256,6 +256,9 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         self.gate_update = gate_update
         self.gate_flush = gate_flush
         self._followers = None
+        # Where only the update is kept (``optax.chain`` keeps its
+        # elements' update functions), oa.flush finds the gate from it.
+        update_fn.__dict__["_oa_gate"] = self
         return self
 
     def __getnewargs__(self):

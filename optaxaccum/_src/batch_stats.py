@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from optaxaccum._src import utils, windows
@@ -269,3 +270,57 @@ def closes_with(old_opt_state: Any, new_opt_state: Any) -> Any:
     callable ``every_k`` included. ``False`` when the state holds no window
     (the layers close on their own ``accum_steps``)."""
     return windows.closed(old_opt_state, new_opt_state)
+
+
+def check_closed_with(
+    names: Sequence[str],
+    old_steps: Sequence[Any],
+    new_steps: Sequence[Any],
+    counted: Any,
+    closed: Any,
+) -> None:
+    """Raises ``ValueError`` (under ``jit``: when the step runs, from a
+    callback taken only then) where a BatchNorm window closed on its own
+    ``accum_steps`` on a call that counted but did not close the
+    optimizer's window: its ``accum_steps`` is shorter than that window,
+    and its running statistics would pool other windows than the
+    optimizer's, silently.
+
+    Args:
+      names: the layers, for the message.
+      old_steps: each layer's ``window_step`` before the call.
+      new_steps: each one's after the forward pass (before the optimizer's
+        close): 0 after a step of a non-empty window, where it closed.
+      counted: whether the optimizer took the call into its window.
+      closed: whether the call closed the optimizer's window.
+    """
+    if not names or closed is False:
+        return
+    early = jnp.stack(
+        [(n == 0) & (o > 0) for o, n in zip(old_steps, new_steps, strict=True)]
+    )
+    early = early & counted & jnp.logical_not(closed)
+
+    def fail(flags: Any) -> None:
+        bad = [name for name, f in zip(names, np.asarray(flags)) if f]
+        if bad:
+            raise ValueError(
+                f"AccumBatchNorm {', '.join(bad)} closed its window on its "
+                "own accum_steps on a call that did not close the "
+                "optimizer's window: accum_steps is shorter than the "
+                "optimizer's window (oa.accumulate's every_k), so the "
+                "running statistics would pool windows the optimizer does "
+                "not see. Give the layer accum_steps equal to the "
+                "optimizer's window, or the longest of a changing one (its "
+                "window then closes with the optimizer's)."
+            )
+
+    known = utils.concrete(early)
+    if known is not None:
+        fail(known)
+        return
+    lax.cond(
+        jnp.any(early),
+        lambda: jax.debug.callback(fail, early),
+        lambda: None,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal, cast, overload
 
 import jax
@@ -28,9 +29,11 @@ def chain(
     would have had. Elements after the gate may contain further gates. A chain
     that contains a gate is itself a gate, so chains nest.
 
-    Extra keyword arguments of ``update`` (e.g. ``accum_weight``) reach every
-    element as the call gave them (after an accumulate, ``accum_weight`` is
-    its window's total).
+    Extra keyword arguments of ``update`` reach every element as the call
+    gave them, except ``accum_weight``: it reaches only the elements that
+    declare it by name (an accumulate, a gate that weighs calls), and after
+    an accumulate as its window's total weight; others never see it
+    (``optax.lbfgs``'s line search hands unknown keywords to ``value_fn``).
 
     Args:
       *transforms: optax gradient transformations, gates among them.
@@ -83,8 +86,9 @@ def chain(
         counts = utils.both(ctx.passed, _nonzero(ctx.window_weight))
         new_head = utils.select(counts, new_head, state[:gate_at])
         # The gate decides; the elements after it run where it opens.
+        args = _args_for(gate, extra_args, ctx.window_weight)
         res = base._as_result(
-            gate.gate_update(updates, state[gate_at], params, ctx, **extra_args)
+            gate.gate_update(updates, state[gate_at], params, ctx, **args)
         )
         _check_flags(res, gate)
         plain = rest is not None and not base.is_gate(rest)
@@ -188,9 +192,59 @@ def _flush_fn(transforms) -> base.GateFlushFn | None:
         _check_chain_state(state, n)
         res = base._as_result(flush_fn(state[flush_at], params, **extra_args))
         head, tail = state[:flush_at], state[flush_at + 1 :]
-        return _follow(res, head, tail, rest, params, extra_args)
+        res = _follow(res, head, tail, rest, params, extra_args)
+        if getattr(rest, "gate_flush", None) is None:
+            return res
+        # Nested accumulates: the flushed window entered the next one as
+        # one more micro-batch; close that one's partial window too.
+        return _flush_next(res, rest, flush_at + 1, params, extra_args)
 
     return cast(base.GateFlushFn, gate_flush_fn)
+
+
+def _flush_next(res, rest, at, params, extra_args) -> base._Result:
+    """After ``res`` (a flush whose window went on into the gated followers
+    ``rest``, at position ``at`` of the chain's state), the flush of
+    ``rest``'s own partial window: one flush of the whole nested window, as
+    that of one accumulate of their product. At most one of the two steps
+    the optimizer (a window that ``res`` completes leaves ``rest`` empty)."""
+
+    def run():
+        out = base.emitted(res)
+        return out._replace(
+            opened=jnp.asarray(out.opened, bool),
+            passed=jnp.asarray(out.passed, bool),
+        )
+
+    def skip():
+        false = jnp.asarray(False)
+        return _shut(jax.eval_shape(run), res.state, opened=false, passed=false)
+
+    first = utils.cond_or_call(res.may_open, run, skip)
+    front = first.state[:at]
+    second = base._as_result(
+        rest.gate_flush(first.state[at:], params, **extra_args)
+    )
+
+    def emit():
+        def then():
+            out = run_second()
+            return out._replace(
+                opened=jnp.asarray(out.opened, bool),
+                passed=jnp.asarray(out.passed, bool),
+            )
+
+        def run_second():
+            out = base.emitted(second)
+            return out._replace(state=(*front, *out.state))
+
+        return utils.cond_or_call(first.opened, lambda: first, then)
+
+    return base._Result(
+        state=(*front, *second.state),
+        may_open=first.opened | jnp.asarray(second.may_open, bool),
+        emit=emit,
+    )
 
 
 def _checked(tx, declared, n):
@@ -256,29 +310,26 @@ def _nonzero(window: Any) -> Any:
     return True if window is None else window != 0
 
 
-def _replaced(extra_args: dict[str, Any], window: Any) -> dict[str, Any]:
-    """The call's keywords with ``accum_weight`` replaced by an earlier
-    window's total weight ``window`` where the call passed one."""
-    if window is None or "accum_weight" not in extra_args:
-        return extra_args
-    return {**extra_args, "accum_weight": window}
-
-
-def _follower_args(
-    tx: Any, extra_args: dict[str, Any], window: Any
+def _args_for(
+    receiver: Any, extra_args: dict[str, Any], window: Any
 ) -> dict[str, Any]:
-    """The keywords a plain follower ``tx`` sees (API.md 2): exactly the
-    call's (already :func:`_replaced`), plus the window's total as
-    ``accum_weight`` if ``tx`` declares ``accum_weight`` by name, and the
-    window's noise scale estimates (put among ``extra_args`` by
-    :func:`_emit_into`) if it declares ``base.WINDOW_NOISE_ARG``. No other
-    keyword reaches it: optax's linesearches hand unknown keywords to
-    ``value_fn``."""
-    declared = utils.declared_extra_args(tx)
-    noise = extra_args.get(base.WINDOW_NOISE_ARG)
-    if noise is not None and base.WINDOW_NOISE_ARG not in declared:
-        extra_args = dict(extra_args)
-        del extra_args[base.WINDOW_NOISE_ARG]
+    """The keywords an element ``receiver`` (a transformation) sees:
+    exactly the call's, except the accumulate's own keyword
+    ``accum_weight`` and the window's noise estimates
+    (``base.WINDOW_NOISE_ARG``, put among ``extra_args`` by
+    :func:`_emit_into`): only an element that declares one by name gets it,
+    ``accum_weight`` then as the total weight ``window`` of an earlier
+    accumulate's window where there is one (even if the call passed none).
+    No other keyword reaches it: optax's linesearches hand unknown keywords
+    to ``value_fn``."""
+    declared = utils.declared_extra_args(receiver)
+    private = [
+        k
+        for k in ("accum_weight", base.WINDOW_NOISE_ARG)
+        if k in extra_args and k not in declared
+    ]
+    if private:
+        extra_args = {k: v for k, v in extra_args.items() if k not in private}
     if window is None or "accum_weight" not in declared:
         return extra_args
     return {**extra_args, "accum_weight": window}
@@ -293,7 +344,7 @@ def _plain(transforms):
     def run(updates, state, params, window, extra_args):
         new_state = []
         for tx, s in zip(txs, state, strict=True):
-            args = _follower_args(tx, extra_args, window)
+            args = _args_for(tx, extra_args, window)
             updates, s = tx.update(updates, s, params, **args)
             new_state.append(s)
         return updates, tuple(new_state)
@@ -327,15 +378,14 @@ def _follow(
 
         def emit_plain():
             out = base.emitted(res)
-            args = _replaced(extra_args, out.window_weight)
-            e = _emit_into(out, tail_state, rest, params, args)
+            e = _emit_into(out, tail_state, rest, params, extra_args)
             return e._replace(state=(*head, out.state, *e.state))
 
         return res._replace(state=state, emit=emit_plain)
 
     def emit():
         out = _passed_on(res)
-        args = _replaced(extra_args, out.window_weight)
+        args = _args_for(rest, extra_args, out.window_weight)
         e = _emit_into_gate(out, tail_state, rest, params, args)
         return e._replace(state=(*head, out.state, *e.state))
 
@@ -393,7 +443,7 @@ def _shut(
 def _emit_into(out, tail_state, rest, params, args) -> base._Emission:
     """The plain followers run where the gate ``opened`` after all; the
     window's noise scale estimates go with the call's keywords, for the
-    followers that ask for them (:func:`_follower_args`)."""
+    followers that ask for them (:func:`_args_for`)."""
     if out.noise is not None:
         args = {**args, base.WINDOW_NOISE_ARG: out.noise}
 
@@ -453,7 +503,7 @@ def _follow_eager(res, head, tail_state, rest, params, extra_args):
     # A call this gate refused does not count for the later gate (``passed``).
     window = out.window_weight
     ctx = base.GateContext(passed=passed, window_weight=window)
-    args = _replaced(extra_args, window)
+    args = _args_for(rest, extra_args, window)
     res2 = base._as_result(
         rest.gate_update(out.updates, tail_state, params, ctx, **args)
     )
@@ -604,11 +654,14 @@ def flush(
     seen, in the params' dtypes, and the elements after the accumulation run
     once. With an empty window it emits zeros and changes nothing. Elements
     before the accumulation (e.g. :func:`agc`) do not run: there is no new
-    gradient. Only the first accumulation is closed: with nested ones the
-    flushed window enters the next as one more micro-batch.
+    gradient. Nested accumulates close their whole nested window, innermost
+    first (the flushed window enters the next as one more micro-batch, whose
+    partial window then closes): as a flush of one accumulate of their
+    product.
 
     Args:
-      tx: an :func:`accumulate`, or an :func:`chain` containing one.
+      tx: an :func:`accumulate`, or an :func:`chain` containing one (also
+        inside a stock ``optax.chain``).
       opt_state: ``tx``'s state.
       params: the current parameters (they give the emitted dtypes).
       **extra_args: passed to the elements after the accumulation.
@@ -619,9 +672,9 @@ def flush(
 
     Raises:
       ValueError: if ``tx`` holds no :func:`accumulate` that ``flush`` can
-        reach: an :func:`accumulate` or an :func:`chain` (nested chains
-        included). One inside a stock ``optax.chain``, ``optax.masked`` or
-        ``optax.inject_hyperparams`` is out of reach: flush that inner
+        reach: an :func:`accumulate`, an :func:`chain` or a stock
+        ``optax.chain`` (nested ones included). One inside ``optax.masked``
+        or ``optax.inject_hyperparams`` is out of reach: flush that inner
         ``oa.chain`` with its own part of the state.
 
     Examples:
@@ -636,12 +689,67 @@ def flush(
       >>> updates   # minus the mean of the three, not divided by 4
       Array([-3.], dtype=float32)
     """
-    gate_flush = getattr(tx, "gate_flush", None) if base.is_gate(tx) else None
-    if gate_flush is None:
+    found = _flusher(tx)
+    if found is None:
         warn_if_wrapped(opt_state)
         raise ValueError(
             "oa.flush needs an oa.accumulate, or an oa.chain that contains "
-            f"one; got {tx!r}"
+            "one (also inside a stock optax.chain); got "
+            f"{tx!r}. Inside another wrapper (optax.masked, "
+            "optax.inject_hyperparams), flush the inner oa.chain with its "
+            "part of the state: oa.flush(inner, state[i], params)"
         )
-    utils.check_extra_args(extra_args, utils.declared_extra_args(tx))
+    gate_flush, declared = found
+    utils.check_extra_args(extra_args, declared)
     return base.as_update(gate_flush(opt_state, params, **extra_args))
+
+
+def _flusher(tx: Any) -> tuple[Any, frozenset[str]] | None:
+    """The ``gate_flush`` of ``tx`` (a transformation, or the ``update`` of
+    one), with the keywords it declares: a gate's own; for a stock
+    ``optax.chain`` (it keeps only its elements' update functions), that of
+    its first element that can flush, followed by the elements after it.
+    ``None`` if there is none."""
+    gate = tx if base.is_gate(tx) else getattr(tx, "_oa_gate", None)
+    update: Any = getattr(tx, "update", tx)
+    if gate is not None:
+        if gate.gate_flush is None:
+            return None
+        return gate.gate_flush, utils.declared_extra_args(gate)
+    try:  # optax.chain's update_fn closes over its elements' updates
+        fns = inspect.getclosurevars(update).nonlocals.get("update_fns")
+    except TypeError:  # not a Python function
+        return None
+    if not isinstance(fns, (tuple, list)) or not all(map(callable, fns)):
+        return None
+    for i, fn in enumerate(fns):
+        found = _flusher(fn)
+        if found is not None:
+            return _optax_chain_flush(found[0], i, fns), found[1]
+    return None
+
+
+def _optax_chain_flush(inner: Any, at: int, fns: Any) -> Any:
+    """The flush of a stock ``optax.chain`` whose element ``at`` flushes
+    with ``inner``: the elements before it do not run (no gradient), those
+    after it run on the flushed window where it opens, as on a closing
+    call (they see the call's keywords but ``accum_weight``)."""
+    later = tuple(fns[at + 1 :])
+
+    def run(updates, state, params, window, extra_args):
+        del window
+        args = {k: v for k, v in extra_args.items() if k != "accum_weight"}
+        new_state = []
+        for fn, s in zip(later, state, strict=True):
+            updates, s = fn(updates, s, params, **args)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    def gate_flush_fn(state, params, **extra_args):
+        _check_chain_state(state, len(fns))
+        res = base._as_result(inner(state[at], params, **extra_args))
+        head, tail = state[:at], state[at + 1 :]
+        follow = run if later else None
+        return _follow(res, head, tail, follow, params, extra_args)
+
+    return gate_flush_fn

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from optaxaccum._src import accumulate as _accumulate
-from optaxaccum._src import base, every_weight, utils
+from optaxaccum._src import base, every_weight, utils, windows
 from optaxaccum._src import chain as _chain
 
 __all__ = ["MultiSteps", "MultiStepsState"]
@@ -223,11 +223,8 @@ class MultiSteps(base.GatedTransformation):
     ) -> jax.Array:
         """Whether the last counted call closed a window and stepped the
         optimizer: a boolean scalar array, as ``optax.MultiSteps``'s."""
-        updated = getattr(state, "updated", None)  # optax's state has none
-        if updated is not None:
-            return updated
-        # optax's rule, for states without the flag (e.g. optax's own).
-        return utils.optax_has_updated(state.mini_step, state.gradient_step)
+        # optax's rule for states without the flag (e.g. optax's own).
+        return windows.window_updated(state)
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """Itself: it already is an optax (and gated) transformation."""

@@ -308,12 +308,11 @@ def stack_partials(tree: Any) -> Any:
         named = sharding.named_sharding(x)
         axes = sharding.ordered_axes(named.mesh, unreduced)
         out = _stacked_spec(sharding.without_unreduced(named.spec), axes)
-        return jax.shard_map(
+        return sharding.local_map(
             lambda b: b[None],
             mesh=named.mesh,
             in_specs=named.spec,
             out_specs=out,
-            check_vma=False,
         )(x)
 
     return jax.tree.map(stack, tree)
@@ -334,12 +333,11 @@ def unstack_partials(tree: Any, axis_name: Any) -> Any:
             unreduced=frozenset(axes),
             reduced=spec.reduced,
         )
-        return jax.shard_map(
+        return sharding.local_map(
             lambda b: b[0],
             mesh=sharding.named_sharding(a).mesh,
             in_specs=spec,
             out_specs=out,
-            check_vma=False,
         )(a)
 
     return jax.tree.map(unstack, tree)
@@ -411,11 +409,8 @@ def _device_sq(grads: Any, acc: Any) -> tuple[jax.Array, int]:
                 s = jnp.where(lax.axis_index(axis) == 0, s, jnp.zeros_like(s))
             return s
 
-        sq = jax.shard_map(
-            local,
-            in_specs=spec,
-            out_specs=P(unreduced=every),
-            check_vma=False,  # local values of an unreduced operand
+        sq = sharding.local_map(  # local values of an unreduced operand
+            local, in_specs=spec, out_specs=P(unreduced=every)
         )(g)
         total = sq if total is None else total + sq
     assert total is not None  # for the type checker: first is a leaf
@@ -489,6 +484,6 @@ def reduce_scatter(a: jax.Array, axis_name: Any) -> jax.Array:
             c = lax.psum_scatter(c, axes, scatter_dimension=i, tiled=True)
         return lax.psum(c, rest) if rest else c
 
-    return jax.shard_map(
-        body, mesh=mesh, in_specs=spec, out_specs=target, check_vma=False
-    )(a)
+    return sharding.local_map(body, mesh=mesh, in_specs=spec, out_specs=target)(
+        a
+    )

@@ -13,6 +13,7 @@ locally and reduces them once, when the window closes (the reducers of
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
@@ -100,25 +101,42 @@ def check_mesh_axes(axis_name: Any, caller: str, tree: Any = ()) -> None:
     one of its names is neither an axis of the current mesh (or of the
     mesh of a leaf of ``tree``) nor a bound mapped axis (``pmap``,
     ``shard_map``, ``vmap``): before JAX's own ``NameError``, which points
-    to ``shard_map``. Without any mesh there is nothing to list: JAX's
-    errors stand."""
+    to ``shard_map``. Without any mesh the message says what a run on one
+    device (e.g. one resumed there) changes."""
     if axis_name is None:
         return
     meshes = [jax.sharding.get_abstract_mesh()]
     meshes += [s.mesh for s in map(sharding_of, jax.tree.leaves(tree)) if s]
     known = {n for m in meshes for n in m.axis_names}
     for name in utils.axis_names(axis_name):
-        if not known or name in known:  # no mesh: pmap, or JAX's own error
+        if name in known:
             continue
         try:
             lax.axis_size(name)
         except NameError:
+            if not known:
+                msg = _unbound_message(caller, axis_name, name)
+                raise ValueError(msg) from None
             axes = next((m.axis_names for m in meshes if m.axis_names), ())
             raise ValueError(
                 f"{caller}: axis_name={axis_name!r} names {name!r}, which is "
                 f"not an axis of the mesh (its axes: {axes!r}) nor a mapped "
                 "axis (pmap, shard_map, vmap)"
             ) from None
+
+
+def _unbound_message(caller: str, axis_name: Any, name: Any) -> str:
+    """What to change when ``axis_name`` is used with no mesh and outside
+    any ``pmap``/``shard_map``: e.g. a run resumed on one device."""
+    return (
+        f"{caller}: axis_name={axis_name!r} names {name!r}, but no mesh is "
+        "set and no pmap/shard_map maps that axis (plain jax.jit, or an "
+        "eager call). To run on one device (e.g. a run resumed there), "
+        f"drop axis_name from {caller}(...), or keep it and run the step "
+        "under jax.set_mesh(jax.make_mesh((1,), "
+        f"({name!r},), axis_types=(AxisType.Explicit,))), a mesh of one "
+        "device (docs/scaling.md)"
+    )
 
 
 _WARNED: set[tuple[Hashable, ...]] = set()  # axis names warned about once
@@ -304,14 +322,40 @@ def _scatter_back(
 
     def body(c):
         for i, d in enumerate(dims):
-            if d is not None:
+            # Over axes of size 1 the scatter is the identity (and JAX's
+            # lowering rejects it: a resumed run on a one-device mesh).
+            if d is not None and _size(mesh, d) > 1:
                 c = lax.psum_scatter(c, d, scatter_dimension=i, tiled=True)
         return lax.psum(c, rest) if rest else c
 
     out = P(*dims, unreduced=spec.reduced & unreduced, reduced=frozenset())
+    return local_map(body, mesh=mesh, in_specs=spec_of(ct), out_specs=out)(ct)
+
+
+def local_map(
+    body: Callable, *, in_specs: Any, out_specs: Any, mesh: Any = None
+) -> Callable:
+    """``jax.shard_map(body, ..., check_vma=False)``, also where every axis
+    of the mesh has size 1 (a run resumed on one device): JAX then inlines
+    the body and rejects an unreduced output that does not end in a
+    sharding constraint; a body called through ``jax.jit`` ends in a call,
+    which it accepts."""
+    kwargs = {} if mesh is None else {"mesh": mesh}
+    context = mesh or jax.sharding.get_abstract_mesh()
+    size = math.prod(context.shape.values())
     return jax.shard_map(
-        body, mesh=mesh, in_specs=spec_of(ct), out_specs=out, check_vma=False
-    )(ct)
+        jax.jit(body) if size == 1 else body,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        check_vma=False,
+        **kwargs,
+    )
+
+
+def _size(mesh: Any, axes: Any) -> int:
+    """The number of devices along the mesh axes ``axes`` (a name or a
+    tuple of names)."""
+    return math.prod(mesh.shape[a] for a in utils.axis_names(axes))
 
 
 def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:

@@ -28,7 +28,13 @@ import optax
 
 from optaxaccum._src import utils
 
-__all__ = ["closed", "counted", "has_updated", "warn_if_wrapped"]
+__all__ = [
+    "closed",
+    "counted",
+    "has_updated",
+    "warn_if_wrapped",
+    "window_updated",
+]
 
 
 def _is_window(x: Any) -> bool:
@@ -43,17 +49,22 @@ def _find_window(state: Any, caller: str) -> Any:
 
 
 def has_updated(state: optax.OptState) -> jax.Array:
-    """Whether the last call that reached the accumulation closed a window.
+    """Whether the last call that reached the accumulation stepped the
+    optimizer (closed the whole window).
+
+    With nested accumulates (``oa.chain(oa.accumulate(a),
+    oa.accumulate(b), opt)``) it answers as one ``oa.accumulate(a * b)``
+    would: true only where every window closed, not where an inner one did.
 
     Args:
       state: the state of an :func:`accumulate`, or of any (nested) chain
-        containing one (the first one found is used: with nested
-        accumulates, the first of the chain, which every call reaches and
-        whose windows are the shortest).
+        containing one (the ``opt_state`` of an ``nnx.Optimizer``
+        included).
 
     Returns:
-      A boolean scalar array: true if the most recent call that reached the
-      :func:`accumulate` closed a window and stepped the elements after it.
+      A boolean scalar array (a plain ``jax.Array``): true if the most
+      recent call that reached the :func:`accumulate` closed its window and
+      stepped the elements after the last accumulate.
 
     Raises:
       ValueError: if ``state`` holds no :class:`AccumulateState`.
@@ -68,10 +79,21 @@ def has_updated(state: optax.OptState) -> jax.Array:
       False
     """
     warn_if_wrapped(state)
-    found = _find_window(state, "oa.has_updated")
-    if found.updated is None:  # e.g. converted from optax's MultiStepsState
+    _find_window(state, "oa.has_updated")  # raises if there is none
+    # Every nested window closed on the call: a later accumulate is reached
+    # only where those before it closed, and a call that does not reach it
+    # leaves its flag as it was.
+    flags = [window_updated(s) for s in _window_states(state)]
+    return functools.reduce(jnp.logical_and, flags[1:], flags[0])
+
+
+def window_updated(found: Any) -> jax.Array:
+    """One window state's own flag as a plain boolean array (``updated``,
+    or optax's rule for a state without it, e.g. optax's
+    ``MultiStepsState``); wrapped leaves (an ``nnx`` variable) unwrapped."""
+    if getattr(found, "updated", None) is None:
         return utils.optax_has_updated(found.mini_step, found.gradient_step)
-    return found.updated
+    return jnp.asarray(found.updated, bool)
 
 
 def _window_states(state: Any) -> list[Any]:

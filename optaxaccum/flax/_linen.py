@@ -30,7 +30,9 @@ class AccumBatchNorm(nn.BatchNorm):
       use_running_average: as in ``nn.BatchNorm``.
       accum_steps: micro-batches per window, an int >= 1 (keyword); under
         :class:`optaxaccum.flax.TrainState` the window also closes with the
-        optimizer's (give the longest of a changing length).
+        optimizer's (give the longest of a changing length); one shorter
+        than the optimizer's window raises ``ValueError`` where the layer
+        closes on its own.
       **kwargs: every other ``nn.BatchNorm`` field, with its meaning.
 
     Raises:

@@ -16,7 +16,7 @@ from flax.training import train_state
 
 from optaxaccum._src import batch_stats as stats_lib
 from optaxaccum._src import chain as chain_lib
-from optaxaccum._src import utils
+from optaxaccum._src import utils, windows
 
 
 def _rebuild(like: Mapping, out: dict[str, Any]) -> Any:
@@ -201,6 +201,7 @@ def _follow_window(old: Any, new: Any, old_opt: Any, new_opt: Any) -> Any:
         old_opt, new_opt, new, _with_windows_like(old, new)
     )
     closed = stats_lib.closes_with(old_opt, new_opt)
+    _check_steps(old, new, old_opt, new_opt, closed)
     known = utils.concrete(closed)
     if (known is not None and not known) or not _has_windows(kept):
         return kept
@@ -215,6 +216,32 @@ def _follow_window(old: Any, new: Any, old_opt: Any, new_opt: Any) -> Any:
         )
         return kept
     return _flush_batch_stats(kept, None, "", where=closed)
+
+
+def _check_steps(old: Any, new: Any, old_opt: Any, new_opt: Any, closed):
+    """Raises where a layer closed its window on its own ``accum_steps``
+    (shorter than the optimizer's window) on this call."""
+    before = dict(_window_steps(old))
+    pairs = [(p, s) for p, s in _window_steps(new) if p in before]
+    stats_lib.check_closed_with(
+        [f"at batch_stats{p}" for p, _ in pairs],
+        [before[p] for p, _ in pairs],
+        [s for _, s in pairs],
+        windows.counted(old_opt, new_opt),
+        closed,
+    )
+
+
+def _window_steps(batch_stats: Any, path: str = "") -> list[tuple[str, Any]]:
+    """``(path, window_step)`` of every layer window in ``batch_stats``."""
+    if not isinstance(batch_stats, Mapping):
+        return []
+    found = []
+    if all(k in batch_stats for k in stats_lib.WINDOW_KEYS):
+        found.append((path, batch_stats["window_step"]))
+    for key, value in batch_stats.items():
+        found += _window_steps(value, f"{path}[{key!r}]")
+    return found
 
 
 def _lacks_momentum(batch_stats: Any) -> bool:

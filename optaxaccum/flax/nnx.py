@@ -13,7 +13,7 @@ from flax.nnx import filterlib
 import optaxaccum as oa
 from optaxaccum._src import batch_stats as stats_lib
 from optaxaccum._src import chain as chain_lib
-from optaxaccum._src import utils
+from optaxaccum._src import utils, windows
 from optaxaccum.flax import _shared
 
 __all__ = ["AccumBatchNorm", "Optimizer", "flush_batch_stats"]
@@ -44,7 +44,9 @@ class AccumBatchNorm(nnx.BatchNorm):
       num_features: the number of features.
       accum_steps: micro-batches per window, an int >= 1 (keyword); under
         :class:`Optimizer` the window also closes with the optimizer's
-        (give the longest of a changing length).
+        (give the longest of a changing length); one shorter than the
+        optimizer's window raises ``ValueError`` where the layer closes on
+        its own.
       rngs: the ``nnx.Rngs`` for the parameters.
       **kwargs: every other ``nnx.BatchNorm`` keyword (``momentum``,
         ``epsilon``, ``axis_name``, ``use_running_average``, ...).
@@ -103,6 +105,13 @@ class AccumBatchNorm(nnx.BatchNorm):
         :meth:`Optimizer.update` on every layer."""
         if self.accum_steps == 1:
             return
+        stats_lib.check_closed_with(
+            [f"(accum_steps={self.accum_steps})"],
+            [getattr(self, _COUNTED + "window_step")[...]],
+            [self._window().step],
+            windows.counted(old_opt_state, new_opt_state),
+            stats_lib.closes_with(old_opt_state, new_opt_state),
+        )
         stats = stats_lib.keep_counted(
             old_opt_state, new_opt_state, self._stats(), self._stats(_COUNTED)
         )
