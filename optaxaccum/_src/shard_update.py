@@ -24,10 +24,11 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import base, reducer, sharding, utils
+from optaxaccum._src import base, owned, reducer, sharding, utils
 
 __all__: list[str] = []
 
@@ -129,8 +130,49 @@ def gathered(
         gate=gate,
         wrap=functools.partial(on_shard, axis_name=axis_name),
         place=functools.partial(place, axis_name=axis_name),
+        init=functools.partial(init_followers, axis_name=axis_name),
     )
     return base._with_followers(tx, hook)
+
+
+def _whole_at(followers: Any) -> int | None:
+    """The position of the follower that needs whole leaves
+    (:func:`owned.layer_axis_of`), if any; ``ValueError`` where it is not
+    the last, or not the only one."""
+    found = [i for i, tx in enumerate(followers) if owned.layer_axis_of(tx)[0]]
+    if not found:
+        return None
+    if found != [len(followers) - 1]:
+        raise ValueError(
+            "under oa.accumulate(..., shard_update=True), a follower that "
+            "needs whole leaves (optax.contrib.muon, oa.whole_leaves) must "
+            "be the only such element and the last of the chain; got one "
+            f"at position(s) {found} of {len(followers)} followers (put "
+            "element-wise transformations such as weight decay before it, "
+            "or use shard_update=False)"
+        )
+    return found[0]
+
+
+def init_followers(followers: Any, params: Any, axis_name: Any) -> tuple:
+    """The followers' states: each initialised on the :func:`place`-d
+    params, except a follower that needs whole leaves
+    (:func:`owned.init`: its state by ownership)."""
+    placed = place(params, axis_name)
+    at = _whole_at(followers)
+    if at is None or not _on_mesh(params, axis_name):
+        return tuple(tx.init(placed) for tx in followers)
+    return (
+        *(tx.init(placed) for tx in followers[:at]),
+        owned.init(followers[at], params, axis_name),
+    )
+
+
+def _on_mesh(params: Any, axis_name: Any) -> bool:
+    """Whether ``params`` lie on a mesh whose axes ``axis_name`` are
+    Explicit."""
+    leaves = jax.tree.leaves(params)
+    return bool(leaves) and sharding.tree_is_explicit(params, axis_name)
 
 
 def _gathering(fn: Any, axis_name: Any, params_at: int) -> Any:
@@ -158,6 +200,10 @@ def on_shard(rest: Any, axis_name: Any) -> Any:
     run on the updates and params :func:`place`-d over ``axis_name``, their
     updates :func:`gather`-ed back."""
     if not base.is_gate(rest):
+        followers = getattr(rest, "transforms", ())
+        at = _whole_at(followers)
+        if at is not None:
+            return _owned_run(rest, followers, at, axis_name)
 
         def run(updates, state, params, window, extra_args):
             with _whole_leaves_named(axis_name):
@@ -187,6 +233,38 @@ def on_shard(rest: Any, axis_name: Any) -> Any:
     return base.GatedTransformation(
         rest.init, _gathering(gate_update, axis_name, params_at=2)
     )
+
+
+def _owned_run(rest: Any, followers: Any, at: int, axis_name: Any) -> Any:
+    """The plain followers' run where the last, ``followers[at]``, needs
+    whole leaves: those before it on each device's piece (as
+    :func:`on_shard`), it by ownership (:func:`owned.update`)."""
+    from optaxaccum._src import chain  # a cycle: chain imports base only
+
+    before = chain._plain(followers[:at]) if at else None
+    whole = optax.with_extra_args_support(followers[at])
+    del rest
+
+    def run(updates, state, params, window, extra_args):
+        updates = place(updates, axis_name)
+        if before is not None:
+            with _whole_leaves_named(axis_name):
+                updates, head = before(
+                    updates,
+                    state[:at],
+                    place(params, axis_name),
+                    window,
+                    extra_args,
+                )
+        else:
+            head = ()
+        args = chain._follower_args(whole, extra_args, window)
+        updates, last = owned.update(
+            whole, updates, state[at], params, axis_name, args
+        )
+        return updates, (*head, last)
+
+    return run
 
 
 @contextlib.contextmanager
