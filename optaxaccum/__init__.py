@@ -89,3 +89,8 @@ __all__ = [
     "unitwise_norm",
     "unreduced_value_and_grad",
 ]
+
+# Whole-matrix followers under shard_update (ZeRO-1 by ownership).
+from optaxaccum._src.owned import WholeLeavesState, whole_leaves  # noqa: E402
+
+__all__ += ["WholeLeavesState", "whole_leaves"]
