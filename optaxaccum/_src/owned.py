@@ -18,18 +18,18 @@ Once per window (inside the closing branch):
 3. the updates return to the params' sharding by one ``all_gather`` over
    the data axes.
 
-The follower's state is stored *per device*: its leaves, flattened and
-concatenated by dtype, one row per device (:class:`WholeLeavesState`): about
-``1/data`` of the whole per device. A device holds the state of the matrices
-it owns (replicated over the other mesh axes, e.g. fsdp, within its data
-group) and its piece of the element-wise leaves' state.
+The follower's state (:class:`WholeLeavesState`): the state of the owned
+matrices flattened and concatenated by dtype, one row per device of the
+data axes (replicated over the other mesh axes, e.g. fsdp, within its data
+group), and every other leaf as a global array (element-wise moments at
+the ``shard_update`` placement): about ``1/data`` of the whole per device.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -49,13 +49,21 @@ class WholeLeavesState(NamedTuple):
     """The state of a whole-leaves follower under ``shard_update=True``.
 
     Attributes:
-      rows: by dtype name, an array of shape ``(devices, length)`` sharded
-        over every mesh axis: row ``i`` holds device ``i``'s part of the
-        follower's state (its owned matrices' state and its piece of the
-        element-wise leaves' state), flattened and concatenated.
+      rows: by dtype name, an array of shape ``(data, length)`` sharded
+        over the data axes: row ``d`` holds the state of the leaves device
+        ``d`` of the data axes owns, flattened and concatenated (the same
+        on the devices of the other mesh axes in its group).
+      shared: every other leaf of the follower's state, in the order of
+        its path (element-wise moments at the ``shard_update`` placement,
+        counters replicated, stacked layers split over the data axes).
+      index: by dtype name, int32 of shape ``(owned leaves, 3)``: the
+        ``(owner, offset, size)`` of each owned leaf's state in ``rows``,
+        in the order of their paths (what ``oa.reshard_state`` reads).
     """
 
     rows: dict[str, jax.Array]
+    shared: tuple[jax.Array, ...]
+    index: dict[str, jax.Array]
 
 
 class _WholeLeaves(optax.GradientTransformationExtraArgs):
@@ -103,9 +111,7 @@ def whole_leaves(
       ...                             shard_update=True), muon)
     """
     if layer_axis not in (None, 0) or isinstance(layer_axis, bool):
-        raise ValueError(
-            f"layer_axis must be None or 0, got {layer_axis=!r}"
-        )
+        raise ValueError(f"layer_axis must be None or 0, got {layer_axis=!r}")
     tx = optax.with_extra_args_support(tx)
     out = _WholeLeaves(tx.init, tx.update)
     out.layer_axis = layer_axis
@@ -215,7 +221,9 @@ def _assign(leaves: list[_Leaf], loads: np.ndarray) -> list[_Leaf]:
     device whose larger share (of the total cost, of the total bytes)
     grows least; ties to the lowest index. Deterministic."""
     owned = [i for i, leaf in enumerate(leaves) if leaf.kind == "owned"]
-    need = {i: (_cost(leaves[i].shape), math.prod(leaves[i].shape)) for i in owned}
+    need = {
+        i: (_cost(leaves[i].shape), math.prod(leaves[i].shape)) for i in owned
+    }
     total = loads.sum(0) + np.sum([need[i] for i in owned] or [[0, 0]], 0)
     total = np.maximum(total, 1.0)
     for i in sorted(owned, key=lambda i: (-need[i][0], -need[i][1], i)):
@@ -328,14 +336,85 @@ def _abstract(pl: _Plan, d: int) -> list[jax.ShapeDtypeStruct]:
     return out
 
 
-def _state_shapes(tx: Any, pl: _Plan) -> list[Any]:
-    """Per device ``d``: the follower state's treedef and leaf types."""
-    out = []
+class _Layout(NamedTuple):
+    """Where the follower's state lies (static, per trace)."""
+
+    branches: list  # per device d: its state's treedef and leaf paths
+    owned: list  # per d: (path, type) of the state of the leaves d owns
+    shared: dict  # path -> global type (with spec) of every other leaf
+    packer: _Packer  # the rows of the owned leaves' state
+
+
+def _paths(tree: Any) -> tuple[list[str], list[Any], Any]:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return (
+        [jax.tree_util.keystr(k) for k, _ in flat],
+        [x for _, x in flat],
+        treedef,
+    )
+
+
+def layout(tx: Any, pl: _Plan) -> _Layout:
+    """The state of device ``d``'s tree (:func:`_tree_for`) split into the
+    state of the leaves ``d`` owns (rows) and the rest, the same leaves on
+    every device (element-wise pieces, counters, stacked layers): one
+    global array each, at its own spec."""
+    branches, owned = [], []
+    base = jax.eval_shape(tx.init, _masked_all(pl, _abstract(pl, 0)))
+    base_paths = set(_paths(base)[0])
     for d in range(pl.n):
-        params = _tree_for(pl, d, _abstract(pl, d))
-        leaves, treedef = jax.tree.flatten(jax.eval_shape(tx.init, params))
-        out.append((treedef, leaves))
-    return out
+        paths, leaves, treedef = _paths(
+            jax.eval_shape(tx.init, _tree_for(pl, d, _abstract(pl, d)))
+        )
+        branches.append((treedef, paths))
+        owned.append(
+            sorted((k, x) for k, x in zip(paths, leaves) if k not in base_paths)
+        )
+    glob = []
+    for leaf in pl.leaves:
+        spec = _in_spec(leaf)
+        glob.append(
+            jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=NamedSharding(pl.mesh, spec)
+            )
+        )
+    paths, leaves, _ = _paths(jax.eval_shape(tx.init, _masked_all(pl, glob)))
+    shared = dict(zip(paths, leaves))
+    packer = _Packer.of(*[[x for _, x in mine] for mine in owned])
+    return _Layout(branches, owned, shared, packer)
+
+
+def _masked_all(pl: _Plan, values: list) -> Any:
+    """``values`` with every owned leaf masked."""
+    leaves = [
+        optax.MaskedNode() if leaf.kind == "owned" else v
+        for v, leaf in zip(values, pl.leaves, strict=True)
+    ]
+    return jax.tree.unflatten(pl.treedef, leaves)
+
+
+def _spec_of(x: Any) -> P:
+    named = getattr(x, "sharding", None)
+    if isinstance(named, NamedSharding):
+        return sharding.without_unreduced(named.spec)
+    return P()
+
+
+def index(lay: _Layout) -> dict[str, np.ndarray]:
+    """By dtype: one row ``(owner, offset, size)`` per owned state leaf, in
+    the order of their paths: what :func:`optaxaccum.reshard_state` needs
+    to move the rows onto another number of devices."""
+    out: dict[str, list] = {k: [] for k in lay.packer.lengths}
+    entries = []
+    for d, mine in enumerate(lay.owned):
+        at = dict.fromkeys(lay.packer.lengths, 0)
+        for path, x in mine:
+            k, size = jnp.dtype(x.dtype).name, math.prod(x.shape)
+            entries.append((path, k, (d, at[k], size)))
+            at[k] += size
+    for _, k, row in sorted(entries):
+        out[k].append(row)
+    return {k: np.asarray(v, np.int32).reshape(-1, 3) for k, v in out.items()}
 
 
 def _moved(pl: _Plan) -> list[int]:
@@ -354,13 +433,17 @@ def _send_layout(pl: _Plan, trees: int) -> tuple[_Packer, list[list]]:
     per_dest = [[] for _ in range(pl.n)]
     for i in _moved(pl):
         leaf = pl.leaves[i]
-        piece = jax.ShapeDtypeStruct(_local(leaf.shape, leaf.move, pl.mesh), leaf.dtype)
+        piece = jax.ShapeDtypeStruct(
+            _local(leaf.shape, leaf.move, pl.mesh), leaf.dtype
+        )
         per_dest[leaf.owner] += [(i, t, piece) for t in range(trees)]
     packer = _Packer.of(*[[p for *_, p in dest] for dest in per_dest])
     return packer, per_dest
 
 
-def _gather_whole(pl: _Plan, d: int, recv: dict, per_dest: list, packer: _Packer, trees: int):
+def _gather_whole(
+    pl: _Plan, d: int, recv: dict, per_dest: list, packer: _Packer, trees: int
+):
     """Inside device ``d``'s branch: the whole moved leaves it owns, from
     the pieces every device sent (``recv``: one row per source)."""
     mine = per_dest[d]
@@ -376,13 +459,9 @@ def _gather_whole(pl: _Plan, d: int, recv: dict, per_dest: list, packer: _Packer
     return whole
 
 
-def _run(tx: Any, pl: _Plan, inputs: list, state_rows: Any, extra: dict, trees: int):
-    """The shard_map body's work on one device: ``inputs`` are per tree
-    (``trees`` of them: params; or updates and params) a list of local
-    values per leaf; returns the owned updates' params pieces rows, the
-    other leaves' update pieces and the new state rows (``state_rows`` None:
-    the state of ``tx.init``)."""
-    r = lax.axis_index(pl.axes) if pl.n > 1 else 0
+def _send(pl: _Plan, inputs: list, trees: int) -> tuple:
+    """Each device's pieces of the moved leaves to their owners: one
+    ``all_to_all`` over the data axes; one row per source comes back."""
     packer, per_dest = _send_layout(pl, trees)
     send = {k: [] for k in packer.lengths}
     for d in range(pl.n):
@@ -390,79 +469,123 @@ def _run(tx: Any, pl: _Plan, inputs: list, state_rows: Any, extra: dict, trees: 
         for k, v in packer.pack(dest).items():
             send[k].append(v)
     send = {k: jnp.stack(v) for k, v in send.items()}
-    if pl.n > 1 and send:
-        recv = {
+    if pl.n > 1:
+        send = {
             k: lax.all_to_all(v, pl.axes, 0, 0, tiled=True)
             for k, v in send.items()
         }
-    else:
-        recv = send
-    shapes = _state_shapes(tx, pl)
-    state_packer = _Packer.of(*[leaves for _, leaves in shapes])
+    return send, packer, per_dest
+
+
+def _run(tx, pl, lay, inputs, state, extra, trees):
+    """One device's work inside the ``shard_map``: ``inputs`` per tree
+    (params; or updates and params) one local value per leaf; ``state``
+    the local ``(rows, shared)`` (``None``: ``tx.init``). Returns the owned
+    leaves' updates (params' pieces), the other leaves' updates, and the
+    new ``(rows, shared)``."""
+    recv, packer, per_dest = _send(pl, inputs, trees)
+    order = list(lay.shared)
     out_like = [
-        [_piece_shape(pl, leaf) for leaf in pl.leaves if leaf.kind == "owned" and leaf.owner == d]
+        [_piece_shape(pl, leaf) for leaf in pl.leaves if _owns(leaf, d)]
         for d in range(pl.n)
     ]
     upd_packer = _Packer.of(*out_like)
 
     def branch(d):
-        def f(recv, inputs, state_rows, extra):
+        def f(recv, inputs, state, extra):
             whole = _gather_whole(pl, d, recv, per_dest, packer, trees)
             values = [
                 [whole.get((i, t), inputs[t][i]) for i in range(len(pl.leaves))]
                 for t in range(trees)
             ]
             params = _tree_for(pl, d, values[-1])
-            treedef, like = shapes[d]
-            if state_rows is None:
-                new = tx.init(params)
-                upd_rows, pieces = upd_packer.pack([]), []
+            if state is None:
+                new, owned_out, pieces = tx.init(params), [], []
             else:
-                state = jax.tree.unflatten(treedef, state_packer.unpack(state_rows, like))
+                rows, shared = state
+                mine = dict(
+                    zip(
+                        [k for k, _ in lay.owned[d]],
+                        lay.packer.unpack(rows, [x for _, x in lay.owned[d]]),
+                    )
+                )
+                treedef, paths = lay.branches[d]
+                leaves = [
+                    mine[k] if k in mine else shared[order.index(k)]
+                    for k in paths
+                ]
                 updates = _tree_for(pl, d, values[0])
-                upd, new = tx.update(updates, state, params, **extra)
-                upd = jax.tree.leaves(upd)
-                flat = iter(upd)
-                owned_out, pieces = [], []
-                for leaf in pl.leaves:
-                    if leaf.kind == "owned" and leaf.owner != d:
-                        continue
-                    u = next(flat)
-                    if leaf.kind == "owned":
-                        owned_out.append(_piece_of(u, leaf.spec, pl.mesh))
-                    else:
-                        pieces.append(u)
-                upd_rows = upd_packer.pack(owned_out)
-            return upd_rows, pieces, state_packer.pack(jax.tree.leaves(new))
+                upd, new = tx.update(
+                    updates,
+                    jax.tree.unflatten(treedef, leaves),
+                    params,
+                    **extra,
+                )
+                owned_out, pieces = _split_updates(pl, d, jax.tree.leaves(upd))
+            paths, leaves, _ = _paths(new)
+            by_path = dict(zip(paths, leaves))
+            rows = lay.packer.pack([by_path[k] for k, _ in lay.owned[d]])
+            shared = tuple(by_path[k] for k in order)
+            return upd_packer.pack(owned_out), pieces, (rows, shared)
 
         return f
 
-    args = (recv, inputs, state_rows, extra)
+    args = (recv, inputs, state, extra)
     if pl.n == 1:
-        upd_rows, pieces, new_rows = branch(0)(*args)
+        upd_rows, pieces, new = branch(0)(*args)
     else:
-        upd_rows, pieces, new_rows = lax.switch(r, [branch(d) for d in range(pl.n)], *args)
-    if state_rows is None:
-        return None, None, new_rows
-    gathered = {
-        k: (lax.all_gather(v, pl.axes, axis=0, tiled=False) if pl.n > 1 else v[None])
-        for k, v in upd_rows.items()
-    }
+        r = lax.axis_index(pl.axes)
+        upd_rows, pieces, new = lax.switch(
+            r, [branch(d) for d in range(pl.n)], *args
+        )
+    if state is None:
+        return None, None, new
+    if pl.n > 1:
+        upd_rows = {
+            k: lax.all_gather(v, pl.axes, axis=0, tiled=False)
+            for k, v in upd_rows.items()
+        }
+    else:
+        upd_rows = {k: v[None] for k, v in upd_rows.items()}
     owned = {}
     for d in range(pl.n):
-        mine = [i for i, leaf in enumerate(pl.leaves) if leaf.kind == "owned" and leaf.owner == d]
-        got = upd_packer.unpack({k: v[d] for k, v in gathered.items()}, out_like[d])
+        mine = [i for i, leaf in enumerate(pl.leaves) if _owns(leaf, d)]
+        got = upd_packer.unpack(
+            {k: v[d] for k, v in upd_rows.items()}, out_like[d]
+        )
         owned.update(zip(mine, got, strict=True))
-    return owned, pieces, new_rows
+    return owned, pieces, new
+
+
+def _owns(leaf: _Leaf, d: int) -> bool:
+    return leaf.kind == "owned" and leaf.owner == d
+
+
+def _split_updates(pl: _Plan, d: int, upd: list) -> tuple[list, list]:
+    """Device ``d``'s updates (one per leaf it holds): the params' piece of
+    each leaf it owns, and the other leaves' updates as they are."""
+    flat = iter(upd)
+    owned_out, pieces = [], []
+    for leaf in pl.leaves:
+        if leaf.kind == "owned" and leaf.owner != d:
+            continue
+        u = next(flat)
+        if leaf.kind == "owned":
+            owned_out.append(_piece_of(u, leaf.spec, pl.mesh))
+        else:
+            pieces.append(u)
+    return owned_out, pieces
 
 
 def _piece_shape(pl: _Plan, leaf: _Leaf) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(_local(leaf.shape, leaf.spec, pl.mesh), leaf.dtype)
+    return jax.ShapeDtypeStruct(
+        _local(leaf.shape, leaf.spec, pl.mesh), leaf.dtype
+    )
 
 
-def _every(pl: _Plan) -> P:
-    """One row per device: the leading dimension over every mesh axis."""
-    return P(sharding.spec_entry(tuple(pl.mesh.axis_names)))
+def _rows_spec(pl: _Plan) -> P:
+    """One row per device of the data axes (replicated over the others)."""
+    return P(sharding.spec_entry(pl.axes))
 
 
 def _reshard(x: Any, spec: P) -> Any:
@@ -475,11 +598,10 @@ def _in_spec(leaf: _Leaf) -> P:
     return leaf.placed if leaf.kind == "piece" else leaf.move
 
 
-def _mapped(
-    tx: Any, pl: _Plan, trees: list, rows: Any, extra: dict
-) -> tuple[Any, Any, dict]:
+def _mapped(tx: Any, pl: _Plan, trees: list, state: Any, extra: dict) -> Any:
     """:func:`_run` in a ``shard_map`` over the whole mesh, from and to
-    global arrays."""
+    global arrays. ``state``: ``(rows, shared)`` or ``None`` (init)."""
+    lay = layout(tx, pl)
     inputs = [
         [_reshard(x, _in_spec(leaf)) for x, leaf in zip(t, pl.leaves)]
         for t in trees
@@ -487,41 +609,44 @@ def _mapped(
     in_specs = [[_in_spec(leaf) for leaf in pl.leaves] for _ in trees]
     arrays = {k: v for k, v in extra.items() if isinstance(v, jax.Array)}
     fixed = {k: v for k, v in extra.items() if k not in arrays}
-    rest = [leaf for leaf in pl.leaves if leaf.kind != "owned"]
     owned = [i for i, leaf in enumerate(pl.leaves) if leaf.kind == "owned"]
-    every = _every(pl)
+    rest = [leaf for leaf in pl.leaves if leaf.kind != "owned"]
+    state_specs = (
+        {k: _rows_spec(pl) for k in lay.packer.lengths},
+        tuple(_spec_of(x) for x in lay.shared.values()),
+    )
 
-    def body(inputs, rows, arrays):
-        local = None if rows is None else {k: v[0] for k, v in rows.items()}
-        out, pieces, new = _run(
-            tx, pl, inputs, local, {**fixed, **arrays}, len(trees)
+    def body(inputs, state, arrays):
+        if state is not None:
+            rows, shared = state
+            state = ({k: v[0] for k, v in rows.items()}, shared)
+        out, pieces, (rows, shared) = _run(
+            tx, pl, lay, inputs, state, {**fixed, **arrays}, len(trees)
         )
-        new = {k: v[None] for k, v in new.items()}
+        new = ({k: v[None] for k, v in rows.items()}, shared)
         if out is None:
             return new
         return [out[i] for i in owned], pieces, new
 
-    rows_spec = None if rows is None else {k: every for k in rows}
-    if rows is None:
-        state_shapes = _state_shapes(tx, pl)
-        out_specs: Any = {
-            k: every
-            for k in _Packer.of(*[lv for _, lv in state_shapes]).lengths
-        }
-    else:
+    out_specs: Any = state_specs
+    if state is not None:
         out_specs = (
             [pl.leaves[i].spec for i in owned],
             [_in_spec(leaf) for leaf in rest],
-            {k: every for k in rows},
+            state_specs,
         )
     fn = jax.shard_map(
         body,
         mesh=pl.mesh,
-        in_specs=(in_specs, rows_spec, {k: P() for k in arrays}),
+        in_specs=(
+            in_specs,
+            None if state is None else state_specs,
+            {k: P() for k in arrays},
+        ),
         out_specs=out_specs,
         check_vma=False,
     )
-    return fn(inputs, rows, arrays)
+    return fn(inputs, state, arrays), lay
 
 
 def init(tx: Any, params: Any, axis_name: Any) -> WholeLeavesState:
@@ -529,8 +654,53 @@ def init(tx: Any, params: Any, axis_name: Any) -> WholeLeavesState:
     mesh whose data axes ``axis_name`` are Explicit)."""
     _, layer_axis = layer_axis_of(tx)
     pl = plan(params, axis_name, layer_axis)
-    rows = _mapped(tx, pl, [jax.tree.leaves(params)], None, {})
-    return WholeLeavesState(rows)
+    (rows, shared), lay = _mapped(tx, pl, [jax.tree.leaves(params)], None, {})
+    found = index(lay)
+    for record in _RECORDS:
+        record.append(found)
+    idx = {k: jnp.asarray(v) for k, v in found.items()}
+    return WholeLeavesState(rows, shared, idx)
+
+
+_RECORDS: list[list] = []  # open recordings of the indexes init makes
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """The :func:`index` of each :class:`WholeLeavesState` that ``init``
+    makes inside the block (also under ``jax.eval_shape``, which keeps
+    only their types), in order."""
+    found: list = []
+    _RECORDS.append(found)
+    try:
+        yield found
+    finally:
+        _RECORDS.remove(found)
+
+
+def moved_rows(
+    saved_rows: dict, saved_index: dict, new_index: dict, new_rows: dict
+) -> dict[str, np.ndarray]:
+    """The saved ``rows`` (host arrays, ``saved_index`` their layout) in
+    the layout ``new_index`` with rows shaped as ``new_rows``: each owned
+    leaf's state moved from its old owner to its new one."""
+    out = {}
+    for k, want in new_rows.items():
+        old = np.asarray(saved_index.get(k, np.zeros((0, 3), np.int32)))
+        new = np.asarray(new_index[k])
+        rows = np.asarray(saved_rows.get(k, np.zeros((0, 0), want.dtype)))
+        if old.shape != new.shape or not np.array_equal(old[:, 2], new[:, 2]):
+            raise ValueError(
+                "oa.reshard_state: the saved state of a whole-leaves "
+                f"follower holds {len(old)} owned {k} leaves of sizes "
+                f"{old[:, 2].tolist()}, tx.init(params) {len(new)} of sizes "
+                f"{new[:, 2].tolist()} (another follower or params?)"
+            )
+        moved = np.zeros(want.shape, want.dtype)
+        for (o, off, size), (o2, off2, _) in zip(old, new):
+            moved[o2, off2 : off2 + size] = rows[o, off : off + size]
+        out[k] = moved
+    return out
 
 
 def update(
@@ -547,7 +717,9 @@ def update(
     _, layer_axis = layer_axis_of(tx)
     pl = plan(params, axis_name, layer_axis)
     trees = [jax.tree.leaves(updates), jax.tree.leaves(params)]
-    out, pieces, rows = _mapped(tx, pl, trees, state.rows, extra_args)
+    (out, pieces, (rows, shared)), _ = _mapped(
+        tx, pl, trees, (state.rows, state.shared), extra_args
+    )
     out, pieces = iter(out), iter(pieces)
     leaves = []
     for leaf in pl.leaves:
@@ -555,4 +727,5 @@ def update(
             leaves.append(next(out))
         else:
             leaves.append(_reshard(next(pieces), leaf.spec))
-    return jax.tree.unflatten(pl.treedef, leaves), WholeLeavesState(rows)
+    new = WholeLeavesState(rows, shared, state.index)
+    return jax.tree.unflatten(pl.treedef, leaves), new

@@ -289,9 +289,12 @@ def _whole_leaves_named(axis_name: Any) -> Iterator[None]:
         raise ValueError(
             f"oa.accumulate(axis_name={axis_name!r}, shard_update=True): a "
             f"follower needs whole leaves and cannot run on each device's "
-            f"piece of them (in {where}, {func}: {e}). Followers that "
-            "orthogonalise or precondition whole matrices (e.g. "
-            "optax.contrib.muon) need shard_update=False (docs/scaling.md)."
+            f"piece of them (in {where}, {func}: {e}). A follower that "
+            "orthogonalises or preconditions whole matrices runs by "
+            "ownership when it is the last element of oa.chain and is "
+            "optax.contrib.muon itself or marked oa.whole_leaves(tx) (it "
+            "must treat leaves independently); else use shard_update=False "
+            "(docs/scaling.md)."
         ) from e
 
 
