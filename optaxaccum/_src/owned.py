@@ -484,63 +484,27 @@ def _run(tx, pl, lay, inputs, state, extra, trees):
     leaves' updates (params' pieces), the other leaves' updates, and the
     new ``(rows, shared)``."""
     recv, packer, per_dest = _send(pl, inputs, trees)
-    order = list(lay.shared)
+    dtypes = [x.dtype for x in inputs[0]]  # the updates' (or params')
     out_like = [
-        [_piece_shape(pl, leaf) for leaf in pl.leaves if _owns(leaf, d)]
+        [
+            _piece_shape(pl, leaf, dtypes[i])
+            for i, leaf in enumerate(pl.leaves)
+            if _owns(leaf, d)
+        ]
         for d in range(pl.n)
     ]
     upd_packer = _Packer.of(*out_like)
-
-    def branch(d):
-        def f(recv, inputs, state, extra):
-            whole = _gather_whole(pl, d, recv, per_dest, packer, trees)
-            values = [
-                [whole.get((i, t), inputs[t][i]) for i in range(len(pl.leaves))]
-                for t in range(trees)
-            ]
-            params = _tree_for(pl, d, values[-1])
-            if state is None:
-                new, owned_out, pieces = tx.init(params), [], []
-            else:
-                rows, shared = state
-                mine = dict(
-                    zip(
-                        [k for k, _ in lay.owned[d]],
-                        lay.packer.unpack(rows, [x for _, x in lay.owned[d]]),
-                    )
-                )
-                treedef, paths = lay.branches[d]
-                leaves = [
-                    mine[k] if k in mine else shared[order.index(k)]
-                    for k in paths
-                ]
-                updates = _tree_for(pl, d, values[0])
-                upd, new = tx.update(
-                    updates,
-                    jax.tree.unflatten(treedef, leaves),
-                    params,
-                    **extra,
-                )
-                owned_out, pieces = _split_updates(pl, d, jax.tree.leaves(upd))
-            paths, leaves, _ = _paths(new)
-            by_path = dict(zip(paths, leaves))
-            rows = lay.packer.pack([by_path[k] for k, _ in lay.owned[d]])
-            shared = tuple(by_path[k] for k in order)
-            return upd_packer.pack(owned_out), pieces, (rows, shared)
-
-        return f
-
+    sent = (packer, per_dest, trees)
+    branches = [_branch(tx, pl, lay, d, sent, upd_packer) for d in range(pl.n)]
     args = (recv, inputs, state, extra)
     if pl.n == 1:
-        upd_rows, pieces, new = branch(0)(*args)
-    else:
+        upd_rows, pieces, new = branches[0](*args)
+    else:  # each device runs its own branch only
         r = lax.axis_index(pl.axes)
-        upd_rows, pieces, new = lax.switch(
-            r, [branch(d) for d in range(pl.n)], *args
-        )
+        upd_rows, pieces, new = lax.switch(r, branches, *args)
     if state is None:
         return None, None, new
-    if pl.n > 1:
+    if pl.n > 1:  # the owners' updates back: one all-gather
         upd_rows = {
             k: lax.all_gather(v, pl.axes, axis=0, tiled=False)
             for k, v in upd_rows.items()
@@ -557,30 +521,73 @@ def _run(tx, pl, lay, inputs, state, extra, trees):
     return owned, pieces, new
 
 
+def _branch(tx, pl, lay, d, sent, upd_packer):
+    """Device ``d``'s branch: the follower on the leaves it owns (whole,
+    from the pieces ``sent`` to it) and on its piece of the others."""
+    packer, per_dest, trees = sent
+    order = {k: j for j, k in enumerate(lay.shared)}
+
+    def f(recv, inputs, state, extra):
+        whole = _gather_whole(pl, d, recv, per_dest, packer, trees)
+        values = [
+            [whole.get((i, t), inputs[t][i]) for i in range(len(pl.leaves))]
+            for t in range(trees)
+        ]
+        params = _tree_for(pl, d, values[-1])
+        if state is None:
+            new, owned_out, pieces = tx.init(params), [], []
+        else:
+            rows, shared = state
+            like = [x for _, x in lay.owned[d]]
+            mine = dict(
+                zip([k for k, _ in lay.owned[d]], lay.packer.unpack(rows, like))
+            )
+            treedef, paths = lay.branches[d]
+            leaves = [mine[k] if k in mine else shared[order[k]] for k in paths]
+            upd, new = tx.update(
+                _tree_for(pl, d, values[0]),
+                jax.tree.unflatten(treedef, leaves),
+                params,
+                **extra,
+            )
+            dtypes = [x.dtype for x in values[0]]
+            owned_out, pieces = _split_updates(
+                pl, d, jax.tree.leaves(upd), dtypes
+            )
+        paths, leaves, _ = _paths(new)
+        by_path = dict(zip(paths, leaves))
+        rows = lay.packer.pack([by_path[k] for k, _ in lay.owned[d]])
+        shared = tuple(by_path[k] for k in order)
+        return upd_packer.pack(owned_out), pieces, (rows, shared)
+
+    return f
+
+
 def _owns(leaf: _Leaf, d: int) -> bool:
     return leaf.kind == "owned" and leaf.owner == d
 
 
-def _split_updates(pl: _Plan, d: int, upd: list) -> tuple[list, list]:
+def _split_updates(
+    pl: _Plan, d: int, upd: list, dtypes: list
+) -> tuple[list, list]:
     """Device ``d``'s updates (one per leaf it holds): the params' piece of
     each leaf it owns, and the other leaves' updates as they are."""
     flat = iter(upd)
     owned_out, pieces = [], []
-    for leaf in pl.leaves:
+    for i, leaf in enumerate(pl.leaves):
         if leaf.kind == "owned" and leaf.owner != d:
             continue
         u = next(flat)
-        if leaf.kind == "owned":
-            owned_out.append(_piece_of(u, leaf.spec, pl.mesh))
+        if leaf.kind == "owned":  # in the gradient's dtype, as packed
+            owned_out.append(_piece_of(u, leaf.spec, pl.mesh).astype(dtypes[i]))
         else:
             pieces.append(u)
     return owned_out, pieces
 
 
-def _piece_shape(pl: _Plan, leaf: _Leaf) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(
-        _local(leaf.shape, leaf.spec, pl.mesh), leaf.dtype
-    )
+def _piece_shape(pl: _Plan, leaf: _Leaf, dtype: Any) -> jax.ShapeDtypeStruct:
+    """The type of a device's piece of ``leaf`` at the params' spec."""
+    return jax.ShapeDtypeStruct(_local(leaf.shape, leaf.spec, pl.mesh), dtype)
 
 
 def _rows_spec(pl: _Plan) -> P:
@@ -714,6 +721,14 @@ def update(
     """``tx`` stepped on the window's ``updates`` (at the element-wise
     placement of ``shard_update``) by ownership; the updates at the
     params' sharding."""
+    if not isinstance(state, WholeLeavesState):
+        raise ValueError(
+            "under oa.accumulate(..., shard_update=True) a follower that "
+            "needs whole leaves expects the oa.WholeLeavesState that the "
+            "chain's init makes on the mesh (jax.jit(tx.init) under "
+            "jax.set_mesh, or params placed on it); got "
+            f"{type(state).__name__}"
+        )
     _, layer_axis = layer_axis_of(tx)
     pl = plan(params, axis_name, layer_axis)
     trees = [jax.tree.leaves(updates), jax.tree.leaves(params)]
