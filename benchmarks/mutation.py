@@ -491,6 +491,25 @@ MUTANTS = {
         "both = jnp.stack([sq_sum, count])",
         ["tests/test_noise_scale.py", "-k", "small_batches"],
     ),
+    # Whole-matrix followers under shard_update (owned leaves).
+    "owned_everyone_computes": (  # every device runs branch 0's leaves
+        "owned.py",
+        "upd_rows, pieces, new = lax.switch(r, branches, *args)",
+        "upd_rows, pieces, new = branches[0](*args)",
+        ["tests/test_owned.py", "-m", "not slow", "-k", "equals"],
+    ),
+    "owned_rows_not_moved": (  # reshard keeps the old owners' offsets
+        "owned.py",
+        "moved[o2, off2 : off2 + size] = rows[o, off : off + size]",
+        "moved[o, off : off + size] = rows[o, off : off + size]",
+        ["tests/test_owned.py", "-m", "not slow", "-k", "reshard"],
+    ),
+    "owned_unbalanced": (  # every matrix to the first device
+        "owned.py",
+        "d = int(np.argmin(share))  # the first of equals",
+        "d = 0",
+        ["tests/test_owned.py", "-m", "not slow", "-k", "balanced"],
+    ),
 }
 
 

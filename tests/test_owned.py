@@ -161,7 +161,7 @@ def test_per_device_state_and_newton_schulz_flops_are_one_over_data(
     whole_flops = _flops(whole.compile())
     per_device = sum(
         r.addressable_shards[0].data.nbytes for r in state[1].rows.values()
-    )
+    ) + sum(x.addressable_shards[0].data.nbytes for x in state[1].shared)
     whole_bytes = _state_bytes(opt.init(params))
     assert per_device <= 1.25 * whole_bytes / n, (per_device, whole_bytes)
     assert _flops(compiled) <= 1.25 * whole_flops / n, (
@@ -362,3 +362,28 @@ def test_reshard_state_mid_window_onto_another_data_size():
     )
     want = tm._reference(_muon(), tm._init_params(), *data)
     chex.assert_trees_all_close(jax.device_get(resumed), want, **MUON_TOL)
+
+
+def test_comm_model_owned_mode_equals_the_census_when_balanced():
+    """Eight equal matrices on data=8 (one per owner): the all-to-all and
+    the all-gather over the data axes of the compiled step equal the
+    communication model's ``owned`` rows (benchmarks/comm_model.py)."""
+    from tests.test_comm_model import cm
+
+    mesh, axis = ts._mesh("data8")
+    rng = np.random.default_rng(0)
+    params = {
+        f"w{i}": rng.normal(size=(16, 16)).astype(np.float32) for i in range(8)
+    }
+    compiled, *_ = _optimizer_step(mesh, axis, _muon(), params)
+    got = {}
+    for o in oa.collective_census(compiled, mesh):
+        if o["axes"] == {"data"} and o["bytes"] > 64:
+            got[o["op"]] = got.get(o["op"], 0) + o["bytes"]
+    n_params = sum(p.size for p in params.values())
+    model = {
+        c.op: c.result_bytes
+        for c in cm.collectives(n_params, cm.Mesh(data=8), 1, "owned")
+        if c.axes == {"data"} and c.op != "reduce-scatter"
+    }
+    assert got == model, (got, model)
