@@ -33,6 +33,7 @@ from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -595,10 +596,15 @@ def _rows_spec(pl: _Plan) -> P:
     return P(sharding.spec_entry(pl.axes))
 
 
-def _reshard(x: Any, spec: P) -> Any:
-    from optaxaccum._src import shard_update  # a cycle: it imports us
-
-    return shard_update._reshard(x, spec)
+def reshard(x: Any, spec: P) -> Any:
+    """``x`` resharded to ``spec`` on its own mesh (traced or concrete)."""
+    if spec == sharding.spec_of(x):
+        return x
+    if isinstance(x, jax.core.Tracer) or not isinstance(
+        getattr(x, "sharding", None), NamedSharding
+    ):
+        return jax.reshard(x, sharding.named_sharding(x).update(spec=spec))
+    return jax.device_put(x, x.sharding.update(spec=spec))
 
 
 def _in_spec(leaf: _Leaf) -> P:
@@ -610,7 +616,7 @@ def _mapped(tx: Any, pl: _Plan, trees: list, state: Any, extra: dict) -> Any:
     global arrays. ``state``: ``(rows, shared)`` or ``None`` (init)."""
     lay = layout(tx, pl)
     inputs = [
-        [_reshard(x, _in_spec(leaf)) for x, leaf in zip(t, pl.leaves)]
+        [reshard(x, _in_spec(leaf)) for x, leaf in zip(t, pl.leaves)]
         for t in trees
     ]
     in_specs = [[_in_spec(leaf) for leaf in pl.leaves] for _ in trees]
@@ -741,6 +747,6 @@ def update(
         if leaf.kind == "owned":
             leaves.append(next(out))
         else:
-            leaves.append(_reshard(next(pieces), leaf.spec))
+            leaves.append(reshard(next(pieces), leaf.spec))
     new = WholeLeavesState(rows, shared, state.index)
     return jax.tree.unflatten(pl.treedef, leaves), new

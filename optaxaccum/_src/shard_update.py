@@ -22,26 +22,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import base, owned, reducer, sharding, utils
+from optaxaccum._src import base, chain, owned, reducer, sharding, utils
 
 __all__: list[str] = []
 
 
-def _reshard(x: Any, spec: P) -> Any:
-    """``x`` resharded to ``spec`` on its own mesh (traced or concrete)."""
-    if spec == sharding.spec_of(x):
-        return x
-    if isinstance(x, jax.core.Tracer) or not isinstance(
-        getattr(x, "sharding", None), NamedSharding
-    ):
-        return jax.reshard(x, sharding.named_sharding(x).update(spec=spec))
-    return jax.device_put(x, x.sharding.update(spec=spec))
+_reshard = owned.reshard  # ``x`` resharded to ``spec`` on its mesh
 
 
 def place(tree: Any, axis_name: Any) -> Any:
@@ -239,8 +228,6 @@ def _owned_run(rest: Any, followers: Any, at: int, axis_name: Any) -> Any:
     """The plain followers' run where the last, ``followers[at]``, needs
     whole leaves: those before it on each device's piece (as
     :func:`on_shard`), it by ownership (:func:`owned.update`)."""
-    from optaxaccum._src import chain  # a cycle: chain imports base only
-
     before = chain._plain(followers[:at]) if at else None
     whole = optax.with_extra_args_support(followers[at])
     del rest
