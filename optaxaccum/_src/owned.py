@@ -616,7 +616,12 @@ def _mapped(tx: Any, pl: _Plan, trees: list, state: Any, extra: dict) -> Any:
     global arrays. ``state``: ``(rows, shared)`` or ``None`` (init)."""
     lay = layout(tx, pl)
     inputs = [
-        [reshard(x, _in_spec(leaf)) for x, leaf in zip(t, pl.leaves)]
+        # Through the element-wise placement (a local slice of the params):
+        # from there to ``move`` is an all-gather over the other axes.
+        [
+            reshard(reshard(x, leaf.placed), _in_spec(leaf))
+            for x, leaf in zip(t, pl.leaves)
+        ]
         for t in trees
     ]
     in_specs = [[_in_spec(leaf) for leaf in pl.leaves] for _ in trees]
