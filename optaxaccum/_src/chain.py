@@ -292,7 +292,7 @@ def _plain(transforms):
             new_state.append(s)
         return updates, tuple(new_state)
 
-    run.transforms = tuple(transforms)  # for a follower hook
+    setattr(run, "transforms", tuple(transforms))  # for a follower hook
     return run
 
 

@@ -57,14 +57,14 @@ class WholeLeavesState(NamedTuple):
       shared: every other leaf of the follower's state, in the order of
         its path (element-wise moments at the ``shard_update`` placement,
         counters replicated, stacked layers split over the data axes).
-      index: by dtype name, int32 of shape ``(owned leaves, 3)``: the
+      owners: by dtype name, int32 of shape ``(owned leaves, 3)``: the
         ``(owner, offset, size)`` of each owned leaf's state in ``rows``,
         in the order of their paths (what ``oa.reshard_state`` reads).
     """
 
     rows: dict[str, jax.Array]
     shared: tuple[jax.Array, ...]
-    index: dict[str, jax.Array]
+    owners: dict[str, jax.Array]
 
 
 class _WholeLeaves(optax.GradientTransformationExtraArgs):
@@ -753,5 +753,5 @@ def update(
             leaves.append(next(out))
         else:
             leaves.append(reshard(next(pieces), leaf.spec))
-    new = WholeLeavesState(rows, shared, state.index)
+    new = WholeLeavesState(rows, shared, state.owners)
     return jax.tree.unflatten(pl.treedef, leaves), new

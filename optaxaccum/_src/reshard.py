@@ -136,7 +136,7 @@ def _by_path(state: Any) -> dict[tuple[str, ...], np.ndarray]:
 def _move_owned(saved: dict, abstract: Any, indexes: list) -> None:
     """The rows of each whole-leaves follower's state in ``saved`` moved to
     the owners of the new layout (``indexes``: the new layouts, in the
-    order of the followers in ``abstract``), its index replaced."""
+    order of the followers in ``abstract``), its ``owners`` replaced."""
 
     def is_whole(x):
         return isinstance(x, owned.WholeLeavesState)
@@ -166,9 +166,9 @@ def _move_owned(saved: dict, abstract: Any, indexes: list) -> None:
             }
 
         rows = owned.moved_rows(
-            take("rows"), take("index"), new_index, node.rows
+            take("rows"), take("owners"), new_index, node.rows
         )
-        for field in ("rows", "index"):
+        for field in ("rows", "owners"):
             for key in [
                 k for k in saved if k[: len(prefix) + 1] == (*prefix, field)
             ]:
@@ -176,7 +176,7 @@ def _move_owned(saved: dict, abstract: Any, indexes: list) -> None:
         for k, v in rows.items():
             saved[(*prefix, "rows", k)] = v
         for k, v in new_index.items():
-            saved[(*prefix, "index", k)] = v
+            saved[(*prefix, "owners", k)] = v
 
 
 def _window_paths(abstract: Any) -> set[tuple[str, ...]]:
