@@ -388,3 +388,24 @@ def test_comm_model_owned_mode_equals_the_census_when_balanced():
         if c.axes == {"data"}
     }
     assert got == model, (got, model)
+
+
+def test_flush_partial_window_runs_muon_by_ownership():
+    """oa.flush after 2 of K micro-batches on data=2 x fsdp=4: muon by
+    ownership steps on the mean over those 2, as single-device muon."""
+    mesh, axis = ts._mesh("data2xfsdp4")
+    tx = ts._tx(_muon(), axis)
+    data = tm._make_data(2)
+    params, state = tm._run(tx, mesh, data, axis=axis)
+
+    def flush(params, state):
+        updates, state = oa.flush(tx, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+        params, state = jax.jit(flush)(params, state)
+    want = tm._reference(_muon(), tm._init_params(), *data, k=2)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, **MUON_TOL
+    )
+    assert int(state[0].gradient_step) == 1
