@@ -502,7 +502,7 @@ MUTANTS = {
         "owned.py",
         "moved[o2, off2 : off2 + size] = rows[o, off : off + size]",
         "moved[o, off : off + size] = rows[o, off : off + size]",
-        ["tests/test_owned.py", "-m", "not slow", "-k", "reshard"],
+        ["tests/test_owned.py", "-m", "not slow", "-k", "new_owner"],
     ),
     "owned_unbalanced": (  # every matrix to the first device
         "owned.py",
