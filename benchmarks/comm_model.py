@@ -18,7 +18,15 @@ and the bytes each device holds. Modes:
   ``1/(data axes)`` of each shard, an all-gather of the updates;
 * ``fsdp_all``: FSDP over every device, slices included (params and
   optimizer state sharded ``n`` ways): every micro-step gathers the params
-  and reduce-scatters the gradient over all devices.
+  and reduce-scatters the gradient over all devices;
+* ``owned``: ``shard_update=True`` with a follower that needs whole
+  matrices (``optax.contrib.muon``): each matrix owned by one device of the
+  data axes. Once per window, the reduce-scatter of ``shard_update``, an
+  all-gather over ``fsdp`` of each device's data-slice of the gradient and
+  the params, one all-to-all of those slices to the owners, and an
+  all-gather of the owners' updates; muon's one moment per device is
+  ``1/(data axes)`` of the tree, replicated over ``fsdp`` (balanced
+  ownership assumed: the census test checks the padded rows exactly).
 
 Gather once per step (``HELD_MODES``; the window is one jitted step of
 ``k`` micro-batches, ``oa.microbatched_value_and_grad`` with
@@ -62,6 +70,8 @@ import _common  # noqa: E402
 
 MODES = ("naive", "deferred", "shard_update", "fsdp_all")
 HELD_MODES = ("held", "fsdp_all_held_dcn")
+OWNED = "owned"  # modelled, not in the projected tables' columns
+MUON_MOMENTS = 1
 BYTES = 4  # float32 params, gradients, accumulator, Adam moments
 ADAM_MOMENTS = 2
 GIB = 2**30
@@ -152,10 +162,9 @@ def collectives(
 ) -> list[Collective]:
     """The collectives of one window of ``k`` micro-batches (see module);
     ``held_bytes``: bytes per parameter of a held copy (2: bf16)."""
-    if mode not in MODES + HELD_MODES:
-        raise ValueError(
-            f"mode must be one of {MODES + HELD_MODES}, got {mode=!r}"
-        )
+    modes = (*MODES, *HELD_MODES, OWNED)
+    if mode not in modes:
+        raise ValueError(f"mode must be one of {modes}, got {mode=!r}")
     tree = BYTES * n_params
     fsdp, data = mesh.axes("fsdp"), mesh.axes("dcn", "data")
     everything = fsdp | data
@@ -182,6 +191,10 @@ def collectives(
         add("all-reduce", data, shard, 1)
     else:  # shard_update: reduce-scatter, then gather the updates
         add("reduce-scatter", data, shard / mesh.size(data), 1)
+        if mode == OWNED:  # the data-slices of gradient and params, to owners
+            piece = tree / mesh.size(data)
+            add("all-gather", fsdp, 2 * piece, 1)
+            add("all-to-all", data, 2 * piece, 1)
         add("all-gather", data, shard, 1)
     return out
 
@@ -236,6 +249,8 @@ def memory(
     opt = ADAM_MOMENTS * tree / fsdp
     if mode == "shard_update":
         opt /= mesh.size(mesh.axes("dcn", "data"))
+    if mode == OWNED:  # muon's momentum, whole matrices on their owners
+        opt = MUON_MOMENTS * tree / mesh.size(mesh.axes("dcn", "data"))
     out = {
         "params": tree / fsdp,
         "accumulator": tree / fsdp if k > 1 else 0.0,

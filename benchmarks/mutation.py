@@ -643,6 +643,25 @@ MUTANTS = {
         "    early = early & False",
         ["tests/test_flax.py", "-k", "shorter_than_the_window"],
     ),
+    # Whole-matrix followers under shard_update (owned leaves).
+    "owned_everyone_computes": (  # every device runs branch 0's leaves
+        "owned.py",
+        "upd_rows, pieces, new = lax.switch(r, branches, *args)",
+        "upd_rows, pieces, new = branches[0](*args)",
+        ["tests/test_owned.py", "-m", "not slow", "-k", "equals"],
+    ),
+    "owned_rows_not_moved": (  # reshard keeps the old owners' offsets
+        "owned.py",
+        "moved[o2, off2 : off2 + size] = rows[o, off : off + size]",
+        "moved[o, off : off + size] = rows[o, off : off + size]",
+        ["tests/test_owned.py", "-m", "not slow", "-k", "new_owner"],
+    ),
+    "owned_unbalanced": (  # every matrix to the first device
+        "owned.py",
+        "d = int(np.argmin(share))  # the first of equals",
+        "d = 0",
+        ["tests/test_owned.py", "-m", "not slow", "-k", "balanced"],
+    ),
 }
 
 

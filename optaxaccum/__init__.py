@@ -103,3 +103,8 @@ __all__ = [
     # Gather once per step.
     "GatherOnce",
 ]
+
+# Whole-matrix followers under shard_update (ZeRO-1 by ownership).
+from optaxaccum._src.owned import WholeLeavesState, whole_leaves  # noqa: E402
+
+__all__ += ["WholeLeavesState", "whole_leaves"]

@@ -298,6 +298,9 @@ class _Followers(NamedTuple):
     gate: GatedTransformation  # what the chain runs in the gate's place
     wrap: Callable[[Any], Any]  # the followers -> the followers, placed
     place: Callable[[Any], Any]  # params -> the followers' init params
+    # (followers, params) -> their states, where they are not each
+    # initialised on ``place(params)``
+    init: Callable[[Any, Any], tuple] | None = None
 
 
 def _with_followers(

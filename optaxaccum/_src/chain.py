@@ -121,14 +121,15 @@ def _init(transforms: tuple) -> Any:
     at = next((i for i, h in enumerate(hooks) if h is not None), None)
     if at is None:
         return optax.chain(*transforms).init
-    place = cast(base._Followers, hooks[at]).place
+    hook = cast(base._Followers, hooks[at])
 
     def init(params):
-        placed = place(params)
-        return (
-            *(tx.init(params) for tx in transforms[: at + 1]),
-            *(tx.init(placed) for tx in transforms[at + 1 :]),
-        )
+        if hook.init is not None:
+            rest = hook.init(transforms[at + 1 :], params)
+        else:
+            placed = hook.place(params)
+            rest = tuple(tx.init(placed) for tx in transforms[at + 1 :])
+        return (*(tx.init(params) for tx in transforms[: at + 1]), *rest)
 
     return init
 
@@ -349,6 +350,7 @@ def _plain(transforms):
             new_state.append(s)
         return updates, tuple(new_state)
 
+    setattr(run, "transforms", tuple(transforms))  # for a follower hook
     return run
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from optaxaccum._src import accumulate, noise_scale, sharding
+from optaxaccum._src import accumulate, noise_scale, owned, sharding
 
 __all__ = ["reshard_state"]
 
@@ -73,12 +73,13 @@ def reshard_state(
     """
     mesh = _explicit_mesh(params)
     context = jax.set_mesh(mesh) if mesh else contextlib.nullcontext()
-    with context:
+    with context, owned.recording() as indexes:
         abstract = jax.eval_shape(tx.init, params)
         shardings = (
             None if mesh is None else sharding.state_shardings(tx, params)
         )
     saved = _by_path(state)
+    _move_owned(saved, abstract, indexes)
     folds = _window_paths(abstract)
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     leaves = []
@@ -130,6 +131,52 @@ def _by_path(state: Any) -> dict[tuple[str, ...], np.ndarray]:
     """The saved state's leaves on the host, by :func:`_key`."""
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     return {_key(path): np.asarray(leaf) for path, leaf in flat}
+
+
+def _move_owned(saved: dict, abstract: Any, indexes: list) -> None:
+    """The rows of each whole-leaves follower's state in ``saved`` moved to
+    the owners of the new layout (``indexes``: the new layouts, in the
+    order of the followers in ``abstract``), its ``owners`` replaced."""
+
+    def is_whole(x):
+        return isinstance(x, owned.WholeLeavesState)
+
+    found = [
+        (path, node)
+        for path, node in jax.tree_util.tree_flatten_with_path(
+            abstract, is_leaf=is_whole
+        )[0]
+        if is_whole(node)
+    ]
+    for (path, node), new_index in zip(found, indexes):
+        prefix = _key(path)
+
+        def take(field, node=node, prefix=prefix):
+            return {
+                k: saved.get((*prefix, field, k))
+                for k in {
+                    *getattr(node, field),
+                    *(
+                        key[len(prefix) + 1]
+                        for key in saved
+                        if key[: len(prefix) + 1] == (*prefix, field)
+                    ),
+                }
+                if saved.get((*prefix, field, k)) is not None
+            }
+
+        rows = owned.moved_rows(
+            take("rows"), take("owners"), new_index, node.rows
+        )
+        for field in ("rows", "owners"):
+            for key in [
+                k for k in saved if k[: len(prefix) + 1] == (*prefix, field)
+            ]:
+                del saved[key]
+        for k, v in rows.items():
+            saved[(*prefix, "rows", k)] = v
+        for k, v in new_index.items():
+            saved[(*prefix, "owners", k)] = v
 
 
 def _window_paths(abstract: Any) -> set[tuple[str, ...]]:

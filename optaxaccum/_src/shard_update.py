@@ -22,25 +22,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
-import jax.core
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+import optax
 
-from optaxaccum._src import base, reducer, sharding, utils
+from optaxaccum._src import base, chain, owned, reducer, sharding, utils
 
 __all__: list[str] = []
 
 
-def _reshard(x: Any, spec: P) -> Any:
-    """``x`` resharded to ``spec`` on its own mesh (traced or concrete)."""
-    if spec == sharding.spec_of(x):
-        return x
-    if isinstance(x, jax.core.Tracer) or not isinstance(
-        getattr(x, "sharding", None), NamedSharding
-    ):
-        return jax.reshard(x, sharding.named_sharding(x).update(spec=spec))
-    return jax.device_put(x, x.sharding.update(spec=spec))
+_reshard = owned.reshard  # ``x`` resharded to ``spec`` on its mesh
 
 
 def place(tree: Any, axis_name: Any) -> Any:
@@ -129,8 +119,49 @@ def gathered(
         gate=gate,
         wrap=functools.partial(on_shard, axis_name=axis_name),
         place=functools.partial(place, axis_name=axis_name),
+        init=functools.partial(init_followers, axis_name=axis_name),
     )
     return base._with_followers(tx, hook)
+
+
+def _whole_at(followers: Any) -> int | None:
+    """The position of the follower that needs whole leaves
+    (:func:`owned.layer_axis_of`), if any; ``ValueError`` where it is not
+    the last, or not the only one."""
+    found = [i for i, tx in enumerate(followers) if owned.layer_axis_of(tx)[0]]
+    if not found:
+        return None
+    if found != [len(followers) - 1]:
+        raise ValueError(
+            "under oa.accumulate(..., shard_update=True), a follower that "
+            "needs whole leaves (optax.contrib.muon, oa.whole_leaves) must "
+            "be the only such element and the last of the chain; got one "
+            f"at position(s) {found} of {len(followers)} followers (put "
+            "element-wise transformations such as weight decay before it, "
+            "or use shard_update=False)"
+        )
+    return found[0]
+
+
+def init_followers(followers: Any, params: Any, axis_name: Any) -> tuple:
+    """The followers' states: each initialised on the :func:`place`-d
+    params, except a follower that needs whole leaves
+    (:func:`owned.init`: its state by ownership)."""
+    placed = place(params, axis_name)
+    at = _whole_at(followers)
+    if at is None or not _on_mesh(params, axis_name):
+        return tuple(tx.init(placed) for tx in followers)
+    return (
+        *(tx.init(placed) for tx in followers[:at]),
+        owned.init(followers[at], params, axis_name),
+    )
+
+
+def _on_mesh(params: Any, axis_name: Any) -> bool:
+    """Whether ``params`` lie on a mesh whose axes ``axis_name`` are
+    Explicit."""
+    leaves = jax.tree.leaves(params)
+    return bool(leaves) and sharding.tree_is_explicit(params, axis_name)
 
 
 def _gathering(fn: Any, axis_name: Any, params_at: int) -> Any:
@@ -158,6 +189,10 @@ def on_shard(rest: Any, axis_name: Any) -> Any:
     run on the updates and params :func:`place`-d over ``axis_name``, their
     updates :func:`gather`-ed back."""
     if not base.is_gate(rest):
+        followers = getattr(rest, "transforms", ())
+        at = _whole_at(followers)
+        if at is not None:
+            return _owned_run(rest, followers, at, axis_name)
 
         def run(updates, state, params, window, extra_args):
             with _whole_leaves_named(axis_name):
@@ -189,6 +224,36 @@ def on_shard(rest: Any, axis_name: Any) -> Any:
     )
 
 
+def _owned_run(rest: Any, followers: Any, at: int, axis_name: Any) -> Any:
+    """The plain followers' run where the last, ``followers[at]``, needs
+    whole leaves: those before it on each device's piece (as
+    :func:`on_shard`), it by ownership (:func:`owned.update`)."""
+    before = chain._plain(followers[:at]) if at else None
+    whole = optax.with_extra_args_support(followers[at])
+    del rest
+
+    def run(updates, state, params, window, extra_args):
+        updates = place(updates, axis_name)
+        if before is not None:
+            with _whole_leaves_named(axis_name):
+                updates, head = before(
+                    updates,
+                    state[:at],
+                    place(params, axis_name),
+                    window,
+                    extra_args,
+                )
+        else:
+            head = ()
+        args = chain._follower_args(whole, extra_args, window)
+        updates, last = owned.update(
+            whole, updates, state[at], params, axis_name, args
+        )
+        return updates, (*head, last)
+
+    return run
+
+
 @contextlib.contextmanager
 def _whole_leaves_named(axis_name: Any) -> Iterator[None]:
     """Turns JAX's ``ShardingTypeError`` raised while the followers run on
@@ -211,9 +276,12 @@ def _whole_leaves_named(axis_name: Any) -> Iterator[None]:
         raise ValueError(
             f"oa.accumulate(axis_name={axis_name!r}, shard_update=True): a "
             f"follower needs whole leaves and cannot run on each device's "
-            f"piece of them (in {where}, {func}: {e}). Followers that "
-            "orthogonalise or precondition whole matrices (e.g. "
-            "optax.contrib.muon) need shard_update=False (docs/scaling.md)."
+            f"piece of them (in {where}, {func}: {e}). A follower that "
+            "orthogonalises or preconditions whole matrices runs by "
+            "ownership when it is the last element of oa.chain and is "
+            "optax.contrib.muon itself or marked oa.whole_leaves(tx) (it "
+            "must treat leaves independently); else use shard_update=False "
+            "(docs/scaling.md)."
         ) from e
 
 

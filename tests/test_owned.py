@@ -1,0 +1,431 @@
+"""Whole-matrix followers under ``oa.accumulate(..., shard_update=True)``:
+``optax.contrib.muon`` (or a transformation marked ``oa.whole_leaves``)
+runs by *ownership*, each matrix on one device of the data axes, once per
+window (docs/scaling.md, "Whole-matrix optimizers: owned leaves").
+
+On the 8 CPU devices of conftest.py (data=8 and data=2 x fsdp=4), against
+single-device ``optax.contrib.muon`` on each window's whole batch, the
+compiled program's cost analysis and its collective census.
+"""
+
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optaxaccum as oa
+from tests import test_mesh as tm
+from tests import test_shard_update as ts
+
+pytestmark = pytest.mark.devices(8)
+
+MESHES = ["data8", "data2xfsdp4"]
+MUON_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _muon():
+    return optax.contrib.muon(0.05)
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_muon_equals_single_device_muon_on_the_window(mesh_name):
+    """Several windows of token-weighted micro-batches: the params equal
+    single-device optax.contrib.muon stepped once per window on the
+    window's whole batch (refused before), and keep their sharding."""
+    mesh, axis = ts._mesh(mesh_name)
+    data = tm._make_data(tm.K * 3)
+    params, state = tm._run(ts._tx(_muon(), axis), mesh, data, axis=axis)
+    want = tm._reference(_muon(), tm._init_params(), *data)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, **MUON_TOL
+    )
+    assert int(state[0].gradient_step) == 3
+    tm._same_sharding(params, tm._put_params(mesh, tm._init_params()))
+
+
+# ------------------------------------------- transformer-shaped and stacked
+
+V, D, SEQ = 64, 32, 16
+
+
+def _transformer_params(stacked=False):
+    """The shapes of a small transformer LM: embeddings, per layer q/k/v/o
+    (D, D), MLP (D, 4D) and (4D, D), layer-norm scales and biases, head.
+    ``stacked``: the layers' leaves stacked along a leading layer axis
+    (scanned layers): 8 of them, which the data size divides; else 2."""
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return (rng.normal(size=shape) / np.sqrt(shape[-2])).astype(np.float32)
+
+    def layer():
+        return {
+            "q": w(D, D),
+            "k": w(D, D),
+            "v": w(D, D),
+            "o": w(D, D),
+            "up": w(D, 4 * D),
+            "down": w(4 * D, D),
+            "ln": np.ones(D, np.float32),
+            "bias": np.zeros(4 * D, np.float32),
+        }
+
+    layers = [layer() for _ in range(8 if stacked else 2)]
+    params = {"embed": w(V, D), "pos": w(SEQ, D), "head": w(D, V)}
+    if stacked:
+        params["layers"] = jax.tree.map(lambda *x: np.stack(x), *layers)
+    else:
+        params.update({f"layer{i}": lay for i, lay in enumerate(layers)})
+    return params
+
+
+def _stacked_muon():
+    dims = optax.contrib.MuonDimensionNumbers(1, 2)
+
+    def dim_nums(params):
+        return jax.tree.map(
+            lambda x: (
+                dims
+                if x.ndim == 3
+                else (
+                    optax.contrib.MuonDimensionNumbers()
+                    if x.ndim == 2
+                    else None
+                )
+            ),
+            params,
+        )
+
+    return optax.contrib.muon(0.05, muon_weight_dimension_numbers=dim_nums)
+
+
+def _specs(params, fsdp):
+    """fsdp on the first dimension of every leaf it divides."""
+    return jax.tree.map(
+        lambda x: P(fsdp) if fsdp and x.shape[0] % 4 == 0 else P(), params
+    )
+
+
+def _optimizer_step(mesh, axis, opt, params):
+    """The jitted ``tx.update`` of ``oa.chain(accumulate(1, shard_update),
+    opt)`` on gradients at the params' sharding, its state and params."""
+    tx = ts._tx(opt, axis, k=1)
+    fsdp = "fsdp" if "fsdp" in mesh.axis_names else None
+    shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), _specs(params, fsdp)
+    )
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gradients not unreduced: on purpose
+        p = jax.device_put(params, shardings)
+        state = jax.jit(tx.init)(p)
+        step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+        compiled = step.lower(p, state, p).compile()
+        out = step(p, state, p)
+    return compiled, state, p, out
+
+
+def _flops(compiled):
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"])
+
+
+def _state_bytes(tree):
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_per_device_state_and_newton_schulz_flops_are_one_over_data(
+    mesh_name, stacked
+):
+    """For a transformer-shaped parameter set (matrices of several sizes)
+    and a stacked-layer one (scanned layers split along the layer axis):
+    each device's part of muon's state and the step's FLOPs (compiled cost
+    analysis, per device) are within 1.25x of 1/data of single-device
+    muon's; the updates equal single-device muon's."""
+    mesh, axis = ts._mesh(mesh_name)
+    n = ts._data_size(mesh, axis)
+    params = _transformer_params(stacked)
+    opt = _stacked_muon() if stacked else _muon()
+    ours = oa.whole_leaves(opt, layer_axis=0) if stacked else opt
+    compiled, state, _, (updates, _) = _optimizer_step(mesh, axis, ours, params)
+    whole = jax.jit(opt.update).lower(params, opt.init(params), params)
+    whole_flops = _flops(whole.compile())
+    per_device = sum(
+        r.addressable_shards[0].data.nbytes for r in state[1].rows.values()
+    ) + sum(x.addressable_shards[0].data.nbytes for x in state[1].shared)
+    whole_bytes = _state_bytes(opt.init(params))
+    assert per_device <= 1.25 * whole_bytes / n, (per_device, whole_bytes)
+    assert _flops(compiled) <= 1.25 * whole_flops / n, (
+        _flops(compiled),
+        whole_flops,
+    )
+    want, _ = opt.update(params, opt.init(params), params)
+    chex.assert_trees_all_close(
+        jax.device_get(updates), jax.device_get(want), **MUON_TOL
+    )
+
+
+def test_ownership_is_deterministic_and_balanced():
+    """The greedy assignment (private helper, on purpose): the same plan
+    twice; every device owns some matrix; no device carries more than
+    1.25x of 1/data of the Newton–Schulz cost."""
+    from optaxaccum._src import owned
+
+    mesh, axis = ts._mesh("data8")
+    params = _transformer_params()
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+    plans = [owned.plan(p, axis, None) for _ in range(2)]
+    assert plans[0].leaves == plans[1].leaves
+    cost = np.zeros(8)
+    for leaf in plans[0].leaves:
+        if leaf.kind == "owned":
+            cost[leaf.owner] += owned._cost(leaf.shape)
+    assert (cost > 0).all(), cost
+    assert cost.max() <= 1.25 * cost.sum() / 8, cost
+
+
+# ------------------------------------------------------------ collectives
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_hlo_collectives_once_per_window_none_per_micro_batch(mesh_name):
+    """Compiled step: outside the closing branch only scalars cross the
+    data axes (nothing per micro-batch); inside it, over the data axes,
+    the gradient's reduce-scatter, one all-to-all to the owners and
+    all-gathers back, bounded by the tree's bytes each."""
+    mesh, axis = ts._mesh(mesh_name)
+    axes = frozenset(ts.oa_axes(axis))
+    ops, params = ts._census(mesh, axis, ts._tx(_muon(), axis))
+    over = [o for o in ops if o["axes"] & axes]
+    top = [o for o in over if not o["branches"]]
+    assert sum(o["bytes"] for o in top) <= 16, top
+    by_op = {}
+    for o in over:
+        if o["branches"]:
+            by_op[o["op"]] = by_op.get(o["op"], 0) + o["bytes"]
+    tree = tm._shard_bytes(params)
+    n = ts._data_size(mesh, axis)
+    assert by_op.pop("reduce-scatter") * n == tree, by_op
+    # To the owners: each device's data-slice of the window gradient and
+    # of the params of each owned leaf, a row per owner (padded to the
+    # largest). Back: each owner's row (the params' piece of its leaves),
+    # and the element-wise leaves' pieces.
+    from optaxaccum._src import owned
+
+    pl = owned.plan(params, axis, None)
+    sent, share, pieces = [0] * n, [0] * n, 0
+    for leaf in pl.leaves:
+        local = owned._local(leaf.shape, leaf.spec, mesh)
+        if leaf.kind == "owned":
+            share[leaf.owner] += 4 * int(np.prod(local))
+            moved = owned._local(leaf.shape, leaf.move, mesh)
+            sent[leaf.owner] += 2 * 4 * int(np.prod(moved))
+        else:
+            pieces += 4 * int(np.prod(local))
+    assert by_op.pop("all-to-all") == n * max(sent), by_op
+    assert by_op.pop("all-gather") == n * max(share) + pieces, by_op
+    # Resharding to and from the placement: at most a few small permutes.
+    assert by_op.pop("collective-permute", 0) <= tree, by_op
+    assert by_op.get("all-reduce", 0) <= 64, by_op
+    assert not set(by_op) - {"all-reduce"}, by_op
+
+
+# ------------------------------------------------ declaration and refusals
+
+
+def test_whole_leaves_bad_input_and_position():
+    with pytest.raises(ValueError, match="layer_axis"):
+        oa.whole_leaves(optax.sgd(0.1), layer_axis=1)
+    with pytest.raises(ValueError, match="last of the chain"):
+        oa.chain(
+            oa.accumulate(tm.K, axis_name="data", shard_update=True),
+            _muon(),
+            optax.add_decayed_weights(0.1),
+        )
+
+
+def test_whole_leaves_marks_any_transformation():
+    """A user's matrix transformation (an SVD-based orthogonalisation)
+    marked oa.whole_leaves runs by ownership, equal to single-device."""
+
+    def orthogonalise():
+        def update(u, state, params=None):
+            del params
+
+            def leaf(x):
+                if x.ndim != 2:
+                    return -0.1 * x
+                a, _, b = jnp.linalg.svd(x, full_matrices=False)
+                return -0.1 * a @ b
+
+            return jax.tree.map(leaf, u), state
+
+        return optax.GradientTransformation(
+            lambda p: optax.EmptyState(), update
+        )
+
+    mesh, axis = ts._mesh("data8")
+    data = tm._make_data(tm.K * 2)
+    tx = ts._tx(oa.whole_leaves(orthogonalise()), axis)
+    params, _ = tm._run(tx, mesh, data, axis=axis)
+    want = tm._reference(orthogonalise(), tm._init_params(), *data)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, **MUON_TOL
+    )
+
+
+# ------------------------------------------- checkpoints and other meshes
+
+
+def _feed(tx, mesh, params, state, data, ts_range):
+    step = jax.jit(tm._step_fn(tx, mesh))
+    with jax.set_mesh(mesh):
+        for t in ts_range:
+            batch = tm._put_batch(mesh, *(a[t] for a in data))
+            params, state, _ = step(params, state, *batch)
+    return params, state
+
+
+def test_state_shardings_and_orbax_round_trip_mid_window(tmp_path):
+    """data=2 x fsdp=4: oa.state_shardings gives the state's shardings
+    (the owners' rows over data, Adam's pieces at the ZeRO placement); a
+    mid-window orbax save restored into jax.eval_shape(tx.init, params)
+    with them continues to the uninterrupted run and the reference."""
+    import orbax.checkpoint as ocp
+
+    mesh, axis = ts._mesh("data2xfsdp4")
+    tx = ts._tx(_muon(), axis)
+    data = tm._make_data(tm.K * 2)
+    before = tm.K + 1
+    with jax.set_mesh(mesh):
+        params = tm._put_params(mesh, tm._init_params())
+        shardings = oa.state_shardings(tx, params)
+        state = jax.jit(tx.init)(params)
+    got = jax.tree.map(lambda x: x.sharding.spec, state)
+    assert got == jax.tree.map(lambda s: s.spec, shardings)
+    assert got[1].rows["float32"] == P("data", None)
+    params, state = _feed(tx, mesh, params, state, data, range(before))
+    with jax.set_mesh(mesh):
+        target = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            jax.eval_shape(tx.init, params),
+            shardings,
+        )
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp_path / "state", state)
+            ckpt.wait_until_finished()
+            restored = ckpt.restore(tmp_path / "state", target)
+    rest = range(before, len(data[0]))
+    resumed, _ = _feed(tx, mesh, params, restored, data, rest)
+    uninterrupted, _ = _feed(tx, mesh, params, state, data, rest)
+    chex.assert_trees_all_close(
+        jax.device_get(resumed), jax.device_get(uninterrupted), **tm.TOL
+    )
+    want = tm._reference(_muon(), tm._init_params(), *data)
+    chex.assert_trees_all_close(jax.device_get(resumed), want, **MUON_TOL)
+
+
+def test_reshard_state_mid_window_onto_another_data_size():
+    """A state saved mid-window on data=8 (each matrix's muon momentum on
+    its owner of 8), resumed with oa.reshard_state on data=2 x fsdp=4
+    (ownership recomputed over 2, the rows moved): the run equals the
+    uninterrupted one on data=8 and single-device muon."""
+    data = tm._make_data(tm.K * 3)
+    before = tm.K + 2
+    old, axis = ts._mesh("data8")
+    tx = ts._tx(_muon(), axis)
+    with jax.set_mesh(old):
+        params = tm._put_params(old, tm._init_params())
+        state = jax.jit(tx.init)(params)
+    params, state = _feed(tx, old, params, state, data, range(before))
+    rest = range(before, len(data[0]))
+    uninterrupted, _ = _feed(tx, old, params, state, data, rest)
+    saved, host_params = jax.device_get((state, params))
+    new, _ = ts._mesh("data2xfsdp4")
+    with jax.set_mesh(new):
+        params = tm._put_params(new, host_params)
+        moved = oa.reshard_state(tx, saved, params)
+    assert moved[1].rows["float32"].shape[0] == 2
+    resumed, _ = _feed(tx, new, params, moved, data, rest)
+    chex.assert_trees_all_close(
+        jax.device_get(resumed), jax.device_get(uninterrupted), **tm.TOL
+    )
+    want = tm._reference(_muon(), tm._init_params(), *data)
+    chex.assert_trees_all_close(jax.device_get(resumed), want, **MUON_TOL)
+
+
+def test_comm_model_owned_mode_equals_the_census_when_balanced():
+    """Eight equal matrices on data=8 (one per owner): the reduce-scatter,
+    the all-to-all and the all-gather over the data axes of the compiled
+    step equal the communication model's ``owned`` rows
+    (benchmarks/comm_model.py)."""
+    from tests.test_comm_model import cm
+
+    mesh, axis = ts._mesh("data8")
+    rng = np.random.default_rng(0)
+    params = {
+        f"w{i}": rng.normal(size=(16, 16)).astype(np.float32) for i in range(8)
+    }
+    compiled, *_ = _optimizer_step(mesh, axis, _muon(), params)
+    got = {}
+    for o in oa.collective_census(compiled, mesh):
+        if o["axes"] == {"data"} and o["bytes"] > 64:
+            got[o["op"]] = got.get(o["op"], 0) + o["bytes"]
+    n_params = sum(p.size for p in params.values())
+    model = {
+        c.op: c.result_bytes
+        for c in cm.collectives(n_params, cm.Mesh(data=8), 1, "owned")
+        if c.axes == {"data"}
+    }
+    assert got == model, (got, model)
+
+
+def test_flush_partial_window_runs_muon_by_ownership():
+    """oa.flush after 2 of K micro-batches on data=2 x fsdp=4: muon by
+    ownership steps on the mean over those 2, as single-device muon."""
+    mesh, axis = ts._mesh("data2xfsdp4")
+    tx = ts._tx(_muon(), axis)
+    data = tm._make_data(2)
+    params, state = tm._run(tx, mesh, data, axis=axis)
+
+    def flush(params, state):
+        updates, state = oa.flush(tx, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with jax.set_mesh(mesh):
+        params, state = jax.jit(flush)(params, state)
+    want = tm._reference(_muon(), tm._init_params(), *data, k=2)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.asarray, params), want, **MUON_TOL
+    )
+    assert int(state[0].gradient_step) == 1
+
+
+def test_reshard_moves_each_leafs_state_to_its_new_owner():
+    """The rows' move of oa.reshard_state (private helper, on purpose):
+    two owned leaves on owners 3 and 1 of 8 (at offsets 0 and 2) land on
+    owners 0 and 1 of 2 (offsets 0 and 0); nothing else is written."""
+    from optaxaccum._src import owned
+
+    old = np.zeros((8, 6), np.float32)
+    old[3, 0:4] = [1, 2, 3, 4]
+    old[1, 2:4] = [5, 6]
+    saved_index = {"float32": np.array([[3, 0, 4], [1, 2, 2]], np.int32)}
+    new_index = {"float32": np.array([[0, 0, 4], [1, 0, 2]], np.int32)}
+    like = {"float32": jax.ShapeDtypeStruct((2, 4), np.float32)}
+    got = owned.moved_rows({"float32": old}, saved_index, new_index, like)
+    want = np.array([[1, 2, 3, 4], [5, 6, 0, 0]], np.float32)
+    np.testing.assert_array_equal(got["float32"], want)
+    bad = {"float32": np.array([[0, 0, 3], [1, 0, 2]], np.int32)}
+    with pytest.raises(ValueError, match="reshard_state"):
+        owned.moved_rows({"float32": old}, saved_index, bad, like)
