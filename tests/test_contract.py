@@ -283,6 +283,7 @@ def _mesh_params():
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.devices(8)
 def test_contract_state_shardings_and_device_put(name):
     """oa.state_shardings gives a tree of shardings that jax.device_put
     takes with the state of tx.init: the values unchanged, a params-like

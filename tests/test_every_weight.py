@@ -187,6 +187,7 @@ def test_a_traced_invalid_weight_closes_the_window():
 
 
 @pytest.mark.parametrize("runner", ["pmap", "shard_map"])
+@pytest.mark.devices(8)
 def test_devices_close_on_the_global_weight(runner):
     """Each device passes its own token count: the windows close on the
     budget of their sum over the devices, and land on single-device Adam
@@ -219,6 +220,7 @@ def test_devices_close_on_the_global_weight(runner):
 
 
 @pytest.mark.parametrize("runner", ["pmap", "shard_map"])
+@pytest.mark.devices(8)
 def test_hlo_one_scalar_psum_per_micro_batch(runner):
     """Compiled micro-step: deciding on the global weight costs exactly one
     float32 scalar all-reduce outside the window's branch; the gradient is
@@ -285,6 +287,7 @@ def _moved(tx, state, params, mesh):
 
 
 @pytest.mark.parametrize("last", ["data8", "one_device"])
+@pytest.mark.devices(8)
 def test_jit_mesh_resharded_mid_window_keeps_the_boundaries(last):
     """``jax.jit`` on data=2 x fsdp=4, saved mid-window, resumed on data=8,
     saved mid-window again and resumed on data=8 or on one device (off any
@@ -330,6 +333,7 @@ def test_jit_mesh_resharded_mid_window_keeps_the_boundaries(last):
     chex.assert_trees_all_close(jax.device_get(params), want, **tm.TOL)
 
 
+@pytest.mark.devices(8)
 def test_jit_mesh_decides_without_a_collective():
     """On a ``jit`` mesh the window's weight is global already: the
     compiled micro-step has no more collectives over 'data' outside the

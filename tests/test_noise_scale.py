@@ -739,6 +739,7 @@ def test_jit_mesh_no_collective_added_per_micro_batch():
 
 
 @pytest.mark.parametrize("name", list(MESH_SHAPES))
+@pytest.mark.devices(8)
 def test_jit_mesh_init_gives_plain_shardings(name):
     """``jax.jit(tx.init)`` under an explicit mesh: every leaf of the state
     comes out with a NamedSharding (the scalars replicated, ``P()``), so a
@@ -811,6 +812,7 @@ def _uneven_bias(w_dev):
     return rho, n * m, w.sum()
 
 
+@pytest.mark.devices(8)
 def test_jit_mesh_uneven_shares_match_the_hand_computation():
     """data8, 3 micro-batches whose real examples sit unevenly on the 8
     devices (masks): the library's single-window trace_cov and grad_sq

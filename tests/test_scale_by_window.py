@@ -182,6 +182,7 @@ def test_bad_input_is_named():
 
 
 @pytest.mark.parametrize("runner", ["pmap", "shard_map"])
+@pytest.mark.devices(8)
 def test_devices_scale_by_the_global_window_weight(runner):
     """Under pmap/shard_map the window's weight reaching the factor is its
     total over the devices."""
@@ -201,6 +202,7 @@ def test_devices_scale_by_the_global_window_weight(runner):
     )
 
 
+@pytest.mark.devices(8)
 def test_jit_mesh_scales_by_the_global_window_weight():
     """``jax.jit`` on data=8: the window's weight is the global token
     count (the sum of each micro-batch's mask)."""
