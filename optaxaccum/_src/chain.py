@@ -350,7 +350,7 @@ def _plain(transforms):
             new_state.append(s)
         return updates, tuple(new_state)
 
-    setattr(run, "transforms", tuple(transforms))  # for a follower hook
+    setattr(run, "transforms", tuple(transforms))  # noqa: B010 (for pyright)
     return run
 
 

@@ -245,7 +245,7 @@ def _owned_run(rest: Any, followers: Any, at: int, axis_name: Any) -> Any:
                 )
         else:
             head = ()
-        args = chain._follower_args(whole, extra_args, window)
+        args = chain._args_for(whole, extra_args, window)
         updates, last = owned.update(
             whole, updates, state[at], params, axis_name, args
         )
