@@ -185,7 +185,7 @@ def step(
 ) -> tuple[jax.Array, jax.Array, Window]:
     """One training micro-batch: merge its ``stats``, close a full window of
     ``every_k`` micro-batches (the core's name for the window length; the
-    layers' public argument is ``accum_steps``, fixed by API.md 6)."""
+    layers' public argument is ``accum_steps``)."""
     window = merge(window, *stats)
     return close(window, ra_mean, ra_var, momentum, window.step >= every_k)
 
@@ -255,7 +255,7 @@ def keep_counted(old_opt_state: Any, new_opt_state: Any, new: Any, old: Any):
     """``new`` statistics if the chain counted the micro-batch that turned
     ``old_opt_state`` into ``new_opt_state``, else ``old`` ones (as they
     were before its forward pass): the BatchNorm windows stay aligned with
-    the optimizer's (API.md 6). Used by linen's ``TrainState`` and nnx's
+    the optimizer's (docs/concepts.md). Used by linen's ``TrainState`` and nnx's
     ``Optimizer`` alike."""
     counted = windows.counted(old_opt_state, new_opt_state)
     if counted is True:  # no accumulate: every call counts

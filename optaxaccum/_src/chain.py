@@ -289,8 +289,8 @@ def _inherit_window(
     """A gate that closes no window of its own (a loss scale, a user's gate)
     passes an earlier accumulate's window weight on to its followers: a
     later accumulate weighs the window by it (and counts one of weight 0),
-    and ``plain`` followers do not step on a window of weight 0 (API.md
-    2)."""
+    and ``plain`` followers do not step on a window of weight 0
+    (docs/concepts.md)."""
     if window is None:
         return res
 

@@ -189,7 +189,7 @@ def dynamic_loss_scale(
         finite = sharding.globally_finite(
             unscaled, lambda _: _unscaled_all_finite(updates, state.scale)
         )
-        # A call of weight 0 carries no data (API.md 4): not an overflow.
+        # A call of weight 0 carries no data: not an overflow.
         weight = (
             accum_weight if ctx.window_weight is None else ctx.window_weight
         )
