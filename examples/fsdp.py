@@ -50,6 +50,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _digits import init_mlp, load_data  # noqa: E402
+from _mesh import census_line  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -138,20 +139,7 @@ def gather_once_report(mesh, params, batch, k):
         )
         f = oa.unreduced_value_and_grad(loss_fn, "data", value_and_grad=micro)
         compiled = jax.jit(f).lower(params, *batch).compile()
-        per_step = {"all-gather": [0, 0], "reduce-scatter": [0, 0]}
-        for o in oa.collective_census(compiled, mesh):
-            if o["op"] in per_step and o["bytes"] > 64:
-                per_step[o["op"]][0] += k if o["loop"] else 1
-                per_step[o["op"]][1] += o["loop"]
-        m, memory = compiled.memory_analysis(), "n/a"
-        if m is not None:
-            used = m.argument_size_in_bytes + m.output_size_in_bytes
-            used += m.temp_size_in_bytes - m.alias_size_in_bytes
-            memory = f"{used / 1024:.0f} KiB"
-        counts = ", ".join(
-            f"{n} {c[0]} ({c[1]} in the loop)" for n, c in per_step.items()
-        )
-        print(f"  {name:12s} {counts}; memory {memory}")
+        print(f"  {name:12s} {census_line(compiled, mesh, k)}")
 
 
 def main(argv=None):

@@ -74,6 +74,7 @@ import jax.numpy as jnp  # noqa: E402
 import matplotlib  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _mesh import census_line  # noqa: E402
 from flax import nnx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -502,26 +503,7 @@ def mesh_report(cfg, tokens, k=4):
                 gather_once=hold and oa.GatherOnce(hold),
             )
             compiled = jax.jit(step).lower(params, batch).compile()
-            print(f"  {name:12s} {_census_line(compiled, mesh, k)}")
-
-
-def _census_line(compiled, mesh, k):
-    """The kernels' all-gathers and reduce-scatters per step (in the
-    loop: once per micro-batch) and the per-device memory."""
-    per_step = {"all-gather": [0, 0], "reduce-scatter": [0, 0]}
-    for o in oa.collective_census(compiled, mesh):
-        if o["op"] in per_step and o["bytes"] > 64:
-            per_step[o["op"]][0] += k if o["loop"] else 1
-            per_step[o["op"]][1] += o["loop"]
-    m, memory = compiled.memory_analysis(), "n/a"
-    if m is not None:
-        used = m.argument_size_in_bytes + m.output_size_in_bytes
-        used += m.temp_size_in_bytes - m.alias_size_in_bytes
-        memory = f"{used / 1024:.0f} KiB"
-    counts = ", ".join(
-        f"{n} {c[0]} ({c[1]} in the loop)" for n, c in per_step.items()
-    )
-    return f"{counts}; memory {memory}"
+            print(f"  {name:12s} {census_line(compiled, mesh, k)}")
 
 
 def main(argv=None):
