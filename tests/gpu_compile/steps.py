@@ -147,13 +147,20 @@ def _mlp(dtype=jnp.float32):
 
 
 def _load_example(name):
+    """``examples/<name>.py`` as a module, importing its sibling helper
+    modules (``_mesh``, ``_digits``) as the script does."""
     import importlib.util
     import pathlib
+    import sys
 
     path = pathlib.Path(__file__).resolve().parents[2] / "examples"
     spec = importlib.util.spec_from_file_location(name, path / f"{name}.py")
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    sys.path.insert(0, str(path))
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    finally:
+        sys.path.remove(str(path))
     return module
 
 
