@@ -40,7 +40,8 @@ define suite-from-copy
 	mkdir -p $(1)/run/.ci $(1)/run/docs
 	cp -R tests examples benchmarks pyproject.toml CHANGELOG.md LICENSE \
 		$(1)/run/
-	cp docs/*.md $(1)/run/docs/
+	cp -R docs README.md Makefile $(1)/run/
+	rm -rf $(1)/run/docs/_build
 	cp .ci/floors.txt $(1)/run/.ci/
 	cd $(1)/run && OPTAXACCUM_TEST_INSTALLED=$(3) \
 		OPTAXACCUM_DIST=$(abspath $(DIST)) $(abspath $(2)) \

@@ -1336,6 +1336,17 @@ def _one_device_mesh(shape):
     )
 
 
+# jax 0.11 and later reject the unreduced output of a shard_map over axes
+# of size 1 whose body is called through jit (optaxaccum's way round JAX
+# inlining it), with the same internal AssertionError as an inlined one.
+_ONE_DEVICE_MESH_OPEN = pytest.mark.xfail(
+    tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11),
+    reason="jax >= 0.11: shard_map over size-1 axes with unreduced outputs",
+    strict=True,
+)
+
+
+@_ONE_DEVICE_MESH_OPEN
 @pytest.mark.parametrize(
     "shape,kwargs",
     [
@@ -1363,6 +1374,7 @@ def test_mesh_of_one_device_steps_like_the_big_batch(shape, kwargs):
     assert int(state[0].gradient_step) == WINDOWS
 
 
+@_ONE_DEVICE_MESH_OPEN
 def test_reshard_state_onto_one_device_mesh_resumes():
     """docs/scaling.md's resumed run on one device: the state of a
     data=2 x fsdp=4 run, mid-window, resharded onto a (1, 1) mesh, steps
