@@ -13,16 +13,15 @@ from optaxaccum._src.agc import agc, unitwise_norm
 from optaxaccum._src.base import (
     Emitted,
     GateContext,
-    GatedTransformation,
     GateFlushFn,
     GateResult,
     GateUpdateFn,
-    is_gate,
 )
 from optaxaccum._src.chain import apply_gradients, chain, flush
 from optaxaccum._src.collectives import collective_census
 from optaxaccum._src.every_weight import every_weight
 from optaxaccum._src.gather_once import GatherOnce
+from optaxaccum._src.gating import GatedTransformation, is_gate
 from optaxaccum._src.loss_scale import (
     DynamicLossScaleState,
     StaticLossScaleState,

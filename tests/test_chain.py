@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
-from optaxaccum._src import base as _base
+from optaxaccum._src import gating as _gating
 from optaxaccum._src import hlo as _hlo
 
 
@@ -299,10 +299,10 @@ def test_closed_opened_flag_gives_zeros_everywhere():
     and through apply_gradients (params untouched)."""
 
     def gate_update(updates, state, params, ctx, **extra_args):
-        return _base._Result(
+        return _gating.Decision(
             state=state,
             may_open=jnp.asarray(True),
-            emit=lambda: _base._Emission(
+            emit=lambda: _gating.Emission(
                 updates=updates, state=state, opened=jnp.asarray(False)
             ),
         )
@@ -1423,7 +1423,7 @@ def test_nested_chains_of_accumulates_flush_as_one_window():
         one = optax.chain(
             optax.scale(2.0), oa.chain(oa.accumulate(6), optax.adam(0.1))
         )
-        if isinstance(nested, _base.GatedTransformation):
+        if isinstance(nested, _gating.GatedTransformation):
             one = oa.chain(oa.accumulate(6), optax.adam(0.1))
         got = _run_with_flushes(nested, grads, weights, (4, 7), False)
         want = _run_with_flushes(one, grads, weights, (4, 7), False)

@@ -301,3 +301,104 @@ def test_the_window_sums_have_one_home_per_mesh_mode():
     imported = _graph()["optaxaccum._src.noise_scale"]
     helpers = {"optaxaccum._src.reducer", "optaxaccum._src.sharding"}
     assert not imported & helpers, imported & helpers
+
+
+# ------------------------------------------------- the gate's inner workings
+
+GATING = "optaxaccum._src.gating"
+RECORDS = {"Decision", "Emission", "Followers"}
+# The gates that build decisions with the window bookkeeping.
+GATES = {"accumulate", "multisteps", "shard_update"}
+
+
+def _uses_of(module: str, names: set[str], tree: ast.AST) -> list[str]:
+    """The names among ``names`` of ``module`` that ``tree`` imports, or
+    reads through an alias of the module."""
+    parent, _, leaf = module.rpartition(".")
+    aliases, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update(
+                a.asname or a.name for a in node.names if a.name == module
+            )
+        elif isinstance(node, ast.ImportFrom) and node.module == parent:
+            aliases.update(
+                a.asname or leaf for a in node.names if a.name == leaf
+            )
+        elif isinstance(node, ast.ImportFrom) and node.module == module:
+            found += [a.name for a in node.names if a.name in names]
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr in names
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_only_the_gating_module_and_the_gates_use_the_internal_records():
+    """A decision, an emission and the follower hook (``gating.py``) are
+    built and read by ``gating.py`` and the gates alone; the combinator
+    (``chain.py``) composes them through ``gating``'s rules, and no other
+    module (the flax layer, the loss scale, the protocol) names them."""
+    users = {}
+    for name, path in _modules().items():
+        used = _uses_of(GATING, RECORDS, ast.parse(path.read_text()))
+        if used and name != GATING:
+            users[name.rpartition(".")[2]] = used
+    assert set(users) <= GATES, users
+    assert set(users) == GATES  # the scan sees them (no vacuous pass)
+
+
+def test_the_record_finder_sees_an_import_and_an_alias():
+    """The scan above finds ``from ... import Decision`` and
+    ``g.Emission`` (no vacuous pass)."""
+    tree = ast.parse(
+        "from optaxaccum._src import gating as g\n"
+        "g.Emission(1, 2)\n"
+        "from optaxaccum._src.gating import Decision, is_gate\n"
+    )
+    assert _uses_of(GATING, RECORDS, tree) == ["Decision", "g.Emission"]
+
+
+def test_the_protocol_module_holds_the_public_vocabulary_only():
+    """``base.py`` is optax's ``base.py`` in shape: the protocol's public
+    types and the follower keyword, nothing private (the records and the
+    rules that compose gates live in ``gating.py``)."""
+    tree = ast.parse((PACKAGE / "_src" / "base.py").read_text())
+    defined = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined.update(
+                t.id for t in node.targets if isinstance(t, ast.Name)
+            )
+    public = {
+        "Emitted",
+        "GateContext",
+        "GateFlushFn",
+        "GateResult",
+        "GateUpdateFn",
+        "WINDOW_NOISE_ARG",
+    }
+    assert defined == public, defined ^ public
+
+
+def test_the_combinator_defines_no_composition_rule():
+    """``chain.py`` keeps what optax's ``_combining.py`` holds (``chain``,
+    its init and flush, the checks, ``apply_gradients``); the rules that
+    compose one gate with what follows it are ``gating.py``'s."""
+    tree = ast.parse((PACKAGE / "_src" / "chain.py").read_text())
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    rules = {
+        n.name
+        for n in ast.parse((PACKAGE / "_src" / "gating.py").read_text()).body
+        if isinstance(n, ast.FunctionDef)
+    }
+    assert {"followed_by", "then_plain", "then_gate"} <= rules, rules
+    assert not defined & rules, defined & rules
+    old = {"_follow", "_passed_on", "_shut", "_emit_into", "_follow_eager"}
+    assert not defined & old, defined & old

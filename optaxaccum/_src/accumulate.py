@@ -14,12 +14,13 @@ import optax
 from optaxaccum._src import (
     base,
     every_weight,
+    gating,
     noise_scale,
     reducer,
-    sharding,
     utils,
 )
 from optaxaccum._src import shard_update as _shard_update
+from optaxaccum._src.gating import GatedTransformation
 
 __all__ = ["AccumulateState", "accumulate", "map_accumulators"]
 
@@ -83,7 +84,7 @@ def accumulate(
     skip_nonfinite: bool = False,
     noise_scale_decay: float | None = None,
     shard_update: bool = False,
-) -> base.GatedTransformation:
+) -> GatedTransformation:
     r"""Accumulates gradients over windows of ``every_k`` micro-batches.
 
     Each call adds ``w * grads`` (``update(..., accum_weight=w)``, default
@@ -150,9 +151,9 @@ def accumulate(
         decay,
         _check_shard_update(shard_update, axis_name),
     )
-    # Its results carry the window bookkeeping (base._Result), which the
+    # Its results carry the window bookkeeping (gating.Decision), which the
     # chain reads; to anyone else they are GateResults.
-    gate = base.GatedTransformation(
+    gate = GatedTransformation(
         functools.partial(_init, cfg),
         cast(base.GateUpdateFn, functools.partial(_gate_update, cfg)),
         cast(base.GateFlushFn, functools.partial(_gate_flush, cfg)),
@@ -252,7 +253,7 @@ def _gate_update(
     *,
     accum_weight: Any = 1.0,
     **extra_args: Any,
-) -> base._Result:
+) -> gating.Decision:
     """Adds one micro-batch (of weight ``ctx.window_weight``, an earlier
     window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
@@ -287,7 +288,7 @@ def _gate_update(
         # The weight is local: decide on it here so the chain branches once.
         # A window of weight 0 is ``empty``: a later gate counts it.
         nonzero = weight != 0
-        return base._Result(
+        return gating.Decision(
             state=new_state,
             may_open=closing & nonzero,
             emit=_emitter(
@@ -295,7 +296,7 @@ def _gate_update(
             ),
             empty=closing & ~nonzero,
         )
-    return base._Result(
+    return gating.Decision(
         state=new_state,
         may_open=closing,
         emit=_emitter(cfg, sums, new_state, out_dtypes),
@@ -311,15 +312,14 @@ def _checked_input(
     state's type, the mesh mistakes, ``shard_update``'s mesh, the
     gradients' structure."""
     utils.check_state_type(state, AccumulateState, "oa.accumulate")
-    sharding.check_gradients(updates, cfg.axis_name)  # mesh mistakes
-    if cfg.shard_update:
-        _shard_update.check_explicit(updates, cfg.axis_name)
     # The stored accumulator decides, as for a flush (the gradients where
     # it has no leaf): eager gradients off the mesh still add to its rows.
     sums = reducer.of(cfg.axis_name, (state.acc, updates), cfg.shard_update)
-    acc = sums.load(state.acc)
-    _check_gradients(updates, acc)
-    return state._replace(acc=reducer.match_grads(acc, updates)), sums
+    sums.check_gradients(updates)  # mesh mistakes
+    if cfg.shard_update:
+        _shard_update.check_explicit(updates, cfg.axis_name)
+    _check_gradients(updates, state.acc)  # the stored form: same leaves
+    return state._replace(acc=sums.load_for(state.acc, updates)), sums
 
 
 def _add(
@@ -351,15 +351,17 @@ def _add(
 
     def add(a, g):
         g = jnp.asarray(g).astype(a.dtype)
-        wg = sharding.times(w.astype(a.dtype), g, a)
+        wg = sums.scale(w.astype(a.dtype), g, a)
         wg = jnp.where(weightless, jnp.zeros_like(wg), wg)
         return utils.select(counted, jnp.where(fresh, wg, a + wg), a)
 
     acc = jax.tree.map(add, state.acc, updates)
     total = jnp.where(fresh, w, state.weight + w)
-    noise = noise_scale.micro_step(
-        sums, state.noise_scale, updates, state.acc, w, fresh, counted
-    )
+    noise = state.noise_scale  # None: the estimate is off (no work)
+    if noise is not None:
+        noise = noise_scale.micro_step(
+            sums, noise, updates, state.acc, w, fresh, counted
+        )
     return acc, utils.select(counted, total, state.weight), noise, counted
 
 
@@ -369,7 +371,7 @@ def _emitter(
     state: AccumulateState,
     out_dtypes: Any,
     weight_checked: bool = False,
-) -> Callable[[], base._Emission]:
+) -> Callable[[], gating.Emission]:
     """The ``emit`` of a closing window; ``weight_checked`` promises that the
     caller already checked the window's weight is not 0 (then ``opened`` is
     the literal ``True`` and the chain needs no second branch on it), or
@@ -380,14 +382,11 @@ def _emitter(
     def emit():
         # Over the devices, once per window (reducer.py).
         acc, weight = sums.reduce(state.acc, state.weight, cfg.reduction)
-        noise = noise_scale.close(
-            cfg.noise_scale_decay,
-            sums,
-            state.noise_scale,
-            acc,
-            weight,
-            cfg.reduction,
-        )
+        noise = state.noise_scale  # None: the estimate is off (no work)
+        if cfg.noise_scale_decay is not None:
+            noise = noise_scale.close(
+                cfg.noise_scale_decay, sums, noise, acc, weight, cfg.reduction
+            )
         opened = True if weight_checked else weight != 0
         if cfg.reduction == "mean":
             # 0 for a flushed window of weight 0.
@@ -396,7 +395,7 @@ def _emitter(
             acc = jax.tree.map(lambda a: scale.astype(a.dtype) * a, acc)
         updates = jax.tree.map(lambda a, d: a.astype(d), acc, out_dtypes)
         # Same type (e.g. device-varying) as the flag of the closed branch.
-        updated = jnp.zeros_like(state.updated) | opened
+        updated = utils.flag_like(opened, state.updated)
         # Followers (a nested accumulate) weigh this window by its total
         # weight; a window sum adds up with weight 1.
         follower_weight = (
@@ -404,7 +403,7 @@ def _emitter(
             if cfg.reduction == "mean"
             else (weight != 0).astype(weight.dtype)
         )
-        return base._Emission(
+        return gating.Emission(
             updates=updates,
             state=state._replace(updated=updated, noise_scale=noise),
             opened=opened,
@@ -417,12 +416,12 @@ def _emitter(
 
 def _gate_flush(
     cfg: _Config, state: AccumulateState, params: optax.Params, **extra_args
-) -> base._Result:
+) -> gating.Decision:
     """Closes the current window now, if it holds any micro-batch."""
     del extra_args  # the caller checks extra args (near-misses)
     params = _gradient_params(params)
-    sharding.check_mesh_axes(cfg.axis_name, "oa.flush", state.acc)
     sums = reducer.of(cfg.axis_name, state.acc, cfg.shard_update)
+    sums.check_axes("oa.flush", state.acc)
     utils.check_same_structure(
         "the params", params, sums.load(state.acc), "the accumulator"
     )
@@ -431,7 +430,7 @@ def _gate_flush(
         gradient_step=optax.safe_increment(state.gradient_step),
     )
     out_dtypes = jax.tree.map(jnp.result_type, params)
-    return base._Result(
+    return gating.Decision(
         state=state,
         may_open=state.mini_step > 0,
         emit=_emitter(cfg, sums, closed_state, out_dtypes),

@@ -1,4 +1,10 @@
-"""``oa.chain``: ``optax.chain`` with gates, the fused step and ``flush``."""
+"""``oa.chain``: ``optax.chain`` with gates, the fused step and ``flush``.
+
+What ``optax.chain`` holds (``chain``, its ``init``, ``flush``, the checks
+of a call) and the fused step ``apply_gradients``. How one gate composes
+with what follows it (its decision, the elements after it, a later gate) is
+``gating.py``'s.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, utils
+from optaxaccum._src import base, gating, utils
 from optaxaccum._src.windows import warn_if_wrapped
 
 __all__ = ["chain", "apply_gradients", "flush"]
@@ -68,35 +74,43 @@ def chain(
         *(utils.declared_extra_args(tx) for tx in transforms)
     )
     gate_at = next(
-        (i for i, t in enumerate(transforms) if base.is_gate(t)), None
+        (i for i, t in enumerate(transforms) if gating.is_gate(t)), None
     )
     if gate_at is None:  # a chain without gates is optax.chain
         return _checked(optax.chain(*transforms), declared, len(transforms))
-    n, head = len(transforms), _plain(transforms[:gate_at])
+    n, head = len(transforms), gating.plain_run(transforms[:gate_at])
     gate, rest = _split(transforms[gate_at], _followers(transforms, gate_at))
-    assert base.is_gate(gate)  # for the type checker: found as a gate
+    assert gating.is_gate(gate)  # for the type checker: found as a gate
+    gate_declared = utils.declared_extra_args(gate)
+    plain = rest is not None and not gating.is_gate(rest)
+    then = gating.rule_for(rest)  # how the gate composes with the rest
 
     def gate_update_fn(updates, state, params, ctx, **extra_args):
         _check_chain_state(state, n)
-        # Before the gate, as optax.chain: on every call that counts (not
-        # where an earlier gate refused it, nor for a window of weight 0).
-        updates, new_head = head(
-            updates, state[:gate_at], params, ctx.window_weight, extra_args
-        )
-        counts = utils.both(ctx.passed, _nonzero(ctx.window_weight))
-        new_head = utils.select(counts, new_head, state[:gate_at])
+        window, new_head = ctx.window_weight, ()
+        if gate_at:
+            # Before the gate, as optax.chain: on every call that counts
+            # (not where an earlier gate refused it, nor for a window of
+            # weight 0).
+            updates, new_head = head(
+                updates, state[:gate_at], params, window, extra_args
+            )
+            counts = utils.both(ctx.passed, gating.window_counts(window))
+            new_head = utils.select(counts, new_head, state[:gate_at])
         # The gate decides; the elements after it run where it opens.
-        args = _args_for(gate, extra_args, ctx.window_weight)
-        res = base._as_result(
+        args = extra_args  # as they are, unless some to filter or add
+        if extra_args or window is not None:
+            args = gating.args_for(gate_declared, extra_args, window)
+        res = gating.decision_of(
             gate.gate_update(updates, state[gate_at], params, ctx, **args)
         )
         _check_flags(res, gate)
-        plain = rest is not None and not base.is_gate(rest)
-        res = _inherit_window(res, ctx.window_weight, plain)
+        if window is not None:
+            res = res.pass_window_on(window, plain)
         tail = state[gate_at + 1 :]
-        return _follow(res, new_head, tail, rest, params, extra_args)
+        return then(res, new_head, tail, rest, params, extra_args)
 
-    return base.GatedTransformation(
+    return gating.GatedTransformation(
         _init(transforms),
         utils.with_signature(gate_update_fn, declared, gate=True),
         _flush_fn(transforms),
@@ -107,7 +121,7 @@ def _split(gate: Any, rest: Any) -> tuple[Any, Any]:
     """The gate and followers the chain runs: as given, unless the gate has
     a follower hook (``shard_update``: the followers run on each device's
     piece) and followers."""
-    hook = base._followers_of(gate)
+    hook = gating.followers_of(gate)
     if hook is None or rest is None:
         return gate, rest
     return hook.gate, hook.wrap(rest)
@@ -117,11 +131,12 @@ def _init(transforms: tuple) -> Any:
     """``optax.chain(*transforms).init``, except that the elements after
     the first gate with a follower hook are initialised on the params its
     hook places (``shard_update``: their state sharded like them)."""
-    hooks = [base._followers_of(tx) for tx in transforms]
+    hooks = [gating.followers_of(tx) for tx in transforms]
     at = next((i for i, h in enumerate(hooks) if h is not None), None)
     if at is None:
         return optax.chain(*transforms).init
-    hook = cast(base._Followers, hooks[at])
+    hook = hooks[at]
+    assert hook is not None  # for the type checker: found as a hook
 
     def init(params):
         if hook.init is not None:
@@ -144,7 +159,7 @@ def _check_elements(transforms):
             )
 
 
-def _check_flags(res: base._Result, gate: Any) -> None:
+def _check_flags(res: Any, gate: Any) -> None:
     """Raises ``TypeError`` naming the gate if its ``may_open`` (or
     ``empty``) is not a flag: a Python bool or a boolean scalar array
     (``ctx.passed & ~False`` is an int: ``~False`` is -1)."""
@@ -177,7 +192,7 @@ def _flush_fn(transforms) -> base.GateFlushFn | None:
         (
             i
             for i, t in enumerate(transforms)
-            if base.is_gate(t) and t.gate_flush is not None
+            if gating.is_gate(t) and t.gate_flush is not None
         ),
         None,
     )
@@ -186,66 +201,23 @@ def _flush_fn(transforms) -> base.GateFlushFn | None:
     flusher, rest = _split(
         transforms[flush_at], _followers(transforms, flush_at)
     )
-    assert base.is_gate(flusher) and flusher.gate_flush is not None
+    assert gating.is_gate(flusher) and flusher.gate_flush is not None
     flush_fn, n = flusher.gate_flush, len(transforms)
 
     def gate_flush_fn(state, params, **extra_args):
         _check_chain_state(state, n)
-        res = base._as_result(flush_fn(state[flush_at], params, **extra_args))
+        res = gating.decision_of(
+            flush_fn(state[flush_at], params, **extra_args)
+        )
         head, tail = state[:flush_at], state[flush_at + 1 :]
-        res = _follow(res, head, tail, rest, params, extra_args)
+        res = gating.followed_by(res, head, tail, rest, params, extra_args)
         if getattr(rest, "gate_flush", None) is None:
             return res
         # Nested accumulates: the flushed window entered the next one as
         # one more micro-batch; close that one's partial window too.
-        return _flush_next(res, rest, flush_at + 1, params, extra_args)
+        return gating.then_flush(res, rest, flush_at + 1, params, extra_args)
 
     return cast(base.GateFlushFn, gate_flush_fn)
-
-
-def _flush_next(res, rest, at, params, extra_args) -> base._Result:
-    """After ``res`` (a flush whose window went on into the gated followers
-    ``rest``, at position ``at`` of the chain's state), the flush of
-    ``rest``'s own partial window: one flush of the whole nested window, as
-    that of one accumulate of their product. At most one of the two steps
-    the optimizer (a window that ``res`` completes leaves ``rest`` empty)."""
-
-    def run():
-        out = base.emitted(res)
-        return out._replace(
-            opened=jnp.asarray(out.opened, bool),
-            passed=jnp.asarray(out.passed, bool),
-        )
-
-    def skip():
-        false = jnp.asarray(False)
-        return _shut(jax.eval_shape(run), res.state, opened=false, passed=false)
-
-    first = utils.cond_or_call(res.may_open, run, skip)
-    front = first.state[:at]
-    second = base._as_result(
-        rest.gate_flush(first.state[at:], params, **extra_args)
-    )
-
-    def emit():
-        def then():
-            out = run_second()
-            return out._replace(
-                opened=jnp.asarray(out.opened, bool),
-                passed=jnp.asarray(out.passed, bool),
-            )
-
-        def run_second():
-            out = base.emitted(second)
-            return out._replace(state=(*front, *out.state))
-
-        return utils.cond_or_call(first.opened, lambda: first, then)
-
-    return base._Result(
-        state=(*front, *second.state),
-        may_open=first.opened | jnp.asarray(second.may_open, bool),
-        emit=emit,
-    )
 
 
 def _checked(tx, declared, n):
@@ -273,252 +245,16 @@ def _check_chain_state(state, n):
 
 
 def _followers(transforms, i):
-    """The elements after position ``i``: ``None``, one gated chain, or the
-    plain run of :func:`_plain` (built once). Extra arguments are checked
-    where the call enters (``update``, :func:`apply_gradients`,
+    """The elements after position ``i``: ``None``, one gated chain, or
+    their :func:`gating.plain_run` (built once). Extra arguments are
+    checked where the call enters (``update``, :func:`apply_gradients`,
     :func:`flush`), not again here."""
     rest = transforms[i + 1 :]
     if not rest:
         return None
-    return chain(*rest) if any(map(base.is_gate, rest)) else _plain(rest)
-
-
-def _inherit_window(
-    res: base._Result, window: Any, plain: bool
-) -> base._Result:
-    """A gate that closes no window of its own (a loss scale, a user's gate)
-    passes an earlier accumulate's window weight on to its followers: a
-    later accumulate weighs the window by it (and counts one of weight 0),
-    and ``plain`` followers do not step on a window of weight 0
-    (docs/concepts.md)."""
-    if window is None:
-        return res
-
-    def inherit(out: base._Emission) -> base._Emission:
-        if out.window_weight is not None:  # the gate closed its own window
-            return out
-        out = out._replace(window_weight=window)
-        if plain:  # they do not step on a window of weight 0
-            out = out._replace(opened=utils.both(out.opened, _nonzero(window)))
-        return out
-
-    return res._replace(emit=base.map_emit(res.emit, inherit))
-
-
-def _nonzero(window: Any) -> Any:
-    """Whether an earlier window's total weight is not 0 (``True`` if there
-    is none)."""
-    return True if window is None else window != 0
-
-
-def _args_for(
-    receiver: Any, extra_args: dict[str, Any], window: Any
-) -> dict[str, Any]:
-    """The keywords an element ``receiver`` (a transformation) sees:
-    exactly the call's, except the accumulate's own keyword
-    ``accum_weight`` and the window's noise estimates
-    (``base.WINDOW_NOISE_ARG``, put among ``extra_args`` by
-    :func:`_emit_into`): only an element that declares one by name gets it,
-    ``accum_weight`` then as the total weight ``window`` of an earlier
-    accumulate's window where there is one (even if the call passed none).
-    No other keyword reaches it: optax's linesearches hand unknown keywords
-    to ``value_fn``."""
-    declared = utils.declared_extra_args(receiver)
-    private = [
-        k
-        for k in ("accum_weight", base.WINDOW_NOISE_ARG)
-        if k in extra_args and k not in declared
-    ]
-    if private:
-        extra_args = {k: v for k, v in extra_args.items() if k not in private}
-    if window is None or "accum_weight" not in declared:
-        return extra_args
-    return {**extra_args, "accum_weight": window}
-
-
-def _plain(transforms):
-    """``optax.chain(*transforms)``'s update (no gates among them) as
-    ``run(updates, state, params, window, extra_args)``, where ``window`` is
-    the total weight of an accumulate's window before them (or ``None``)."""
-    txs = [optax.with_extra_args_support(t) for t in transforms]
-
-    def run(updates, state, params, window, extra_args):
-        new_state = []
-        for tx, s in zip(txs, state, strict=True):
-            args = _args_for(tx, extra_args, window)
-            updates, s = tx.update(updates, s, params, **args)
-            new_state.append(s)
-        return updates, tuple(new_state)
-
-    setattr(run, "transforms", tuple(transforms))  # noqa: B010 (for pyright)
-    return run
-
-
-def _follow(
-    res: base._Result,
-    head: tuple,
-    tail_state: tuple,
-    rest: Any,
-    params: optax.Params | None,
-    extra_args: dict[str, Any],
-) -> base._Result:
-    """Extends a gate's result with the elements that follow it (``rest``,
-    see :func:`_followers`) and the states of those before it (``head``)."""
-    if rest is None:  # emit adds only the head: an eager gate stays eager
-
-        def alone(out: base._Emission) -> base._Emission:
-            return out._replace(state=(*head, out.state))
-
-        emit = base.map_emit(res.emit, alone)
-        return res._replace(state=(*head, res.state), emit=emit)
-    gated = base.is_gate(rest)
-    if gated and not callable(res.emit):  # an eager gate, then a gate
-        return _follow_eager(res, head, tail_state, rest, params, extra_args)
-    state = (*head, res.state, *tail_state)
-    if not gated:  # an empty window passes on as it came: the followers
-        # do not step on it; an enclosing gate counts it (_passed_on).
-
-        def emit_plain():
-            out = base.emitted(res)
-            e = _emit_into(out, tail_state, rest, params, extra_args)
-            return e._replace(state=(*head, out.state, *e.state))
-
-        return res._replace(state=state, emit=emit_plain)
-
-    def emit():
-        out = _passed_on(res)
-        args = _args_for(rest, extra_args, out.window_weight)
-        e = _emit_into_gate(out, tail_state, rest, params, args)
-        return e._replace(state=(*head, out.state, *e.state))
-
-    # A later gate counts an empty window (weight 0) as one call.
-    return base._Result(
-        state=state, may_open=utils.either(res.may_open, res.empty), emit=emit
-    )
-
-
-def _passed_on(res: base._Result) -> base._Emission:
-    """What a gate passes on to a later gate where it opens or closed a
-    window of weight 0 (``res.empty``), the chain's one place for such a
-    window: its emission where it opens; for the empty window, one call of
-    weight 0 from the gate's closed ``state``, ``opened`` false (``emit``
-    is not called: followers it holds would step on the window)."""
-    if res.empty is False:
-        return base.emitted(res)
-    literal = []  # whether the emission's ``passed`` is the literal True
-
-    def opened():
-        out = base.emitted(res)
-        literal.append(out.passed is True)
-        return out._replace(
-            opened=jnp.asarray(out.opened, bool),
-            passed=jnp.asarray(out.passed, bool),
-        )
-
-    def empty():
-        false, true = jnp.asarray(False), jnp.asarray(True)
-        return _shut(
-            jax.eval_shape(opened), res.state, opened=false, passed=true
-        )
-
-    out = utils.cond_or_call(res.may_open, opened, empty)
-    # True in both branches: keep the literal (no select on the next state).
-    return out._replace(passed=True if literal and all(literal) else out.passed)
-
-
-def _shut(
-    shapes: Any, state: Any, *, opened: Any, passed: Any
-) -> base._Emission:
-    """The emission of a branch that does not step the followers: zero
-    updates and window weight shaped as in ``shapes`` (an emission's
-    shapes), ``state``, ``opened`` and ``passed`` as given."""
-    updates, weight = utils.zeros_of((shapes.updates, shapes.window_weight))
-    return base._Emission(
-        updates=updates,
-        state=state,
-        opened=opened,
-        window_weight=weight,
-        passed=passed,
-    )
-
-
-def _emit_into(out, tail_state, rest, params, args) -> base._Emission:
-    """The plain followers run where the gate ``opened`` after all; the
-    window's noise scale estimates go with the call's keywords, for the
-    followers that ask for them (:func:`_args_for`)."""
-    if out.noise is not None:
-        args = {**args, base.WINDOW_NOISE_ARG: out.noise}
-
-    def run():
-        return rest(out.updates, tail_state, params, out.window_weight, args)
-
-    def skip():
-        return utils.zeros_of(jax.eval_shape(run)[0]), tail_state
-
-    updates, tail = utils.cond_or_call(out.opened, run, skip)
-    # The window's weight and ``passed`` go on to an enclosing gate.
-    return out._replace(updates=updates, state=tail)
-
-
-def _emit_into_gate(out, tail_state, rest, params, args) -> base._Emission:
-    """A later gate decides in turn (only where this one opened, e.g. once
-    per window); its emit runs only where it opens too."""
-    # An accumulate's window reaches the later gate as one call of the
-    # window's weight (0 for an empty window), where it passed this gate.
-    window = out.window_weight
-    passed = True if window is None else out.passed
-    ctx = base.GateContext(passed=passed, window_weight=window)
-    res2 = base._as_result(
-        rest.gate_update(out.updates, tail_state, params, ctx, **args)
-    )
-    pred = utils.either(res2.may_open, res2.empty)
-
-    def opened():
-        out2 = _passed_on(res2)
-        return out2._replace(
-            opened=utils.both(res2.may_open, out2.opened),
-            passed=jnp.logical_or(pred, True) & out2.passed,
-        )
-
-    def closed():
-        false = jnp.logical_and(pred, False)
-        shapes = jax.eval_shape(lambda: base.emitted(res2))
-        return _shut(shapes, res2.state, opened=false, passed=false)
-
-    e = utils.cond_or_call(pred, opened, closed)
-    if window is not None:
-        return e
-    return e._replace(
-        state=utils.select(out.opened, e.state, tail_state),
-        opened=utils.both(out.opened, e.opened),
-        passed=utils.both(out.opened, e.passed),
-    )
-
-
-def _follow_eager(res, head, tail_state, rest, params, extra_args):
-    """An eager gate followed by a gated chain: one combined gate, so that a
-    step where the later gate stays closed (a non-closing micro-step after a
-    loss scale) still skips its followers and keeps the fused fast path."""
-    out = base.emitted(res)
-    passed = utils.both(res.may_open, out.opened)
-    gate_state = utils.select(res.may_open, out.state, res.state)
-    # A call this gate refused does not count for the later gate (``passed``).
-    window = out.window_weight
-    ctx = base.GateContext(passed=passed, window_weight=window)
-    args = _args_for(rest, extra_args, window)
-    res2 = base._as_result(
-        rest.gate_update(out.updates, tail_state, params, ctx, **args)
-    )
-
-    def prepend(e: base._Emission) -> base._Emission:
-        return e._replace(state=(*head, gate_state, *cast(tuple, e.state)))
-
-    return base._Result(
-        state=(*head, gate_state, *cast(tuple, res2.state)),
-        may_open=utils.both(passed, res2.may_open),
-        emit=base.map_emit(res2.emit, prepend),
-        empty=utils.both(passed, res2.empty),
-    )
+    if any(map(gating.is_gate, rest)):
+        return chain(*rest)
+    return gating.plain_run(rest)
 
 
 @overload
@@ -617,21 +353,24 @@ def _fused_step(
     """:func:`apply_gradients`, also returning the updates applied when
     ``with_updates`` (zeros where the gate stayed closed; ``None`` without
     it)."""
-    if not base.is_gate(tx):
+    if not gating.is_gate(tx):
         warn_if_wrapped(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         return optax.apply_updates(params, updates), opt_state, updates
     utils.check_extra_args(extra_args, utils.declared_extra_args(tx))
     ctx = base.GateContext()
-    result = base._as_result(
+    result = gating.decision_of(
         tx.gate_update(grads, opt_state, params, ctx, **extra_args)
     )
     return _apply(result, params, with_updates)
 
 
-def _apply(res: base._Result, params, with_updates: bool):
+def _apply(res: Any, params, with_updates: bool):
+    """The step of a gate's decision ``res``: ``params`` with its updates
+    applied where it opens, untouched where it stays closed."""
+
     def opened():
-        updates, state, flag, *_ = base.emitted(res)
+        updates, state, flag, *_ = res.emission()
         new_params = optax.apply_updates(params, updates)
         updates = utils.mask(flag, updates) if with_updates else None
         return utils.select(flag, new_params, params), state, updates
@@ -703,7 +442,9 @@ def flush(
         )
     gate_flush, declared = found
     utils.check_extra_args(extra_args, declared)
-    return base.as_update(gate_flush(opt_state, params, **extra_args))
+    return gating.decision_of(
+        gate_flush(opt_state, params, **extra_args)
+    ).as_update()
 
 
 def _flusher(tx: Any) -> tuple[Any, frozenset[str]] | None:
@@ -712,7 +453,7 @@ def _flusher(tx: Any) -> tuple[Any, frozenset[str]] | None:
     ``optax.chain`` (it keeps only its elements' update functions), that of
     its first element that can flush, followed by the elements after it.
     ``None`` if there is none."""
-    gate = tx if base.is_gate(tx) else getattr(tx, "_oa_gate", None)
+    gate = tx if gating.is_gate(tx) else getattr(tx, "_oa_gate", None)
     update: Any = getattr(tx, "update", tx)
     if gate is not None:
         if gate.gate_flush is None:
@@ -749,9 +490,9 @@ def _optax_chain_flush(inner: Any, at: int, fns: Any) -> Any:
 
     def gate_flush_fn(state, params, **extra_args):
         _check_chain_state(state, len(fns))
-        res = base._as_result(inner(state[at], params, **extra_args))
+        res = gating.decision_of(inner(state[at], params, **extra_args))
         head, tail = state[:at], state[at + 1 :]
         follow = run if later else None
-        return _follow(res, head, tail, follow, params, extra_args)
+        return gating.followed_by(res, head, tail, follow, params, extra_args)
 
     return gate_flush_fn

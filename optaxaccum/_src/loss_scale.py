@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, sharding, utils
+from optaxaccum._src import base, reducer, utils
+from optaxaccum._src.gating import GatedTransformation
 
 __all__ = [
     "DynamicLossScaleState",
@@ -71,9 +72,11 @@ def _check_float32(name: str, value: Any, *, lower: float) -> np.float32:
     return x32
 
 
-def _unscale(updates: optax.Updates, scale: jax.Array) -> optax.Updates:
+def _unscale(
+    updates: optax.Updates, scale: jax.Array, sums: reducer.Reducer
+) -> optax.Updates:
     """``updates / scale``, computed in (at least) float32, in each leaf's
-    dtype."""
+    dtype, by the reducer ``sums`` of ``updates`` (:func:`reducer.of`)."""
     inv = 1 / scale.astype(jnp.float32)
 
     def one(g):
@@ -81,13 +84,15 @@ def _unscale(updates: optax.Updates, scale: jax.Array) -> optax.Updates:
         if not jnp.issubdtype(g.dtype, jnp.inexact):
             return g
         wide = utils.widen(g.dtype)
-        return sharding.times(inv.astype(wide), g.astype(wide)).astype(g.dtype)
+        return sums.scale(inv.astype(wide), g.astype(wide)).astype(g.dtype)
 
     return jax.tree.map(one, updates)
 
 
-def _unscaled_all_finite(updates: optax.Updates, scale: jax.Array) -> jax.Array:
-    """Whether ``_unscale(updates, scale)`` is finite everywhere, decided
+def _unscaled_all_finite(
+    updates: optax.Updates, scale: jax.Array, sums: reducer.Reducer
+) -> jax.Array:
+    """Whether ``_unscale(updates, scale, sums)`` is finite everywhere, decided
     from each leaf's largest magnitude: unscaling is monotonic in ``|g|`` and
     NaN propagates through the maximum. Reading only the incoming gradients,
     it lets XLA fuse the unscaling into its consumer (the accumulator update)
@@ -104,7 +109,7 @@ def _unscaled_all_finite(updates: optax.Updates, scale: jax.Array) -> jax.Array:
             peaks.append(jnp.max(jnp.abs(g)))
     if not peaks:
         return jnp.array(True)
-    unscaled = jax.tree.leaves(_unscale(peaks, scale))
+    unscaled = jax.tree.leaves(_unscale(peaks, scale, sums))
     return utils.all_true([jnp.isfinite(u) for u in unscaled])
 
 
@@ -115,7 +120,7 @@ def dynamic_loss_scale(
     factor: float = 2.0,
     min_scale: float = 1.0,
     axis_name: Hashable | None = None,
-) -> base.GatedTransformation:
+) -> GatedTransformation:
     r"""Dynamic loss scaling: unscales gradients and skips overflowing steps.
 
     The incoming gradients are those of ``loss * scale`` (see
@@ -184,10 +189,12 @@ def dynamic_loss_scale(
         utils.check_state_type(
             state, DynamicLossScaleState, "oa.dynamic_loss_scale"
         )
-        sharding.check_mesh_axes(axis_name, "oa.dynamic_loss_scale", updates)
-        unscaled = _unscale(updates, state.scale)
-        finite = sharding.globally_finite(
-            unscaled, lambda _: _unscaled_all_finite(updates, state.scale)
+        # The reducer of these gradients: the mesh mode (reducer.py).
+        sums = reducer.of(axis_name, updates)
+        sums.check_axes("oa.dynamic_loss_scale", updates)
+        unscaled = _unscale(updates, state.scale, sums)
+        finite = sums.finite(
+            unscaled, lambda _: _unscaled_all_finite(updates, state.scale, sums)
         )
         # A call of weight 0 carries no data: not an overflow.
         weight = (
@@ -197,11 +204,11 @@ def dynamic_loss_scale(
         if no_data is not False:
             finite = finite | no_data
         if axis_name is not None:
-            finite = sharding.agree(finite, axis_name)
+            finite = sums.agree(finite)
             if (
                 no_data is not False
             ):  # the scale moves unless no device has data
-                no_data = sharding.agree(jnp.asarray(no_data), axis_name)
+                no_data = sums.agree(jnp.asarray(no_data))
         new_state = utils.select(no_data, state, _adjust(state, finite))
         # A call an earlier gate refused (ctx.passed false) leaves it as is.
         new_state = utils.select(ctx.passed, new_state, state)
@@ -213,7 +220,7 @@ def dynamic_loss_scale(
             emit=emitted,
         )
 
-    return base.GatedTransformation(init_fn, gate_update_fn, None)
+    return GatedTransformation(init_fn, gate_update_fn, None)
 
 
 def _carries_no_data(accum_weight: Any) -> Any:
@@ -275,7 +282,7 @@ def static_loss_scale(scale: float) -> optax.GradientTransformationExtraArgs:
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        return _unscale(updates, state.scale), state
+        return _unscale(updates, state.scale, reducer.of(None, updates)), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from optaxaccum._src import accumulate as _accumulate
-from optaxaccum._src import base, every_weight, utils, windows
+from optaxaccum._src import base, every_weight, gating, utils, windows
 from optaxaccum._src import chain as _chain
 
 __all__ = ["MultiSteps", "MultiStepsState"]
@@ -63,7 +63,7 @@ class _SkipGateState(NamedTuple):
     gradient_step: jax.Array  # lent by the adapter on each call; not stored
 
 
-def _skip_gate(should_skip_update_fn: Callable) -> base.GatedTransformation:
+def _skip_gate(should_skip_update_fn: Callable) -> gating.GatedTransformation:
     """An eager gate: ``should_skip_update_fn`` refuses a micro-batch, which
     then does not reach (is not counted by) the accumulation after it."""
 
@@ -98,10 +98,10 @@ def _skip_gate(should_skip_update_fn: Callable) -> base.GatedTransformation:
         emitted = base.Emitted(updates=updates, state=new)
         return base.GateResult(state=new, may_open=opens, emit=emitted)
 
-    return base.GatedTransformation(init_fn, gate_update_fn)
+    return gating.GatedTransformation(init_fn, gate_update_fn)
 
 
-class MultiSteps(base.GatedTransformation):
+class MultiSteps(gating.GatedTransformation):
     """A drop-in for :class:`optax.MultiSteps` whose optimizer runs once per
     window.
 
@@ -170,7 +170,7 @@ class MultiSteps(base.GatedTransformation):
         skip = should_skip_update_fn is not None
         gates = (_skip_gate(should_skip_update_fn),) if skip else ()
         inner = _chain.chain(*gates, acc, opt)
-        assert base.is_gate(inner)  # it holds an accumulate
+        assert gating.is_gate(inner)  # it holds an accumulate
         views = _Views(skip)
 
         def init_fn(params: optax.Params) -> Any:
@@ -315,15 +315,13 @@ class _Views:
             updated=acc.updated,
         )
 
-    def result(self, res: Any) -> base._Result:
-        res = base._as_result(res)  # an oa.chain's: with its window
+    def result(self, res: Any) -> gating.Decision:
+        res = gating.Decision.of(res)  # an oa.chain's: with its window
 
-        def outer(out: base._Emission) -> base._Emission:
+        def outer(out: gating.Emission) -> gating.Emission:
             return out._replace(state=self.outer(out.state))
 
-        return res._replace(
-            state=self.outer(res.state), emit=base.map_emit(res.emit, outer)
-        )
+        return res.then(outer)._replace(state=self.outer(res.state))
 
 
 def _check_args(opt, every_k_schedule, use_grad_mean, should_skip_update_fn):
@@ -355,5 +353,5 @@ def _unflatten(config, children) -> MultiSteps:
 
 
 # As a NamedTuple subclass it would otherwise be rebuilt by jax.tree functions
-# as MultiSteps(init, update) (see base.GatedTransformation).
+# as MultiSteps(init, update) (see gating.GatedTransformation).
 jax.tree_util.register_pytree_node(MultiSteps, _flatten, _unflatten)

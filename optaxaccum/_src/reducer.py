@@ -6,7 +6,13 @@ scale's ``sq_sum``/``micro_batches``) are kept on each device as its own
 partial sums and reduced once, when the window closes. How depends on the
 mode, chosen once per trace (:func:`of`, :func:`at_init`):
 
-* :class:`Local` (no ``axis_name``): nothing to store apart or reduce.
+* :class:`Local` (no ``axis_name``, no array unreduced over a mesh axis):
+  nothing to store apart or reduce, and plain arithmetic: nothing here
+  calls into ``sharding.py``.
+* :class:`Reducer` itself (no ``axis_name``, but arrays unreduced over
+  mesh axes, e.g. a loss scale without ``axis_name`` given the gradients of
+  :func:`optaxaccum.unreduced_value_and_grad`): nothing to reduce, but its
+  arithmetic respects the unreduced arrays.
 * :class:`Mapped` (``pmap``/``shard_map``): each device holds its partial
   sums; a ``psum`` reduces them.
 * :class:`Explicit` (``jax.jit`` on a mesh whose ``axis_name`` axes are
@@ -20,7 +26,7 @@ mode, chosen once per trace (:func:`of`, :func:`at_init`):
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -38,19 +44,44 @@ __all__: list[str] = []
 
 
 class Reducer:
-    """The window sums of one mesh mode; as such, of :class:`Local`.
+    """The window sums of one mesh mode; as such, of no ``axis_name`` with
+    arrays unreduced over mesh axes.
 
-    A reducer has ``zeros``/``sum_zeros`` (the initial stored sums),
-    ``store``/``load``/``load_sum`` (between the stored form and the form a
-    step adds to), ``reduce``/``reduce_sums`` (over the devices, once per
-    window), ``finite`` and ``agree`` (a flag all devices share), and the
-    arithmetic that depends on the mode: ``scale`` (a scalar times a
-    possibly unreduced array), ``sum_scale`` (what makes a reduced sum the
-    sum over all devices) and ``squared_norm`` (this device's ``|g|^2``,
-    for the noise scale)."""
+    What a reducer has:
+
+    * the checks of a step's input: ``check_axes`` (the mesh has the
+      ``axis_name`` axes) and ``check_gradients`` (the mesh mistakes);
+    * the stored sums: ``zeros``/``sum_zeros`` (initial), ``store``,
+      ``load``/``load_sum`` (between the stored form and the form a step
+      adds to) and ``load_for`` (loaded and typed like the gradients);
+    * the reduction over the devices, once per window: ``reduce``,
+      ``reduce_sums``, and ``global_weight`` on every micro-batch;
+    * flags all devices share: ``finite`` and ``agree``;
+    * the arithmetic that depends on the mode: ``scale`` (a scalar times
+      a possibly unreduced array), ``sum_scale`` (what makes a reduced sum
+      the sum over all devices) and ``squared_norm`` (this device's
+      ``|g|^2``, for the noise scale)."""
 
     def __init__(self, axis_name: Any = None):
         self.axis_name = axis_name
+
+    def check_axes(self, caller: str, tree: Any = ()) -> None:
+        """Raises ``ValueError`` naming ``caller`` where an axis of
+        ``axis_name`` is neither a mesh axis nor a mapped one
+        (:func:`sharding.check_mesh_axes`)."""
+        sharding.check_mesh_axes(self.axis_name, caller, tree)
+
+    def check_gradients(self, grads: Any) -> None:
+        """Raises ``ValueError`` for gradients unreduced over mesh axes
+        that ``axis_name`` does not name; warns once where they are reduced
+        already (:func:`sharding.check_gradients`)."""
+        sharding.check_gradients(grads, self.axis_name)
+
+    def load_for(self, acc: Any, grads: Any) -> Any:
+        """The stored accumulator ``acc`` loaded (:meth:`load`) as a step
+        adds ``grads`` to it: each plain leaf cast to the unreduced sharding
+        of the corresponding gradient (a local cast)."""
+        return jax.tree.map(sharding.match_unreduced, self.load(acc), grads)
 
     def zeros(self, zeros: Any) -> Any:
         """The accumulator's ``zeros`` (like the params) as stored."""
@@ -96,9 +127,11 @@ class Reducer:
         over all devices (``None``: nothing)."""
         del reduction
 
-    def scale(self, s: jax.Array, x: jax.Array) -> jax.Array:
-        """``s * x`` for a scalar ``s``, also when ``x`` is unreduced."""
-        return sharding.times(s, x)
+    def scale(self, s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
+        """``s * x`` for a scalar ``s``, also when ``x`` is unreduced; with
+        ``like`` (an unreduced accumulator leaf) a plain ``x`` is first cast
+        to its sharding."""
+        return sharding.times(s, x, like)
 
     def squared_norm(
         self, grads: Any, acc: Any, sq_sum: jax.Array
@@ -110,9 +143,13 @@ class Reducer:
         sq = optax.tree.sum(jax.tree.map(_leaf_sq, grads, acc))
         return jnp.asarray(sq), sq_sum, 1
 
-    def finite(self, tree: Any) -> jax.Array:
-        """Whether every value of ``tree`` (all devices') is finite."""
-        return sharding.globally_finite(tree)
+    def finite(
+        self, tree: Any, local: Callable[[Any], jax.Array] | None = None
+    ) -> jax.Array:
+        """Whether every value of ``tree`` (all devices') is finite;
+        ``local(tree)`` (default: every element finite) decides where no
+        leaf is unreduced."""
+        return sharding.globally_finite(tree, local)
 
     def agree(self, flag: jax.Array) -> jax.Array:
         """``flag`` true on every device."""
@@ -120,7 +157,33 @@ class Reducer:
 
 
 class Local(Reducer):
-    """No ``axis_name``: every sum is already the window's."""
+    """No ``axis_name`` and no array unreduced over a mesh axis: every sum
+    is already the window's, and the arithmetic is plain."""
+
+    def check_axes(self, caller: str, tree: Any = ()) -> None:
+        """Nothing to check: no ``axis_name``."""
+        del caller, tree
+
+    def check_gradients(self, grads: Any) -> None:
+        """Nothing to check: no ``axis_name``, and (as :func:`of` found)
+        no gradient unreduced over a mesh axis."""
+        del grads
+
+    def load_for(self, acc: Any, grads: Any) -> Any:
+        """``acc`` as it is: stored as added to, and nothing is unreduced."""
+        del grads
+        return acc
+
+    def scale(self, s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
+        """``s * x``."""
+        del like
+        return s * x
+
+    def finite(
+        self, tree: Any, local: Callable[[Any], jax.Array] | None = None
+    ) -> jax.Array:
+        """``local(tree)``, by default whether every element is finite."""
+        return (local or utils.all_finite)(tree)
 
 
 class Mapped(Reducer):
@@ -244,9 +307,16 @@ def of(axis_name: Any, tree: Any, shard_update: bool = False) -> Reducer:
     gradients): :class:`Explicit` (:class:`Scatter` with
     ``shard_update``) if ``tree`` lies on a mesh whose ``axis_name`` axes
     are Explicit (``jit``'s global view), else :class:`Mapped`;
-    :class:`Local` without ``axis_name``."""
+    without ``axis_name``, :class:`Local` unless a leaf of ``tree`` is
+    unreduced over a mesh axis (then :class:`Reducer`)."""
     if axis_name is None:
-        return Local()
+        # Read from the leaves' types here, so that the mesh-less path
+        # stays out of sharding.py.
+        for x in jax.tree.leaves(tree):
+            named = getattr(jax.typeof(x), "sharding", None)
+            if isinstance(named, NamedSharding) and named.spec.unreduced:
+                return Reducer()  # unreduced over a mesh axis
+        return _LOCAL
     if sharding.tree_is_explicit(tree, axis_name):
         return _on_mesh(axis_name, shard_update)
     return Mapped(axis_name)
@@ -259,10 +329,13 @@ def at_init(axis_name: Any, shard_update: bool = False) -> Reducer:
     :func:`optaxaccum.map_accumulators`); :class:`Local` without
     ``axis_name``."""
     if axis_name is None:
-        return Local()
+        return _LOCAL
     if sharding.all_explicit(jax.sharding.get_abstract_mesh(), axis_name):
         return _on_mesh(axis_name, shard_update)
     return Mapped(axis_name)
+
+
+_LOCAL = Local()  # stateless: one for every trace
 
 
 def _on_mesh(axis_name: Any, shard_update: bool) -> Explicit:
@@ -366,13 +439,6 @@ def window_zeros(zeros: Any, axis_name: Any) -> Any:
         return jnp.zeros(shape, z.dtype, device=z.sharding.update(spec=spec))
 
     return jax.tree.map(stacked, zeros)
-
-
-def match_grads(acc: Any, grads: Any) -> Any:
-    """``acc`` (unstacked) with each plain leaf cast to the unreduced
-    sharding of the corresponding gradient
-    (:func:`sharding.match_unreduced`)."""
-    return jax.tree.map(sharding.match_unreduced, acc, grads)
 
 
 def _leaf_sq(g: Any, a: jax.Array) -> jax.Array:

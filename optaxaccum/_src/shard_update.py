@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base, chain, owned, reducer, sharding, utils
+from optaxaccum._src import gating, owned, reducer, sharding, utils
 
 __all__: list[str] = []
 
@@ -101,8 +101,8 @@ def check_explicit(grads: Any, axis_name: Any) -> None:
 
 
 def gathered(
-    gate: base.GatedTransformation, axis_name: Any
-) -> base.GatedTransformation:
+    gate: gating.GatedTransformation, axis_name: Any
+) -> gating.GatedTransformation:
     """``gate`` (whose emitted updates lie as :func:`place` puts them) with
     its emitted updates gathered back to the params' sharding, for use
     alone or in ``optax.chain``. Its follower hook gives
@@ -110,18 +110,18 @@ def gathered(
     device's piece (:func:`on_shard`), their state initialised on the
     :func:`place`-d params."""
     flush = gate.gate_flush
-    tx = base.GatedTransformation(
+    tx = gating.GatedTransformation(
         gate.init,
         _gathering(gate.gate_update, axis_name, params_at=2),
         None if flush is None else _gathering(flush, axis_name, params_at=1),
     )
-    hook = base._Followers(
+    hook = gating.Followers(
         gate=gate,
         wrap=functools.partial(on_shard, axis_name=axis_name),
         place=functools.partial(place, axis_name=axis_name),
         init=functools.partial(init_followers, axis_name=axis_name),
     )
-    return base._with_followers(tx, hook)
+    return gating.with_followers(tx, hook)
 
 
 def _whole_at(followers: Any) -> int | None:
@@ -170,25 +170,25 @@ def _gathering(fn: Any, axis_name: Any, params_at: int) -> Any:
 
     @functools.wraps(fn, updated=())  # not fn's attributes
     def wrapped(*args, **kwargs):
-        res = base._as_result(fn(*args, **kwargs))
+        res = gating.Decision.of(fn(*args, **kwargs))
         params = args[params_at] if len(args) > params_at else None
         params = kwargs.get("params", params)
 
-        def gather_out(out: base._Emission) -> base._Emission:
+        def gather_out(out: gating.Emission) -> gating.Emission:
             updates = gather(out.updates, axis_name, like=params)
             return out._replace(updates=updates)
 
-        return res._replace(emit=base.map_emit(res.emit, gather_out))
+        return res.then(gather_out)
 
     return wrapped
 
 
 def on_shard(rest: Any, axis_name: Any) -> Any:
     """The chain's followers ``rest`` (a gated chain, or the plain run
-    ``run(updates, state, params, window, extra_args)`` of ``chain.py``)
+    ``run(updates, state, params, window, extra_args)`` of ``gating.py``)
     run on the updates and params :func:`place`-d over ``axis_name``, their
     updates :func:`gather`-ed back."""
-    if not base.is_gate(rest):
+    if not gating.is_gate(rest):
         followers = getattr(rest, "transforms", ())
         at = _whole_at(followers)
         if at is not None:
@@ -219,7 +219,7 @@ def on_shard(rest: Any, axis_name: Any) -> Any:
 
     # The chain calls only a follower's gate_update (flush closes the first
     # gate that can), so the wrapped gate needs no gate_flush.
-    return base.GatedTransformation(
+    return gating.GatedTransformation(
         rest.init, _gathering(gate_update, axis_name, params_at=2)
     )
 
@@ -228,7 +228,7 @@ def _owned_run(rest: Any, followers: Any, at: int, axis_name: Any) -> Any:
     """The plain followers' run where the last, ``followers[at]``, needs
     whole leaves: those before it on each device's piece (as
     :func:`on_shard`), it by ownership (:func:`owned.update`)."""
-    before = chain._plain(followers[:at]) if at else None
+    before = gating.plain_run(followers[:at]) if at else None
     whole = optax.with_extra_args_support(followers[at])
     del rest
 
@@ -245,7 +245,9 @@ def _owned_run(rest: Any, followers: Any, at: int, axis_name: Any) -> Any:
                 )
         else:
             head = ()
-        args = chain._args_for(whole, extra_args, window)
+        args = gating.args_for(
+            utils.declared_extra_args(whole), extra_args, window
+        )
         updates, last = owned.update(
             whole, updates, state[at], params, axis_name, args
         )

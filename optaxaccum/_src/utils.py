@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import numbers
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
@@ -120,6 +121,8 @@ def check_weight(name: str, value: Any) -> None:
       name: the argument's name, for the message.
       value: a Python or NumPy number, or an array (concrete or traced).
     """
+    if type(value) is float and math.isfinite(value) and value >= 0:
+        return  # a Python float that is fine (the default weight, 1.0)
     number = concrete(value)
     if number is None:  # traced: decided later
         return
@@ -507,6 +510,13 @@ def both(a: Any, b: Any) -> Any:
     if b is True:
         return a
     return a & b
+
+
+def flag_like(flag: Any, like: Any) -> Any:
+    """``flag`` (a flag or a Python bool) as a boolean array of the type of
+    the flag ``like`` (device-varying where it is): what one branch of a
+    ``lax.cond`` returns where the other returns a flag like ``like``."""
+    return jnp.logical_and(like, False) | flag
 
 
 def select(pred: Any, on_true: Any, on_false: Any) -> Any:
