@@ -49,7 +49,7 @@ _NESTED_0 = [
 # arguments: test files, optionally -k)
 MUTANTS = {
     "nested_tail": (  # issue 10 (a): followers' state from the inner branch
-        "chain.py",
+        "gating.py",
         "state=utils.select(out.opened, e.state, tail_state),",
         "state=e.state,",
         CORE_TESTS,
@@ -168,17 +168,18 @@ MUTANTS = {
         ["tests/test_mesh.py", "-k", "tuple_argnums"],
     ),
     "opened_false_zeros_grads_dtype": (  # zeros of an all-weight-0 window
-        "chain.py",
-        "        return utils.zeros_of(jax.eval_shape(run)[0]), tail_state",
-        "        return jax.tree.map(jnp.zeros_like, out.updates), tail_state",
+        "gating.py",
+        "            return utils.zeros_of(jax.eval_shape(run)[0]), tail_state",
+        "            return jax.tree.map(jnp.zeros_like, out.updates), "
+        "tail_state",
         _CHAIN + ["-k", "followers_output_dtype"],
     ),
     "closed_gate_zeros_grads_dtype": (  # a nested gate that stays closed
-        "chain.py",
-        "        return _shut(shapes, res2.state, opened=false, "
+        "gating.py",
+        "        return Emission.shut(shapes, later.state, opened=false, "
         "passed=false)\n",
         "        shapes = shapes._replace(updates=out.updates)\n"
-        "        return _shut(shapes, res2.state, opened=false, "
+        "        return Emission.shut(shapes, later.state, opened=false, "
         "passed=false)\n",
         _CHAIN + ["-k", "nested_closed_gate"],
     ),
@@ -250,8 +251,8 @@ MUTANTS = {
     ),
     "gate_drops_window_weight": (  # review: a gate between accumulates
         "chain.py",
-        "    if window is None:\n        return res\n",
-        "    if True:\n        return res\n",
+        "        if window is not None:\n            res = res.pass_window_on(",
+        "        if False:\n            res = res.pass_window_on(",
         CORE_TESTS + ["-k", "window_weight_on or behind_a_gate"],
     ),
     "zeros_not_device_varying": (  # issue 23: zeros under shard_map
@@ -324,35 +325,35 @@ MUTANTS = {
     ),
     "replicas_disagree_on_overflow": (
         "loss_scale.py",
-        "            finite = sharding.agree(finite, axis_name)\n",
+        "            finite = sums.agree(finite)\n",
         "",
         _LOSS_SCALE + ["-k", "replicas_agree"],
     ),
     # ----------------------------------------------- issue 35 (hardening 3)
     "nested_plain_chain_drops_empty": (  # item 1
-        "chain.py",
-        "return res._replace(state=state, emit=emit_plain)",
-        "return base._Result(state=state, may_open=res.may_open, "
-        "emit=emit_plain)",
+        "gating.py",
+        "return res._replace(state=state, emit=emit)",
+        "return Decision(state=state, may_open=res.may_open, emit=emit)",
         _NESTED_0,
     ),
     "empty_window_emit_steps_followers": (  # item 1: emit on weight 0
-        "chain.py",
-        "    if res.empty is False:\n        return base.emitted(res)",
-        "    if True:\n        return base.emitted(res)",
+        "gating.py",
+        "        if self.empty is False:\n            return self.emission()",
+        "        if True:\n            return self.emission()",
         _NESTED_0,
     ),
     "nested_plain_chain_drops_window_weight": (  # item 1: positional
-        "chain.py",
-        "    return out._replace(updates=updates, state=tail)",
-        "    return base._Emission(updates=updates, state=tail, "
-        "opened=out.opened)",
+        "gating.py",
+        "        return out._replace(updates=updates, state=(*head, out.state, "
+        "*tail))",
+        "        return Emission(updates=updates, state=(*head, out.state, "
+        "*tail), opened=out.opened)",
         _NESTED_0,
     ),
     "required_keyword_gate_refused": (  # item 6
-        "base.py",
-        "signature.bind(None, None, None, GateContext(), **required)",
-        "signature.bind(None, None, None, GateContext())",
+        "gating.py",
+        "signature.bind(None, None, None, base.GateContext(), **required)",
+        "signature.bind(None, None, None, base.GateContext())",
         ["tests/test_chain.py", "-k", "required_keyword"],
     ),
     "gate_flag_dtype_unchecked": (  # item 7
@@ -363,7 +364,7 @@ MUTANTS = {
     ),
     "head_steps_on_a_window_of_weight_0": (  # item 15
         "chain.py",
-        "counts = utils.both(ctx.passed, _nonzero(ctx.window_weight))",
+        "counts = utils.both(ctx.passed, gating.window_counts(window))",
         "counts = ctx.passed",
         ["tests/test_chain.py", "-k", "skips_a_window_of_weight_0"],
     ),
@@ -520,14 +521,14 @@ MUTANTS = {
     ),
     "head_steps_on_a_refused_call": (  # behind a loss scale that overflows
         "chain.py",
-        "counts = utils.both(ctx.passed, _nonzero(ctx.window_weight))",
-        "counts = _nonzero(ctx.window_weight)",
+        "counts = utils.both(ctx.passed, gating.window_counts(window))",
+        "counts = gating.window_counts(window)",
         _CHAIN + ["-k", "skips_an_overflow"],
     ),
     "window_of_weight_0_stops_at_an_eager_gate": (  # not counted after it
-        "chain.py",
-        "        if plain:  # they do not step on a window of weight 0\n",
-        "        if True:  # they do not step on a window of weight 0\n",
+        "gating.py",
+        "            if plain:  # they do not step on a window of weight 0\n",
+        "            if True:  # they do not step on a window of weight 0\n",
         _CHAIN + ["-k", "reaches_a_second_accumulate"],
     ),
     "reshard_state_folds_complex_as_real": (  # the imaginary part lost
@@ -570,9 +571,9 @@ MUTANTS = {
         ["tests/test_scale_by_window.py", "-k", "unset"],
     ),
     "window_noise_reaches_every_follower": (
-        "chain.py",
-        '        for k in ("accum_weight", base.WINDOW_NOISE_ARG)',
-        '        for k in ("accum_weight",)',
+        "gating.py",
+        '    for k in ("accum_weight", base.WINDOW_NOISE_ARG):',
+        '    for k in ("accum_weight",):',
         ["tests/test_scale_by_window.py", "-k", "stays_private"],
     ),
     # ------------------------------- gather once per step (gather_once.py)
@@ -626,9 +627,9 @@ MUTANTS = {
         ["tests/test_chain.py", "-k", "chains_of_accumulates_flush"],
     ),
     "accum_weight_reaches_every_follower": (  # optax.lbfgs breaks
-        "chain.py",
-        '        for k in ("accum_weight", base.WINDOW_NOISE_ARG)',
-        "        for k in (base.WINDOW_NOISE_ARG,)",
+        "gating.py",
+        '    for k in ("accum_weight", base.WINDOW_NOISE_ARG):',
+        "    for k in (base.WINDOW_NOISE_ARG,):",
         ["tests/test_chain.py", "-k", "lbfgs_after or reaches_only"],
     ),
     "unbound_axis_name_left_to_jax": (

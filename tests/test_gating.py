@@ -268,7 +268,7 @@ def test_flag_like_takes_the_type_of_the_other_flag():
 def test_no_axis_name_and_nothing_unreduced_is_the_local_reducer():
     sums = reducer.of(None, {"w": jnp.ones(2)})
     assert type(sums) is reducer.Local
-    assert sums.load_for("acc", None) == "acc"
+    assert sums.load("acc") == "acc" and sums.match("acc", None) == "acc"
     chex.assert_trees_all_equal(
         sums.scale(jnp.float32(2.0), jnp.ones(2)), jnp.full(2, 2.0)
     )

@@ -318,8 +318,9 @@ def _checked_input(
     sums.check_gradients(updates)  # mesh mistakes
     if cfg.shard_update:
         _shard_update.check_explicit(updates, cfg.axis_name)
-    _check_gradients(updates, state.acc)  # the stored form: same leaves
-    return state._replace(acc=sums.load_for(state.acc, updates)), sums
+    acc = sums.load(state.acc)
+    _check_gradients(updates, acc)
+    return state._replace(acc=sums.match(acc, updates)), sums
 
 
 def _add(

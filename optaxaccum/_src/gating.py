@@ -5,18 +5,18 @@ A gate (:class:`GatedTransformation`) is a transformation plus a decision.
 Inside the package a decision is a :class:`Decision`, whose ``emit`` gives an
 :class:`Emission`: the public :class:`~optaxaccum.GateResult` and
 :class:`~optaxaccum.Emitted` with the window bookkeeping that only
-:func:`optaxaccum.accumulate` and the chain exchange. :func:`followed_by`
-composes a gate's decision with the elements after it, by one of four rules,
-chosen from what follows it (at trace time):
+:func:`optaxaccum.accumulate` and the chain exchange. A gate's decision
+composes with the elements after it by the rule :func:`rule_for` picks from
+what they are (once per chain; :func:`followed_by` picks and applies it):
 
 * nothing: :func:`with_head` (the states of the elements before it join);
 * plain transformations: :func:`then_plain`, which runs them where the gate
   opens;
-* a later gate, after a lazy gate: :func:`then_gate`: the later gate decides
-  only where this one opened or closed an empty window
-  (:meth:`Decision.to_next_gate`, :func:`through_gate`);
-* a later gate, after an eager gate (its emission costs nothing):
-  :func:`merge_eager`, one decision for both, so the step branches once.
+* a later gate: :func:`then_gate`. After an eager gate (its emission costs
+  nothing), one decision for both (:func:`merge_eager`), so the step still
+  branches once; after a lazy one, the later gate decides only where this
+  one opened or closed an empty window (:meth:`Decision.to_next_gate`,
+  :func:`through_gate`).
 
 The keywords each element sees are :func:`args_for`'s rule; the plain
 followers run through :func:`plain_run`. ``docs/gates.md`` teaches the public
@@ -37,7 +37,7 @@ import optax
 from optaxaccum._src import base, utils
 from optaxaccum._src.base import GateFlushFn, GateUpdateFn
 
-__all__: list[str] = []  # GatedTransformation and is_gate: optaxaccum's
+__all__ = ["GatedTransformation", "is_gate"]
 
 
 class Emission(NamedTuple):

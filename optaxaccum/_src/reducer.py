@@ -53,7 +53,8 @@ class Reducer:
       ``axis_name`` axes) and ``check_gradients`` (the mesh mistakes);
     * the stored sums: ``zeros``/``sum_zeros`` (initial), ``store``,
       ``load``/``load_sum`` (between the stored form and the form a step
-      adds to) and ``load_for`` (loaded and typed like the gradients);
+      adds to) and ``match`` (the loaded accumulator typed like the
+      gradients);
     * the reduction over the devices, once per window: ``reduce``,
       ``reduce_sums``, and ``global_weight`` on every micro-batch;
     * flags all devices share: ``finite`` and ``agree``;
@@ -77,11 +78,11 @@ class Reducer:
         already (:func:`sharding.check_gradients`)."""
         sharding.check_gradients(grads, self.axis_name)
 
-    def load_for(self, acc: Any, grads: Any) -> Any:
-        """The stored accumulator ``acc`` loaded (:meth:`load`) as a step
-        adds ``grads`` to it: each plain leaf cast to the unreduced sharding
-        of the corresponding gradient (a local cast)."""
-        return jax.tree.map(sharding.match_unreduced, self.load(acc), grads)
+    def match(self, acc: Any, grads: Any) -> Any:
+        """The loaded accumulator ``acc`` as a step adds ``grads`` to it:
+        each plain leaf cast to the unreduced sharding of the corresponding
+        gradient (a local cast)."""
+        return jax.tree.map(sharding.match_unreduced, acc, grads)
 
     def zeros(self, zeros: Any) -> Any:
         """The accumulator's ``zeros`` (like the params) as stored."""
@@ -169,8 +170,8 @@ class Local(Reducer):
         no gradient unreduced over a mesh axis."""
         del grads
 
-    def load_for(self, acc: Any, grads: Any) -> Any:
-        """``acc`` as it is: stored as added to, and nothing is unreduced."""
+    def match(self, acc: Any, grads: Any) -> Any:
+        """``acc`` as it is: nothing is unreduced."""
         del grads
         return acc
 
