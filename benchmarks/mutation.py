@@ -663,6 +663,25 @@ MUTANTS = {
         "d = 0",
         ["tests/test_owned.py", "-m", "not slow", "-k", "balanced"],
     ),
+    # ----------------------------- the gate's inner workings (gating.py)
+    "mesh_less_reducer_takes_unreduced_gradients": (  # the check skipped
+        "reducer.py",
+        "                return Reducer()  # unreduced over a mesh axis",
+        "                return _LOCAL  # unreduced over a mesh axis",
+        ["tests/test_mesh.py", "-k", "unreduced_gradients_without_axis"],
+    ),
+    "mesh_less_step_enters_sharding": (  # the short trip grows back
+        "reducer.py",
+        "        del like\n        return s * x\n",
+        "        return sharding.times(s, x, like)\n",
+        ["tests/test_gating.py", "-k", "short_trip"],
+    ),
+    "next_gate_loses_the_literal_passed": (  # a select on every state
+        "gating.py",
+        "return flags._replace(passed=None) if out.passed is True else flags",
+        "return flags",
+        ["tests/test_gating.py", "-k", "one_call_of_weight_0"],
+    ),
 }
 
 
