@@ -200,7 +200,7 @@ def _follow_window(old: Any, new: Any, old_opt: Any, new_opt: Any) -> Any:
     kept = stats_lib.keep_counted(
         old_opt, new_opt, new, _with_windows_like(old, new)
     )
-    closed = stats_lib.closes_with(old_opt, new_opt)
+    closed = stats_lib.closed(old_opt, new_opt)
     _check_steps(old, new, old_opt, new_opt, closed)
     known = utils.concrete(closed)
     if (known is not None and not known) or not _has_windows(kept):

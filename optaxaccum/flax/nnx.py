@@ -110,14 +110,14 @@ class AccumBatchNorm(nnx.BatchNorm):
             [getattr(self, _COUNTED + "window_step")[...]],
             [self._window().step],
             windows.counted(old_opt_state, new_opt_state),
-            stats_lib.closes_with(old_opt_state, new_opt_state),
+            stats_lib.closed(old_opt_state, new_opt_state),
         )
         stats = stats_lib.keep_counted(
             old_opt_state, new_opt_state, self._stats(), self._stats(_COUNTED)
         )
         for key, value in zip(stats_lib.STAT_KEYS, stats):
             getattr(self, key)[...] = value
-        closed = stats_lib.closes_with(old_opt_state, new_opt_state)
+        closed = stats_lib.closed(old_opt_state, new_opt_state)
         if closed is not False:
             self._flush(closed)
         self._record(self._stats())
