@@ -1437,6 +1437,37 @@ def test_trainstate_batchnorm_windows_close_with_a_critical_batch_window(jit):
         np.testing.assert_allclose(bn[name], ref_stats[name], **TOL)
 
 
+def test_every_message_about_older_batch_stats_gives_one_advice():
+    """The error, the deprecation and the warning about ``batch_stats`` to
+    convert all give the same advice, with the call to make."""
+    from optaxaccum.flax import _linen
+
+    advice = _linen.CONVERT_ADVICE
+    assert "convert_batch_stats(batch_stats, model.init(" in advice
+    model = _BNHead(accum_steps=2)
+    x = jax.random.normal(jax.random.key(0), (4, 4))
+    variables = model.init(jax.random.key(0), x, False)
+    layer = variables["batch_stats"]["AccumBatchNorm_0"]
+    older = {
+        "AccumBatchNorm_0": {k: v for k, v in layer.items() if k != "momentum"}
+    }
+    with pytest.raises(ValueError) as error:
+        flush_batch_stats(older)
+    with pytest.warns(DeprecationWarning) as deprecation:
+        flush_batch_stats(older, 0.5)
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=variables["params"],
+        tx=oa.chain(oa.accumulate(1), optax.sgd(0.1)),
+        batch_stats=older,
+    )
+    grads = jax.tree.map(jnp.ones_like, state.params)
+    with pytest.warns(UserWarning) as warning:
+        state.apply_gradients(grads=grads, batch_stats=older)
+    for message in (error.value, deprecation[0].message, warning[0].message):
+        assert advice in str(message), message
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_trainstate_keeps_stepping_batch_stats_without_a_momentum(jit):
     """``batch_stats`` of an older optaxaccum (windows, no recorded
