@@ -6,7 +6,7 @@ micro-batch, from that micro-batch alone. This script builds, in Equinox, a
 BatchNorm whose running ``mean``/``var`` are updated once per window with the
 pooled statistics of the whole window (as ``optaxaccum.flax.AccumBatchNorm``
 does for Flax), from optaxaccum's framework-neutral helpers
-(:mod:`optaxaccum.batch_stats`: plain JAX, no flax), and keeps its window
+(``optaxaccum.batch_stats``: plain JAX, no flax), and keeps its window
 aligned with the optimizer's: a micro-batch that the chain does not count
 stays out, and the BatchNorm window closes on exactly the calls where the
 optimizer's window closes -- here windows whose length changes, sized from
