@@ -486,12 +486,12 @@ def closed(old_opt_state: Any, new_opt_state: Any) -> Any:
       >>> import jax.numpy as jnp, optax
       >>> import optaxaccum as oa
       >>> from optaxaccum import batch_stats
-      >>> tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
-      >>> s0 = tx.init(jnp.zeros(1))
-      >>> _, s1 = tx.update(jnp.ones(1), s0)
-      >>> _, s2 = tx.update(jnp.ones(1), s1)
-      >>> bool(batch_stats.closed(s0, s1)), bool(batch_stats.closed(s1, s2))
-      (False, True)
+      >>> tx = oa.chain(oa.accumulate(3), optax.sgd(1.0))
+      >>> states = [tx.init(jnp.zeros(1))]
+      >>> for _ in range(4):
+      ...     states.append(tx.update(jnp.ones(1), states[-1])[1])
+      >>> [bool(batch_stats.closed(*s)) for s in zip(states, states[1:])]
+      [False, False, True, False]
     """
     return windows.closed(old_opt_state, new_opt_state)
 
