@@ -365,15 +365,15 @@ def all_reduce_summary(compiled: Any, mesh: Any) -> dict:
 
     ops = oa.collective_census(compiled, mesh)
     ops = [o for o in ops if o["op"] == "all-reduce"]
-    top = [o for o in ops if not o["branches"]]
-    cond = [o for o in ops if o["branches"]]
-    return {
-        "top_ops": len(top),
-        "top_bytes": sum(o["bytes"] for o in top),
-        "branch_ops": len(cond),
-        "branch_bytes": sum(o["bytes"] for o in cond),
-        "true_branch_only": all(o["branches"][-1] == 1 for o in cond),
-    }
+    summary: dict[str, Any] = {}
+    for where, runs_always in (("top", True), ("branch", False)):
+        group = [o for o in ops if (not o["branches"]) == runs_always]
+        summary[f"{where}_ops"] = len(group)
+        summary[f"{where}_bytes"] = sum(o["bytes"] for o in group)
+    summary["true_branch_only"] = all(
+        o["branches"][-1] == 1 for o in ops if o["branches"]
+    )
+    return summary
 
 
 def on_devices(
