@@ -424,9 +424,9 @@ MUTANTS = {
         ["tests/test_multisteps.py", "-k", "inside_a_window"],
     ),
     "older_batch_stats_flushed": (  # no momentum: the flush would raise
-        "../flax/_train_state.py",
-        "        return stats_lib.MOMENTUM_KEY not in batch_stats",
-        "        return False",
+        "../flax/_linen.py",
+        "        stats_lib.MOMENTUM_KEY not in layer for _, layer in layers(",
+        "        False for _, layer in layers(",
         ["tests/test_flax.py", "-k", "without_a_momentum"],
     ),
     "closed_on_every_counted_call": (  # the window's position ignored
@@ -437,7 +437,7 @@ MUTANTS = {
     ),
     "trainstate_bn_windows_not_closed_with_the_optimizer": (
         "../flax/_train_state.py",
-        '    return _flush_batch_stats(kept, None, "", where=closed)',
+        "    return _linen.flush_windows(kept, None, where=closed)",
         "    return kept",
         ["tests/test_flax.py", "-k", "critical_batch"],
     ),
@@ -539,8 +539,8 @@ MUTANTS = {
     ),
     "older_batch_stats_warn_on_every_call": (  # not only where a close is due
         "../flax/_train_state.py",
-        "    if (known is not None and not known) or not _has_windows(kept):",
-        "    if not _has_windows(kept):",
+        "    if (known is not None and not known) or not _linen.has_windows(",
+        "    if not _linen.has_windows(",
         ["tests/test_flax.py", "-k", "older_batch_stats"],
     ),
     "counted_reads_the_innermost_window": (  # nested windows
