@@ -603,8 +603,8 @@ MUTANTS = {
     # Hardening 4, items 1-9: crashes and traps.
     "one_device_mesh_inlines_unreduced": (  # JAX rejects the inlined body
         "sharding.py",
-        "jax.jit(body) if size == 1 else body",
-        "body",
+        "    if math.prod(context.shape.values()) > 1:",
+        "    if True:",
         ["tests/test_mesh.py", "-k", "one_device_steps"],
     ),
     "has_updated_first_window_only": (  # nested: an inner window closing
