@@ -662,6 +662,29 @@ MUTANTS = {
         "d = 0",
         ["tests/test_owned.py", "-m", "not slow", "-k", "balanced"],
     ),
+    # ------------------------------- the reducers, one mode at a time
+    "mapped_agree_is_local": (  # one device's flag, not every device's
+        "reducer.py",
+        "        return sharding.agree(flag, self.axis_name)",
+        "        return flag",
+        ["tests/test_reducer.py", "-k", "agree"],
+    ),
+    "scatter_unplaced_leaf_not_summed": (  # a bias of odd size
+        "reducer.py",
+        "        return lax.psum(c, rest) if rest else c\n\n"
+        "    return sharding.local_map(body, mesh=mesh, in_specs=spec, "
+        "out_specs=target)",
+        "        return c\n\n"
+        "    return sharding.local_map(body, mesh=mesh, in_specs=spec, "
+        "out_specs=target)",
+        ["tests/test_reducer.py", "-k", "explicit_reduce"],
+    ),
+    "device_sq_counts_every_copy": (  # a replicated leaf's copies
+        "reducer.py",
+        "for axis in sorted(copies):  # a replicated copy counts once",
+        "for axis in ():  # a replicated copy counts once",
+        ["tests/test_reducer.py", "-k", "squared_norm"],
+    ),
 }
 
 
