@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# The installed legs (test-floors, test-newest) leave out the benchmarks'
+# own runs, which test the benchmark scripts and the source tree.
+INSTALLED_PYTEST_ARGS ?= -m "not bench_smoke"
 
 .PHONY: demo test test-floors test-newest test-gpu-compile dist docs bench \
 	bench-gpu bench-gpu-compile lint clean
@@ -46,7 +49,7 @@ define suite-from-copy
 	cd $(1)/run && OPTAXACCUM_TEST_INSTALLED=$(3) \
 		OPTAXACCUM_DIST=$(abspath $(DIST)) $(abspath $(2)) \
 		-m pytest -n 2 -p no:cacheprovider -c pyproject.toml --rootdir . \
-		$(PYTEST_ARGS) tests --pyargs optaxaccum
+		$(INSTALLED_PYTEST_ARGS) $(PYTEST_ARGS) tests --pyargs optaxaccum
 endef
 
 # The suite against the wheel as users install it: not editable, in a fresh

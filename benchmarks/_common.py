@@ -20,10 +20,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import _devices
 import jax
 
 __all__ = [
     "Timed",
+    "windows_alike_then_timed",
     "floor_add",
     "format_bytes",
     "machine_info",
@@ -127,6 +129,56 @@ def time_interleaved(
             samples[name].append(variants[name].run_once())
             time.sleep(settle_s)
     return {name: _median(s) for name, s in samples.items()}
+
+
+def windows_alike_then_timed(
+    steps: Mapping[str, Callable[..., Any]],
+    loops: Mapping[str, dict[str, Any]],
+    batches: Sequence[tuple[Any, Any]],
+    reference: str,
+    atol: float,
+    cfg: Mapping[str, int],
+) -> dict[str, float]:
+    """Median seconds of one window of each variant.
+
+    A window is one call of ``steps[name](params, state, x, y)`` per
+    ``(x, y)`` of ``batches``, from ``loops[name]``'s ``params`` and
+    ``state`` and back into them (the donated buffers carry on). First one
+    untimed window of each, whose params must match ``reference``'s to
+    ``atol`` (a sanity check: from the same params they move alike); then
+    :func:`time_interleaved` with ``cfg``'s ``rounds`` and ``warmup``.
+    """
+    import numpy as np
+
+    def window(name: str) -> Timed:
+        step, loop = steps[name], loops[name]
+
+        def call(p, s):
+            for x, y in batches:
+                p, s = step(p, s, x, y)
+            return p, s
+
+        def prepare():
+            return loop["params"], loop["state"]
+
+        def keep(out):
+            loop["params"], loop["state"] = out
+
+        return Timed(call, prepare, keep)
+
+    variants = {name: window(name) for name in steps}
+    for variant in variants.values():
+        variant.run_once()
+    ref = jax.tree.leaves(loops[reference]["params"])
+    for name in variants:
+        got = jax.tree.leaves(loops[name]["params"])
+        for a, b in zip(got, ref, strict=True):
+            np.testing.assert_allclose(
+                np.asarray(a), np.asarray(b), rtol=0, atol=atol, err_msg=name
+            )
+    return time_interleaved(
+        variants, rounds=cfg["rounds"], warmup=cfg["warmup"]
+    )
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -305,6 +357,25 @@ def init_mlp(widths: Sequence[int], seed: int = 0) -> list[dict[str, Any]]:
     ]
 
 
+def all_reduce_summary(compiled: Any, mesh: Any) -> dict:
+    """All-reduce ops and the bytes they reduce, at the top level of a
+    compiled step (run on every call) and inside a conditional's branch
+    (run only when the branch is taken), from ``oa.collective_census``."""
+    import optaxaccum as oa
+
+    ops = oa.collective_census(compiled, mesh)
+    ops = [o for o in ops if o["op"] == "all-reduce"]
+    summary: dict[str, Any] = {}
+    for where, runs_always in (("top", True), ("branch", False)):
+        group = [o for o in ops if (not o["branches"]) == runs_always]
+        summary[f"{where}_ops"] = len(group)
+        summary[f"{where}_bytes"] = sum(o["bytes"] for o in group)
+    summary["true_branch_only"] = all(
+        o["branches"][-1] == 1 for o in ops if o["branches"]
+    )
+    return summary
+
+
 def on_devices(
     script: str, measure: Callable[[bool], dict], tiny: bool, n: int
 ) -> dict:
@@ -316,10 +387,7 @@ def on_devices(
 
     if jax.device_count() >= n:
         return measure(tiny)
-    env = dict(os.environ)
-    flag = f"--xla_force_host_platform_device_count={n}"
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}"
-    env["JAX_PLATFORMS"] = "cpu"
+    env = _devices.environment(n)
     cmd = [sys.executable, os.path.abspath(script), "--json"]
     if tiny:
         cmd.append("--tiny")

@@ -42,14 +42,14 @@ from __future__ import annotations
 import os
 import sys
 
-N_DEVICES = 8
-_FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-if __name__ == "__main__" and "xla_force_host_platform_device_count" not in (
-    os.environ.get("XLA_FLAGS", "")
-):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}"
+import _devices  # noqa: E402
+from _devices import N_DEVICES  # noqa: E402
 
+_devices.ask_as_a_script(__name__)  # before JAX starts
+
+import _common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -57,12 +57,7 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _common  # noqa: E402
-
 import optaxaccum as oa  # noqa: E402
-from optaxaccum._src import collectives  # noqa: E402
 
 K = 4
 LEARNING_RATE = 1e-3
@@ -145,9 +140,19 @@ def _scalar(o):
     return o["op"] == "all-reduce" and o["bytes"] <= SCALAR_BYTES
 
 
+def _over(ops, axis, *, top=None):
+    """The collectives of ``ops`` spanning ``axis``; with ``top`` only those
+    run on every call (True) or only inside a conditional (False)."""
+    return [
+        o
+        for o in ops
+        if axis in o["axes"] and (top is None or (not o["branches"]) == top)
+    ]
+
+
 def _census_row(ops, tree_bytes):
-    top = [o for o in collectives.over(ops, "data", top=True) if not _scalar(o)]
-    data = collectives.over(_per_window(ops), "data")
+    top = [o for o in _over(ops, "data", top=True) if not _scalar(o)]
+    data = _over(_per_window(ops), "data")
     grads = [o for o in data if not _scalar(o)]
     fsdp = [o for o in _per_window(ops) if o["axes"] == {"fsdp"}]
     micro = [o for o in ops if not o["branches"]]
@@ -178,13 +183,7 @@ def _census_row(ops, tree_bytes):
         ),
         # Calls of the window that reduce the gradient over data.
         "data_grad_calls": K * bool(top)
-        + bool(
-            [
-                o
-                for o in collectives.over(ops, "data", top=False)
-                if not _scalar(o)
-            ]
-        ),
+        + bool([o for o in _over(ops, "data", top=False) if not _scalar(o)]),
     }
 
 
@@ -235,7 +234,7 @@ def _measure_mesh(shape, cfg):
             s = jax.jit(tx.init)(p)
             compiled[name] = step.lower(p, s, xs[0], ys[0]).compile()
             census[name] = _census_row(
-                collectives.collective_census(compiled[name].as_text(), mesh),
+                oa.collective_census(compiled[name].as_text(), mesh),
                 tree_bytes,
             )
             acc_bytes[name] = sum(
@@ -248,39 +247,14 @@ def _measure_mesh(shape, cfg):
             )
             loops[name] = {"params": p, "state": s}
 
-    def window_call(name):
-        def call(p, s):
-            for x, y in zip(xs, ys, strict=True):
-                p, s = compiled[name](p, s, x, y)
-            return p, s
-
-        def prepare():
-            return loops[name]["params"], loops[name]["state"]
-
-        def keep(out):
-            loops[name]["params"], loops[name]["state"] = out
-
-        return _common.Timed(call, prepare, keep)
-
-    for name in names:  # sanity: one window moves all alike
-        window_call(name).run_once()
-    for name in names:
-        for a, b in zip(
-            jax.tree.leaves(loops[name]["params"]),
-            jax.tree.leaves(loops[NAIVE]["params"]),
-            strict=True,
-        ):
-            np.testing.assert_allclose(
-                np.asarray(a),
-                np.asarray(b),
-                rtol=0,
-                atol=1e-2 * LEARNING_RATE,
-                err_msg=name,
-            )
-    seconds = _common.time_interleaved(
-        {name: window_call(name) for name in names},
-        rounds=cfg["rounds"],
-        warmup=cfg["warmup"],
+    # Sanity: one window moves all alike.
+    seconds = _common.windows_alike_then_timed(
+        compiled,
+        loops,
+        list(zip(xs, ys, strict=True)),
+        NAIVE,
+        1e-2 * LEARNING_RATE,
+        cfg,
     )
     return census, seconds, acc_bytes, opt_bytes, tree_bytes
 

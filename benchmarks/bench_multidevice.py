@@ -33,16 +33,14 @@ from __future__ import annotations
 import os
 import sys
 
-N_DEVICES = 8
-_FLAG = f"--xla_force_host_platform_device_count={N_DEVICES}"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-if __name__ == "__main__" and "xla_force_host_platform_device_count" not in (
-    os.environ.get("XLA_FLAGS", "")
-):
-    # Before JAX starts: only when run as a script, and only if the user
-    # has not chosen a device count.
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}"
+import _devices  # noqa: E402
+from _devices import N_DEVICES  # noqa: E402
 
+_devices.ask_as_a_script(__name__)  # before JAX starts
+
+import _common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -51,12 +49,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _common  # noqa: E402
-
 import optaxaccum as oa  # noqa: E402
-from optaxaccum._src.hlo import summarize  # noqa: E402
 
 K = 4
 LEARNING_RATE = 1e-3
@@ -203,48 +196,20 @@ def _measure(tiny: bool) -> dict:
         p = fresh_params()
         s = jax.device_put(init(p), shardings)
         compiled[name] = step.lower(p, s, xs[0], ys[0]).compile()
-        hlo[name] = summarize(compiled[name].as_text())
+        hlo[name] = _common.all_reduce_summary(compiled[name], mesh)
         loops[name] = {"params": p, "state": s}
 
-    def window_call(name):
-        comp = compiled[name]
-
-        def call(p, s):
-            for x, y in zip(xs, ys, strict=True):
-                p, s = comp(p, s, x, y)
-            return p, s
-
-        def prepare():
-            return loops[name]["params"], loops[name]["state"]
-
-        def keep(out):
-            loops[name]["params"], loops[name]["state"] = out
-
-        return _common.Timed(call, prepare, keep)
-
     # Sanity (and a first, untimed window): from the same params, one window
-    # of each variant moves them the same way.
-    for name in steps:
-        window_call(name).run_once()
-    ref = jax.tree.leaves(loops["pmean + MultiSteps"]["params"])
-    for name in steps:
-        got = jax.tree.leaves(loops[name]["params"])
-        for a, b in zip(got, ref, strict=True):
-            # Adam's first step is about +-lr per entry, less where the
-            # gradient is near 0 (there summation order shows): compare
-            # against lr.
-            np.testing.assert_allclose(
-                np.asarray(a),
-                np.asarray(b),
-                rtol=0,
-                atol=1e-2 * LEARNING_RATE,
-                err_msg=name,
-            )
-
-    seconds = _common.time_interleaved(
-        {name: window_call(name) for name in steps},
-        rounds=cfg["rounds"],
-        warmup=cfg["warmup"],
+    # of each variant moves them the same way. Adam's first step is about
+    # +-lr per entry, less where the gradient is near 0 (there summation
+    # order shows): compare against lr.
+    seconds = _common.windows_alike_then_timed(
+        compiled,
+        loops,
+        list(zip(xs, ys, strict=True)),
+        "pmean + MultiSteps",
+        1e-2 * LEARNING_RATE,
+        cfg,
     )
     ours = "oa.accumulate(axis_name)"
     rows = []

@@ -28,12 +28,12 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _devices  # noqa: E402
+
 if "--backend" not in sys.argv or "cpu" in sys.argv:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count=8"
-        )
+    _devices.ask_for()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

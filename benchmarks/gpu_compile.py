@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -44,7 +45,7 @@ HAND_MARKER = (
 )
 
 
-def _gated_rows(targets_, steps, hlo, utils):
+def _gated_rows(targets_, steps, hlo, barriers_off):
     rows = []
     size = 64 * 128  # the gated steps' weight: Adam's sqrt of its size
     for name, make in steps.GATED.items():
@@ -52,14 +53,10 @@ def _gated_rows(targets_, steps, hlo, utils):
         for target in targets_:
             cells = []
             for barriers in (True, False) if target != "tpu" else (True,):
-                saved = utils._barrier
-                if not barriers:
-                    utils._barrier = lambda tree: tree
-                try:
+                off = contextlib.nullcontext() if barriers else barriers_off()
+                with off:
                     fn, args = make()
                     text = targets_[target](fn, args).as_text()
-                finally:
-                    utils._barrier = saved
                 w = hlo.placement(
                     hlo.Module.parse(text), steps.FOLLOWER_OPS, size
                 )
@@ -144,6 +141,80 @@ def _bare_rows(targets_, hlo):
     return rows
 
 
+# Ways to zero the accumulator as its window closes, so that a micro-step
+# is ``acc + g`` (the form the GEMM folds): one weight, Adam-like momentum
+# behind a gate of k=4, params, momentum and accumulator donated.
+RESETS = {
+    "lazy reset (today): where(fresh, g, acc + g)": "lazy",
+    "zeros in the closing branch": "fresh",
+    "zeros from the old value in the closing branch": "old",
+    "the same, after an optimization barrier": "barrier",
+    "select(closing, 0, acc) after the gate": "after",
+}
+
+
+def _reset_step(design):
+    import jax
+    import jax.numpy as jnp
+
+    def zero(a):
+        return jnp.where(jnp.isfinite(a), a * 0, 0.0)
+
+    def step(p, mu, acc, n, x, dy):
+        g = x.T @ dy
+        acc = jnp.where(n == 0, g, acc + g) if design == "lazy" else acc + g
+        close = n == 3
+
+        def closing():
+            mu2 = 0.9 * mu + 0.1 * acc
+            out = (p - 0.01 * mu2, mu2, acc)
+            if design == "barrier":
+                out = jax.lax.optimization_barrier(out)
+            if design in ("fresh", "old", "barrier"):
+                reset = jnp.zeros_like if design == "fresh" else zero
+                out = (*out[:2], reset(out[2]))
+            return out
+
+        p, mu, acc = jax.lax.cond(close, closing, lambda: (p, mu, acc))
+        acc = jnp.where(close, 0.0, acc) if design == "after" else acc
+        return p, mu, acc, jnp.where(close, 0, n + 1)
+
+    sds = jax.ShapeDtypeStruct
+    w = sds((512, 512), jnp.float32)
+    args = (w, w, w, sds((), jnp.int32))
+    return step, (*args, sds((256, 512), jnp.float32), sds((256, 512), w.dtype))
+
+
+def _reset_rows(targets_, hlo):
+    import re
+
+    rows = []
+    for label, design in RESETS.items():
+        step, args = _reset_step(design)
+        row = [label]
+        for target in targets_:
+            if target == "tpu":
+                continue
+            compiled = targets_[target](step, args, (0, 1, 2))
+            text = compiled.as_text()
+            entry = text[text.index("\nENTRY") :]
+            folded = re.search(
+                r"fusion\(%acc\.\d+, [^)]*\), kind=kCustom", text
+            )
+            passes = len(
+                re.findall(r"f32\[512,512\]\S* fusion\([^\n]*kLoop", entry)
+            )
+            copies = len(re.findall(r"f32\[512,512\]\S* copy\(", text))
+            temp = compiled.memory_analysis()
+            temp = "n/a" if temp is None else f"{temp.temp_size_in_bytes:,}"
+            row.append(
+                f"{'gemm' if folded else 'loop'}; {passes} pass, "
+                f"{copies} copy; {temp} B"
+            )
+        rows.append(row)
+    return rows
+
+
 def _memory_rows(targets_, steps):
     rows = []
     cases = [(n, True, False) for n in steps.PREMISE_CHAINS]
@@ -171,7 +242,6 @@ def measure(quick: bool) -> str:
     import jax
     import jaxlib
 
-    from optaxaccum._src import utils
     from tests.gpu_compile import hlo, steps, targets
 
     devices = {"h100": targets.gpu_device("h100")}
@@ -188,13 +258,14 @@ def measure(quick: bool) -> str:
     }
     cards = ", ".join(f"{t}: {d.device_kind}" for t, d in devices.items())
     start = time.perf_counter()
-    gated = _gated_rows(compile_, steps, hlo, utils)
+    gated = _gated_rows(compile_, steps, hlo, targets.barriers_off)
     models = (
         ["mlp", "mlp_bf16"] if quick else ["mlp", "transformer", "mlp_bf16"]
     )
     fold = _fold_rows(compile_, steps, hlo, models)
     memory = _memory_rows(compile_, steps)
     bare = _bare_rows(compile_, hlo)
+    resets = _reset_rows(compile_, hlo)
     gpus = [t for t in devices if t != "tpu"]
     out = [
         "# Compiled XLA:GPU and XLA:TPU programs (deviceless)",
@@ -235,6 +306,18 @@ def measure(quick: bool) -> str:
         "accumulator runs, by the form it is written in.",
         "",
         _table(["accumulation", *gpus], bare),
+        "",
+        "## Zeroing the accumulator as a window closes",
+        "",
+        "For the GEMM to fold a micro-step, the step must be `acc + g`: the "
+        "accumulator zeroed when its window closes. One 512 x 512 weight, a "
+        "momentum update behind a gate of k=4, all state donated: where the "
+        "accumulation runs; the weight-sized passes outside the gate and "
+        "copies in it, which every micro-step makes; the temporaries (one "
+        "weight is 1,048,576 B). A pass or a copy moves as many "
+        "bytes as the fold saves (benchmarks/GPU_FOLD.md).",
+        "",
+        _table(["design", *gpus], resets),
         "",
         "## Temporaries of the suite's memory premises (bytes)",
         "",

@@ -425,9 +425,9 @@ MUTANTS = {
         ["tests/test_multisteps.py", "-k", "inside_a_window"],
     ),
     "older_batch_stats_flushed": (  # no momentum: the flush would raise
-        "../flax/_train_state.py",
-        "        return stats_lib.MOMENTUM_KEY not in batch_stats",
-        "        return False",
+        "../flax/_linen.py",
+        "        stats_lib.MOMENTUM_KEY not in layer for _, layer in layers(",
+        "        False for _, layer in layers(",
         ["tests/test_flax.py", "-k", "without_a_momentum"],
     ),
     "closed_on_every_counted_call": (  # the window's position ignored
@@ -438,7 +438,7 @@ MUTANTS = {
     ),
     "trainstate_bn_windows_not_closed_with_the_optimizer": (
         "../flax/_train_state.py",
-        '    return _flush_batch_stats(kept, None, "", where=closed)',
+        "    return _linen.flush_windows(kept, None, where=closed)",
         "    return kept",
         ["tests/test_flax.py", "-k", "critical_batch"],
     ),
@@ -540,8 +540,8 @@ MUTANTS = {
     ),
     "older_batch_stats_warn_on_every_call": (  # not only where a close is due
         "../flax/_train_state.py",
-        "    if (known is not None and not known) or not _has_windows(kept):",
-        "    if not _has_windows(kept):",
+        "    if (known is not None and not known) or not _linen.has_windows(",
+        "    if not _linen.has_windows(",
         ["tests/test_flax.py", "-k", "older_batch_stats"],
     ),
     "counted_reads_the_innermost_window": (  # nested windows
@@ -604,8 +604,8 @@ MUTANTS = {
     # Hardening 4, items 1-9: crashes and traps.
     "one_device_mesh_inlines_unreduced": (  # JAX rejects the inlined body
         "sharding.py",
-        "jax.jit(body) if size == 1 else body",
-        "body",
+        "    if math.prod(context.shape.values()) > 1:",
+        "    if True:",
         ["tests/test_mesh.py", "-k", "one_device_steps"],
     ),
     "has_updated_first_window_only": (  # nested: an inner window closing
@@ -662,6 +662,29 @@ MUTANTS = {
         "d = int(np.argmin(share))  # the first of equals",
         "d = 0",
         ["tests/test_owned.py", "-m", "not slow", "-k", "balanced"],
+    ),
+    # ------------------------------- the reducers, one mode at a time
+    "mapped_agree_is_local": (  # one device's flag, not every device's
+        "reducer.py",
+        "        return sharding.agree(flag, self.axis_name)",
+        "        return flag",
+        ["tests/test_reducer.py", "-k", "agree"],
+    ),
+    "scatter_unplaced_leaf_not_summed": (  # a bias of odd size
+        "reducer.py",
+        "        return lax.psum(c, rest) if rest else c\n\n"
+        "    return sharding.local_map(body, mesh=mesh, in_specs=spec, "
+        "out_specs=target)",
+        "        return c\n\n"
+        "    return sharding.local_map(body, mesh=mesh, in_specs=spec, "
+        "out_specs=target)",
+        ["tests/test_reducer.py", "-k", "explicit_reduce"],
+    ),
+    "device_sq_counts_every_copy": (  # a replicated leaf's copies
+        "reducer.py",
+        "for axis in sorted(copies):  # a replicated copy counts once",
+        "for axis in ():  # a replicated copy counts once",
+        ["tests/test_reducer.py", "-k", "squared_norm"],
     ),
     # ----------------------------- the gate's inner workings (gating.py)
     "mesh_less_reducer_takes_unreduced_gradients": (  # the check skipped

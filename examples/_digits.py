@@ -1,6 +1,9 @@
 """Shared pieces of the examples: scikit-learn's bundled digits data set
-(8x8 images, 10 classes; nothing is downloaded), the small linen CNN with an
-``AccumBatchNorm`` layer, and a plain MLP."""
+(8x8 images, 10 classes; nothing is downloaded), the command line of the
+examples that train on it, the small linen CNN with an ``AccumBatchNorm``
+layer, and a plain MLP."""
+
+import argparse
 
 import flax.linen as nn
 import jax
@@ -11,6 +14,31 @@ from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 
 from optaxaccum.flax import AccumBatchNorm
+
+
+def training_parser(description, *, lr):
+    """The command line of an example training on the digits: ``--epochs``,
+    ``--accum``, ``--lr`` (default ``lr``) and ``--tiny`` (2 epochs on a
+    subset: :func:`tiny_data`)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--accum", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="2 epochs on a subset (a smoke test)",
+    )
+    return parser
+
+
+def tiny_data(args):
+    """``(epochs, (x_train, y_train, x_test, y_test))`` of the command line
+    ``args`` of :func:`training_parser`: 2 epochs on 160 training images
+    with ``--tiny``."""
+    if args.tiny:
+        return 2, load_data(n_train=160)
+    return args.epochs, load_data()
 
 
 def load_data(*, images=True, n_train=None, n_test=None):

@@ -18,16 +18,9 @@ however many there are.
 Run: ``python examples/data_parallel.py [--steps 200] [--accum 4]``.
 """
 
-import os
+from _mesh import ask_for_host_devices, training_parser
 
-_FLAGS = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _FLAGS:
-    # Must happen before JAX starts its CPU backend.
-    os.environ["XLA_FLAGS"] = (
-        f"{_FLAGS} --xla_force_host_platform_device_count=8"
-    )
-
-import argparse  # noqa: E402
+ask_for_host_devices()  # before JAX starts its CPU backend
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -59,27 +52,13 @@ def loss_fn(params, x, y, mask):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=200,
-        help="micro-steps (calls of the train step)",
+    parser = training_parser(
+        __doc__.split("\n")[0],
+        steps=200,
+        batch=16,
+        batch_help="examples per device and micro-batch",
+        hidden=64,
     )
-    parser.add_argument(
-        "--accum",
-        type=int,
-        default=4,
-        help="micro-batches per optimizer step (window)",
-    )
-    parser.add_argument(
-        "--batch",
-        type=int,
-        default=16,
-        help="examples per device and micro-batch",
-    )
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
 

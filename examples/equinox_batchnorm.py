@@ -6,8 +6,7 @@ micro-batch, from that micro-batch alone. This script builds, in Equinox, a
 BatchNorm whose running ``mean``/``var`` are updated once per window with the
 pooled statistics of the whole window (as ``optaxaccum.flax.AccumBatchNorm``
 does for Flax), from optaxaccum's framework-neutral helpers
-(``optaxaccum._src.batch_stats``: plain JAX, no flax; an internal module,
-without a stability promise across releases), and keeps its window
+(``optaxaccum.batch_stats``: plain JAX, no flax), and keeps its window
 aligned with the optimizer's: a micro-batch that the chain does not count
 stays out, and the BatchNorm window closes on exactly the calls where the
 optimizer's window closes -- here windows whose length changes, sized from
@@ -29,7 +28,7 @@ import numpy as np
 import optax
 
 import optaxaccum as oa
-from optaxaccum._src import batch_stats
+from optaxaccum import batch_stats
 
 FEATURES = 4
 MICRO = 8  # examples per micro-batch
@@ -68,15 +67,7 @@ class BatchNorm(eqx.Module):
         if not train:
             y = (x - state.mean) * jax.lax.rsqrt(state.var + 1e-5)
             return y * self.scale + self.bias, state
-        stats = batch_stats.micro_batch_stats(
-            x,
-            (0,),
-            dtype=None,
-            mask=None,
-            axis_name=None,
-            axis_index_groups=None,
-            use_fast_variance=True,
-        )
+        stats = batch_stats.micro_batch_stats(x, reduction_axes=0)
         _, mean, var = stats
         y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale + self.bias
         new = batch_stats.step(
@@ -109,7 +100,7 @@ def follow_window(old_opt, new_opt, new: BNState, old: BNState) -> BNState:
     micro-batch, ``new`` otherwise, its window closed where the optimizer's
     window closed (both answers come from the optimizer's states)."""
     kept = batch_stats.keep_counted(old_opt, new_opt, new, old)
-    closed = batch_stats.closes_with(old_opt, new_opt)
+    closed = batch_stats.closed(old_opt, new_opt)
     return BNState(
         *batch_stats.flush(kept.window, kept.mean, kept.var, MOMENTUM, closed)
     )

@@ -20,13 +20,12 @@ closes the partial window, for Adam and for the BatchNorm statistics.
 Run: ``python examples/flax_trainstate.py [--epochs 8] [--tiny]``.
 """
 
-import argparse
 import functools
 
 import jax
 import numpy as np
 import optax
-from _digits import CNN, accuracy, load_data
+from _digits import CNN, accuracy, tiny_data, training_parser
 
 import optaxaccum as oa
 from optaxaccum.flax import TrainState
@@ -36,10 +35,7 @@ MOMENTUM = 0.9
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--accum", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = training_parser(__doc__.split("\n")[0], lr=3e-3)
     parser.add_argument(
         "--period",
         type=int,
@@ -52,18 +48,9 @@ def main(argv=None):
         default=100,
         help="micro-batches between log lines",
     )
-    parser.add_argument(
-        "--tiny",
-        action="store_true",
-        help="2 epochs on a subset (a smoke test)",
-    )
     args = parser.parse_args(argv)
-    epochs = 2 if args.tiny else args.epochs
+    epochs, (x_train, y_train, x_test, y_test) = tiny_data(args)
     log_every = 5 if args.tiny else args.log_every
-
-    x_train, y_train, x_test, y_test = (
-        load_data(n_train=160) if args.tiny else load_data()
-    )
     model = CNN(accum_steps=args.accum, momentum=MOMENTUM)
     variables = model.init(jax.random.key(0), x_train[:MICRO], train=False)
     tx = oa.chain(

@@ -34,15 +34,10 @@ On CPU the script asks XLA for 8 host devices (unless ``XLA_FLAGS`` sets a
 count). Run: ``python examples/fsdp.py [--steps 80] [--accum 4]``.
 """
 
-import os
+from _mesh import ask_for_host_devices, census_line, training_parser
 
-_FLAGS = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _FLAGS:
-    os.environ["XLA_FLAGS"] = (
-        f"{_FLAGS} --xla_force_host_platform_device_count=8"
-    )
+ask_for_host_devices()  # before JAX starts its CPU backend
 
-import argparse  # noqa: E402
 import functools  # noqa: E402
 
 import jax  # noqa: E402
@@ -50,7 +45,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _digits import init_mlp, load_data  # noqa: E402
-from _mesh import census_line  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -143,27 +137,13 @@ def gather_once_report(mesh, params, batch, k):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=80,
-        help="micro-steps (calls of the train step)",
+    parser = training_parser(
+        __doc__.split("\n")[0],
+        steps=80,
+        batch=64,
+        batch_help="examples per micro-batch (all devices)",
+        hidden=128,
     )
-    parser.add_argument(
-        "--accum",
-        type=int,
-        default=4,
-        help="micro-batches per optimizer step (window)",
-    )
-    parser.add_argument(
-        "--batch",
-        type=int,
-        default=64,
-        help="examples per micro-batch (all devices)",
-    )
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--hidden", type=int, default=128)
     args = parser.parse_args(argv)
 
     mesh = jax.make_mesh(

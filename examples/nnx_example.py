@@ -20,12 +20,10 @@ of the BatchNorm statistics together.
 Run: ``python examples/nnx_example.py [--epochs 8] [--tiny]``.
 """
 
-import argparse
-
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _digits import load_data
+from _digits import tiny_data, training_parser
 from flax import nnx
 
 import optaxaccum as oa
@@ -73,21 +71,8 @@ def accuracy(model, x, y):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--accum", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument(
-        "--tiny",
-        action="store_true",
-        help="2 epochs on a subset (a smoke test)",
-    )
-    args = parser.parse_args(argv)
-    epochs = 2 if args.tiny else args.epochs
-
-    x_train, y_train, x_test, y_test = (
-        load_data(n_train=160) if args.tiny else load_data()
-    )
+    args = training_parser(__doc__.split("\n")[0], lr=1e-3).parse_args(argv)
+    epochs, (x_train, y_train, x_test, y_test) = tiny_data(args)
     model = CNN(args.accum, nnx.Rngs(0))
     optimizer = oa_nnx.Optimizer(
         model, oa.chain(oa.accumulate(args.accum), optax.adam(args.lr))

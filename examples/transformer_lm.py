@@ -55,12 +55,10 @@ Run: ``python examples/transformer_lm.py [--epochs 2] [--out DIR] [--quick]
 import os
 import sys
 
-if "--mesh" in sys.argv:  # 8 host devices, before jax starts
-    _FLAGS = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in _FLAGS:
-        os.environ["XLA_FLAGS"] = (
-            f"{_FLAGS} --xla_force_host_platform_device_count=8"
-        )
+from _mesh import ask_for_host_devices, census_line
+
+if "--mesh" in sys.argv:
+    ask_for_host_devices()  # before JAX starts its CPU backend
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
@@ -74,7 +72,6 @@ import jax.numpy as jnp  # noqa: E402
 import matplotlib  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _mesh import census_line  # noqa: E402
 from flax import nnx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 

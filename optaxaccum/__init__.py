@@ -1,7 +1,8 @@
 """optaxaccum: gradient accumulation for JAX as composable optax transforms.
 
 Users import :mod:`optaxaccum` (and :mod:`optaxaccum.flax` for the Flax
-integration); everything under ``optaxaccum._src`` is private.
+integration, :mod:`optaxaccum.batch_stats` for pooled BatchNorm statistics in
+any framework); everything under ``optaxaccum._src`` is private.
 """
 
 from optaxaccum._src.accumulate import (
@@ -107,3 +108,6 @@ __all__ = [
 from optaxaccum._src.owned import WholeLeavesState, whole_leaves  # noqa: E402
 
 __all__ += ["WholeLeavesState", "whole_leaves"]
+
+# Pooled BatchNorm statistics for any framework: ``oa.batch_stats.step``.
+from optaxaccum import batch_stats as batch_stats  # noqa: E402

@@ -15,8 +15,13 @@ import chex
 import jax
 import numpy as np
 import optax
+import pytest
 
 import optaxaccum as oa
+
+# The benchmarks' own runs (minutes on 2 cores): the development leg runs
+# them; the installed legs leave them out (Makefile, INSTALLED_PYTEST_ARGS).
+bench_smoke = pytest.mark.bench_smoke
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -48,6 +53,7 @@ def _check_result_format(res):
     assert all(r > 0 for r in res["ratios"].values())
 
 
+@bench_smoke
 def test_bench_step_main_tiny():
     bench = _load("bench_step")
     res = bench.main(tiny=True)
@@ -104,6 +110,7 @@ def test_bench_step_main_tiny():
     assert mem["oa.MultiSteps(plain)"]["temp"] <= mem["plain"]["temp"]
 
 
+@bench_smoke
 def test_bench_microbatch_main_tiny():
     bench = _load("bench_microbatch")
     res = bench.main(tiny=True)  # raises if a variant's result is wrong
@@ -176,6 +183,7 @@ def test_bn_pooling_script_runs(capsys):
     assert out.count("AccumBatchNorm vs nn.BatchNorm") == 2
 
 
+@bench_smoke
 def test_bench_compile_main_quick():
     """B5 on toy trees: every configuration compiles in its own process and
     reports its stages, peak RSS and HLO counts; the gated configurations
@@ -235,6 +243,7 @@ def test_run_all_keeps_hand_recorded_sections(tmp_path):
     assert again["hand"] == record["hand"]
 
 
+@bench_smoke
 def test_compile_limits_quick():
     """B5-limits on toy sizes: every case runs in its own process without
     error and the report has its rows."""
@@ -284,6 +293,7 @@ def test_rss_of_a_worker_is_its_own(tmp_path):
     del big
 
 
+@bench_smoke
 def test_bench_compile_one_size():
     """One size gives no growth target (it used to fail unpacking sizes)."""
     bench = _load("bench_compile")

@@ -222,8 +222,37 @@ def test_equinox_batchnorm(tmp_path):
         for a in n.names
     }
     ours = {m for m in imported if m.startswith("optaxaccum")}
-    assert ours == {"optaxaccum", "optaxaccum._src.batch_stats"}, ours
+    assert ours == {"optaxaccum"}, ours
     assert not any(m.split(".")[0] == "flax" for m in imported), imported
+
+
+def _private_imports(path):
+    """The ``optaxaccum._src`` modules that ``path`` imports, anywhere in
+    it (function-local imports included)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.startswith("optaxaccum._src")}
+    return found
+
+
+def test_examples_and_benchmarks_use_only_the_public_api():
+    """What users copy from is written on the public API: no file of
+    examples/ or benchmarks/ imports ``optaxaccum._src``."""
+    root = EXAMPLES.parent
+    offenders = {
+        str(path.relative_to(root)): sorted(_private_imports(path))
+        for folder in ("examples", "benchmarks")
+        for path in sorted((root / folder).rglob("*.py"))
+        if _private_imports(path)
+    }
+    assert not offenders, offenders
 
 
 def test_adascale(tmp_path):

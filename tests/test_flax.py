@@ -1437,13 +1437,10 @@ def test_trainstate_batchnorm_windows_close_with_a_critical_batch_window(jit):
         np.testing.assert_allclose(bn[name], ref_stats[name], **TOL)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_trainstate_keeps_stepping_batch_stats_without_a_momentum(jit):
-    """``batch_stats`` of an older optaxaccum (windows, no recorded
-    momentum) still step through ``apply_gradients``: the layers keep
-    closing their windows on ``accum_steps`` (they cannot close with the
-    optimizer's window without the momentum), and a warning says how to
-    convert them (convert_batch_stats)."""
+def _with_older_batch_stats(tx):
+    """A ``TrainState`` of ``tx`` whose ``batch_stats`` come from an older
+    optaxaccum (a window, no recorded momentum); those ``batch_stats``; and
+    gradients of ones."""
     model = _BNHead(accum_steps=2)
     x = jax.random.normal(jax.random.key(0), (4, 4))
     variables = model.init(jax.random.key(0), x, False)
@@ -1454,10 +1451,42 @@ def test_trainstate_keeps_stepping_batch_stats_without_a_momentum(jit):
     state = TrainState.create(
         apply_fn=model.apply,
         params=variables["params"],
-        tx=oa.chain(oa.accumulate(2), optax.sgd(0.1)),
+        tx=tx,
         batch_stats=older,
     )
-    grads = jax.tree.map(jnp.ones_like, state.params)
+    return state, older, jax.tree.map(jnp.ones_like, state.params)
+
+
+def test_every_message_about_older_batch_stats_gives_one_advice():
+    """The error, the deprecation and the warning about ``batch_stats`` to
+    convert all give the same advice, with the call to make."""
+    from optaxaccum.flax import _linen
+
+    advice = _linen.CONVERT_ADVICE
+    assert "convert_batch_stats(batch_stats, model.init(" in advice
+    state, older, grads = _with_older_batch_stats(
+        oa.chain(oa.accumulate(1), optax.sgd(0.1))
+    )
+    with pytest.raises(ValueError) as error:
+        flush_batch_stats(older)
+    with pytest.warns(DeprecationWarning) as deprecation:
+        flush_batch_stats(older, 0.5)
+    with pytest.warns(UserWarning) as warning:
+        state.apply_gradients(grads=grads, batch_stats=older)
+    for message in (error.value, deprecation[0].message, warning[0].message):
+        assert advice in str(message), message
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_trainstate_keeps_stepping_batch_stats_without_a_momentum(jit):
+    """``batch_stats`` of an older optaxaccum (windows, no recorded
+    momentum) still step through ``apply_gradients``: the layers keep
+    closing their windows on ``accum_steps`` (they cannot close with the
+    optimizer's window without the momentum), and a warning says how to
+    convert them (convert_batch_stats)."""
+    state, older, grads = _with_older_batch_stats(
+        oa.chain(oa.accumulate(2), optax.sgd(0.1))
+    )
 
     def step(state):
         return state.apply_gradients(grads=grads, batch_stats=older)
@@ -1479,22 +1508,9 @@ def test_trainstate_warns_about_older_batch_stats_only_where_a_close_is_due(
     ``oa.accumulate(2)``: where the layers would have closed with it), not
     on every call, and never with a plain optax optimizer (no window to
     follow: the layers close on ``accum_steps``, as they always did)."""
-    model = _BNHead(accum_steps=2)
-    x = jax.random.normal(jax.random.key(0), (4, 4))
-    variables = model.init(jax.random.key(0), x, False)
-    layer = variables["batch_stats"]["AccumBatchNorm_0"]
-    older = {
-        "AccumBatchNorm_0": {k: v for k, v in layer.items() if k != "momentum"}
-    }
     tx = optax.sgd(0.1)
     tx = tx if plain else oa.chain(oa.accumulate(2), tx)
-    state = TrainState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        tx=tx,
-        batch_stats=older,
-    )
-    grads = jax.tree.map(jnp.ones_like, state.params)
+    state, older, grads = _with_older_batch_stats(tx)
     warned = []
     for _ in range(4):
         with warnings.catch_warnings(record=True) as caught:

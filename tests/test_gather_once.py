@@ -34,12 +34,19 @@ MESHES = {
     "data2xfsdp4": ((2, 4), ("data", "fsdp"), "fsdp"),
     "replica2xfsdp4": ((2, 4), ("replica", "fsdp"), ("fsdp", "replica")),
 }
+# A mesh whose axes all have size 1: a run resumed on one device.
+ONE_DEVICE = {"one1x1": ((1, 1), ("data", "fsdp"), "fsdp")}
 W_BYTES = {"w1": 4 * D_IN * HIDDEN, "w2": 4 * HIDDEN * D_OUT}
 
 
 def _mesh(name):
-    shape, names, _ = MESHES[name]
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * 2)
+    shape, names, _ = {**MESHES, **ONE_DEVICE}[name]
+    return jax.make_mesh(
+        shape,
+        names,
+        axis_types=(AxisType.Explicit,) * 2,
+        devices=jax.devices()[: int(np.prod(shape))],
+    )
 
 
 def _params():
@@ -82,7 +89,7 @@ def _loss(axes):
 
 def _put(mesh_name, params, batch):
     mesh = _mesh(mesh_name)
-    entry = MESHES[mesh_name][2]
+    entry = {**MESHES, **ONE_DEVICE}[mesh_name][2]
     specs = {"w1": P(entry, None), "b1": P(), "w2": P(entry, None)}
     params = {
         k: jax.device_put(v, NamedSharding(mesh, specs[k]))
@@ -96,7 +103,7 @@ def _grad_fn(mesh_name, k, gather_once, unreduced=True):
     """The step's value_and_grad: on data x fsdp wrapped in
     oa.unreduced_value_and_grad(..., "data") (the window's deferred
     reduction), token-weighted, interleaved micro-batches."""
-    axes = MESHES[mesh_name][1]
+    axes = {**MESHES, **ONE_DEVICE}[mesh_name][1]
     micro = functools.partial(
         oa.microbatched_value_and_grad,
         num_microbatches=k,
@@ -173,15 +180,17 @@ def _want():
 # ------------------------------------------------------------- numerics
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("mesh_name", [*MESHES, *ONE_DEVICE])
 def test_held_step_equals_per_micro_batch_and_big_batch(mesh_name):
     """Holding every fsdp-sharded weight: the loss and the gradients equal
     the per-micro-batch path's and jax.value_and_grad of the whole batch
     on one device (float32 rounding); the gradients come back in the
     params' shardings, still unreduced over 'data' where
-    oa.unreduced_value_and_grad asked for it."""
-    over = None if mesh_name == "data2xfsdp4" else ("replica", "fsdp")
-    held = oa.GatherOnce(MESHES[mesh_name][1], over=over)
+    oa.unreduced_value_and_grad asked for it. Also on a mesh whose axes
+    all have size 1 (the held gradient's scatter is then the identity)."""
+    over = ("replica", "fsdp") if mesh_name == "replica2xfsdp4" else None
+    axes = {**MESHES, **ONE_DEVICE}[mesh_name][1]
+    held = oa.GatherOnce(axes, over=over)
     value, grads, types = _run(mesh_name, 4, held)
     value0, grads0, types0 = _run(mesh_name, 4, None)
     want_value, want = _want()

@@ -28,13 +28,18 @@ BATCH = 16  # global examples per micro-batch
 D_IN, HIDDEN, D_OUT = 8, 16, 4
 TOL = dict(rtol=2e-5, atol=2e-6)
 MESHES = {"data2xfsdp4": (2, 4), "data8": (8,)}
+# A mesh whose axes all have size 1: a run resumed on one device.
+ONE_DEVICE = {"one1x1": (1, 1)}
 
 
 def _mesh(name):
-    shape = MESHES[name]
+    shape = {**MESHES, **ONE_DEVICE}[name]
     names = ("data", "fsdp")[: len(shape)]
     return jax.make_mesh(
-        shape, names, axis_types=(AxisType.Explicit,) * len(shape)
+        shape,
+        names,
+        axis_types=(AxisType.Explicit,) * len(shape),
+        devices=jax.devices()[: int(np.prod(shape))],
     )
 
 
@@ -618,10 +623,11 @@ def _nan_on_one_device(data, t):
     return x, data[1], mask
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("mesh_name", [*MESHES, *ONE_DEVICE])
 def test_skip_nonfinite_one_device_skips_everywhere(mesh_name):
     """A NaN in one data shard's partial gradient drops the micro-batch on
-    every device: equals the reference without that micro-batch."""
+    every device: equals the reference without that micro-batch (on a
+    mesh of size-1 axes too)."""
     mesh = _mesh(mesh_name)
     data = _make_data(K * WINDOWS + 1)
     bad = 2
@@ -639,11 +645,13 @@ def test_skip_nonfinite_one_device_skips_everywhere(mesh_name):
     assert int(state[0].gradient_step) == WINDOWS
 
 
-def test_dynamic_loss_scale_axis_name_agrees_across_devices():
+@pytest.mark.parametrize("mesh_name", ["data2xfsdp4", *ONE_DEVICE])
+def test_dynamic_loss_scale_axis_name_agrees_across_devices(mesh_name):
     """dynamic_loss_scale(axis_name='data') before the accumulation, with
     unreduced gradients of the scaled loss: the NaN micro-batch is dropped
-    everywhere, the scale halves once, the rest equals the reference."""
-    mesh = _mesh("data2xfsdp4")
+    everywhere, the scale halves once, the rest equals the reference (on a
+    mesh of size-1 axes too)."""
+    mesh = _mesh(mesh_name)
     data = _nan_on_one_device(_make_data(K * WINDOWS + 1), 1)
     tx = oa.chain(
         oa.dynamic_loss_scale(2.0**8, axis_name="data"),
@@ -1332,21 +1340,10 @@ def _one_device_mesh(shape):
         shape,
         names,
         axis_types=(AxisType.Explicit,) * len(shape),
-        devices=jax.devices()[:1],
+        devices=jax.devices()[: int(np.prod(shape))],
     )
 
 
-# jax 0.11 and later reject the unreduced output of a shard_map over axes
-# of size 1 whose body is called through jit (optaxaccum's way round JAX
-# inlining it), with the same internal AssertionError as an inlined one.
-_ONE_DEVICE_MESH_OPEN = pytest.mark.xfail(
-    tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11),
-    reason="jax >= 0.11: shard_map over size-1 axes with unreduced outputs",
-    strict=True,
-)
-
-
-@_ONE_DEVICE_MESH_OPEN
 @pytest.mark.parametrize(
     "shape,kwargs",
     [
@@ -1354,6 +1351,8 @@ _ONE_DEVICE_MESH_OPEN = pytest.mark.xfail(
         ((1, 1), {"noise_scale_decay": 0.9}),
         ((1, 1), {"shard_update": True}),
         ((1,), {}),
+        ((2, 1), {"shard_update": True}),
+        ((1, 2), {"noise_scale_decay": 0.9}),
     ],
 )
 def test_mesh_of_one_device_steps_like_the_big_batch(shape, kwargs):
@@ -1361,9 +1360,9 @@ def test_mesh_of_one_device_steps_like_the_big_batch(shape, kwargs):
     device) takes the jit-mesh step of docs/scaling.md (oa.fsdp_gather,
     oa.unreduced_value_and_grad, the stacked accumulator, the noise scale's
     sums, shard_update's scatter) and gives Adam on each window's whole
-    batch. JAX inlines a shard_map over such a mesh and rejected its
+    batch; so do meshes of two devices with one axis of size 1. JAX inlines a shard_map over such a mesh and rejected its
     unreduced outputs (AssertionError: Expected last op to be
-    sdy.sharding_constraint)."""
+    sdy.sharding_constraint), on jax 0.10 and later."""
     mesh = _one_device_mesh(shape)
     data = _make_data(K * WINDOWS)
     opt = optax.adam(0.05)
@@ -1374,7 +1373,6 @@ def test_mesh_of_one_device_steps_like_the_big_batch(shape, kwargs):
     assert int(state[0].gradient_step) == WINDOWS
 
 
-@_ONE_DEVICE_MESH_OPEN
 def test_reshard_state_onto_one_device_mesh_resumes():
     """docs/scaling.md's resumed run on one device: the state of a
     data=2 x fsdp=4 run, mid-window, resharded onto a (1, 1) mesh, steps

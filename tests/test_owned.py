@@ -33,12 +33,16 @@ def _muon():
     return optax.contrib.muon(0.05)
 
 
-@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("mesh_name", [*MESHES, *tm.ONE_DEVICE])
 def test_muon_equals_single_device_muon_on_the_window(mesh_name):
     """Several windows of token-weighted micro-batches: the params equal
     single-device optax.contrib.muon stepped once per window on the
-    window's whole batch (refused before), and keep their sharding."""
-    mesh, axis = ts._mesh(mesh_name)
+    window's whole batch (refused before), and keep their sharding; also
+    on a mesh whose axes all have size 1 (a run resumed on one device)."""
+    if mesh_name in tm.ONE_DEVICE:
+        mesh, axis = tm._mesh(mesh_name), "data"
+    else:
+        mesh, axis = ts._mesh(mesh_name)
     data = tm._make_data(tm.K * 3)
     params, state = tm._run(ts._tx(_muon(), axis), mesh, data, axis=axis)
     want = tm._reference(_muon(), tm._init_params(), *data)

@@ -304,11 +304,17 @@ def test_reshard_state_folds_a_complex_accumulator_with_its_imaginary_part():
     np.testing.assert_array_equal(moved[0].acc["w"][1:], 0)
 
 
-def test_docs_scaling_resume_on_another_mesh_runs_as_written(capsys):
+@pytest.mark.parametrize("one_device", [False, True])
+def test_docs_scaling_resume_on_another_mesh_runs_as_written(
+    capsys, one_device
+):
     """docs/scaling.md: the first block of the jit section, then the
     recipe of "Resuming on another mesh", exactly as written, in one
     namespace on the 8 CPU devices: the window left open on data=2 x
-    fsdp=4 closes on data=8."""
+    fsdp=4 closes on data=8; and with the new mesh one of size-1 axes
+    (data=1 x fsdp=1 on one device, a run resumed there), which JAX's
+    inlined shard_map rejected ("Expected last op to be
+    sdy.sharding_constraint")."""
     import pathlib
 
     text = (
@@ -319,11 +325,21 @@ def test_docs_scaling_resume_on_another_mesh_runs_as_written(capsys):
     recipe = section[section.index("### Resuming on another mesh") :]
     recipe = recipe.split("```python\n", 1)[1].split("```", 1)[0]
     assert "oa.reshard_state(tx, saved" in recipe
+    rows = 8
+    if one_device:  # the recipe's new_mesh statement, on one device
+        start = recipe.index("new_mesh = jax.make_mesh((8, 1)")
+        end = recipe.index("\n", recipe.index("axis_types=", start))
+        one = (
+            'new_mesh = jax.make_mesh((1, 1), ("data", "fsdp"), '
+            "axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:1])"
+        )
+        recipe = recipe[:start] + one + recipe[end:]
+        rows = 1
     namespace = {}
     exec(compile(first, "docs/scaling.md", "exec"), namespace)  # noqa: S102
     exec(compile(recipe, "docs/scaling.md", "exec"), namespace)  # noqa: S102
     assert capsys.readouterr().out.split()[-1] == "3"
-    assert namespace["state"][0].acc["w1"].shape[0] == 8
+    assert namespace["state"][0].acc["w1"].shape[0] == rows
 
 
 def test_reshard_state_onto_fewer_devices_mid_window():

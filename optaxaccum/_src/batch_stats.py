@@ -1,17 +1,21 @@
 """Pooled BatchNorm statistics over an accumulation window (pure JAX).
 
-Shared by the linen and nnx ``AccumBatchNorm`` and usable from any framework:
-it imports no flax (examples/equinox_batchnorm.py uses it with Equinox). A
-window's statistics are kept as per-feature ``count``, ``mean`` and ``m2``
-(sum of squared deviations from the mean) in float32 and merged micro-batch
-by micro-batch with the parallel-variance formula of Chan, Golub and
-LeVeque, so the pooled variance is exact for micro-batches of any sizes --
-not an average of variances.
+The arithmetic behind the linen and nnx ``AccumBatchNorm``, published for
+any framework as :mod:`optaxaccum.batch_stats` (it imports no flax;
+examples/equinox_batchnorm.py builds an Equinox layer on it). A window's
+statistics are kept as per-feature ``count``, ``mean`` and ``m2`` (sum of
+squared deviations from the mean) in float32 and merged micro-batch by
+micro-batch with the parallel-variance formula of Chan, Golub and LeVeque,
+so the pooled variance is exact for micro-batches of any sizes -- not an
+average of variances. The names without an underscore below that the public
+module does not export (the entry names, ``train_step``,
+``check_closed_with``) are the Flax layers' own.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -39,6 +43,12 @@ class Window(NamedTuple):
       mean: per-feature mean, float32.
       m2: per-feature sum of squared deviations from ``mean``, float32.
       step: number of micro-batches in the window, int32 scalar.
+
+    Examples:
+      >>> from optaxaccum import batch_stats
+      >>> window = batch_stats.empty_window((2,))
+      >>> window.mean, int(window.step)
+      (Array([0., 0.], dtype=float32), 0)
     """
 
     elements: jax.Array
@@ -48,6 +58,20 @@ class Window(NamedTuple):
 
 
 def empty_window(feature_shape: Sequence[int]) -> Window:
+    """A window that has seen nothing: zero counts, means and sums.
+
+    Args:
+      feature_shape: the shape of the per-feature statistics (the input's
+        shape without its reduction axes), e.g. ``(num_features,)``.
+
+    Returns:
+      A :class:`Window` of float32 zeros of that shape and ``step`` 0.
+
+    Examples:
+      >>> from optaxaccum import batch_stats
+      >>> batch_stats.empty_window((3,)).elements
+      Array([0., 0., 0.], dtype=float32)
+    """
     # Three distinct buffers: one array used for three leaves could not be
     # donated (XLA refuses to donate the same buffer twice).
     shape = tuple(feature_shape)
@@ -57,29 +81,83 @@ def empty_window(feature_shape: Sequence[int]) -> Window:
     )
 
 
+def _checked_axes(ndim: int, axes: Any) -> tuple[int, ...]:
+    """``axes`` (an int or a sequence of ints) as sorted non-negative ints
+    of an array of rank ``ndim``."""
+    if isinstance(axes, numbers.Integral) and not isinstance(axes, bool):
+        axes = (axes,)
+    if not isinstance(axes, (tuple, list)) or not all(
+        isinstance(a, numbers.Integral) and not isinstance(a, bool)
+        for a in axes
+    ):
+        raise TypeError(
+            "reduction_axes must be an int or a tuple of ints, got "
+            f"reduction_axes={axes!r}"
+        )
+    if not all(-ndim <= a < ndim for a in axes):
+        raise ValueError(
+            f"reduction_axes must be axes of x (of rank {ndim}), got "
+            f"reduction_axes={axes!r}"
+        )
+    return tuple(sorted({int(a) % ndim for a in axes}))
+
+
 def micro_batch_stats(
     x: jax.Array,
-    reduction_axes: tuple[int, ...],
+    reduction_axes: int | tuple[int, ...],
     *,
-    dtype: Any,
-    mask: jax.Array | None,
-    axis_name: Any,
-    axis_index_groups: Any,
-    use_fast_variance: bool,
+    dtype: Any = None,
+    mask: jax.Array | None = None,
+    axis_name: Any = None,
+    axis_index_groups: Any = None,
+    use_fast_variance: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(count, mean, var)`` of one micro-batch, in float32 (or wider).
+    """The element count, mean and variance of one micro-batch, per feature.
 
-    As flax's ``_compute_stats``: computed in ``dtype`` (``x``'s when
+    As flax's ``BatchNorm`` computes them: in ``dtype`` (``x``'s when
     ``None``) widened to at least float32. Counts are summed over
-    ``axis_name`` (so devices with different numbers of examples are weighted
-    by their size), with one collective for the fast variance and two for the
-    two-pass one. A feature with no element (all masked) gets count 0, mean 0
-    and variance 0, so it adds nothing to the window.
+    ``axis_name`` (so devices with different numbers of examples are
+    weighted by their size), with one collective for the fast variance and
+    two for the two-pass one. A feature with no element (all masked) gets
+    count 0, mean 0 and variance 0, so it adds nothing to a window.
+
+    Args:
+      x: the micro-batch, a real array.
+      reduction_axes: the axes to reduce over (the batch axes; every axis
+        but the features'), an int or a tuple of ints.
+      dtype: the dtype to compute in, widened to at least float32.
+      mask: optional boolean array broadcastable to ``x``: which elements
+        count.
+      axis_name: optional mapped axis (``pmap``/``shard_map``) to pool the
+        statistics over; ``axis_index_groups`` as in ``lax.psum``.
+      axis_index_groups: see ``axis_name``.
+      use_fast_variance: ``E[x^2] - E[x]^2`` (one pass) if true, else the
+        two-pass variance.
+
+    Returns:
+      ``(count, mean, var)``, each of the feature shape; the variance is
+      the biased one (divided by the count), as BatchNorm's.
+
+    Raises:
+      TypeError: if ``x`` is complex, or ``reduction_axes`` is not an int or
+        a tuple of ints.
+      ValueError: if an axis of ``reduction_axes`` is not an axis of ``x``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from optaxaccum import batch_stats
+      >>> x = jnp.array([[0.0, 1.0], [2.0, 5.0]])
+      >>> count, mean, var = batch_stats.micro_batch_stats(x, 0)
+      >>> count
+      Array([2., 2.], dtype=float32)
+      >>> mean, var
+      (Array([1., 3.], dtype=float32), Array([1., 4.], dtype=float32))
     """
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         raise TypeError(
             f"AccumBatchNorm supports real inputs only, got dtype {x.dtype}"
         )
+    reduction_axes = _checked_axes(x.ndim, reduction_axes)
     dtype = utils.widen(x.dtype if dtype is None else dtype)
     x = x.astype(dtype)
     if mask is None:
@@ -127,7 +205,27 @@ def micro_batch_stats(
 def merge(
     window: Window, n: jax.Array, mean: jax.Array, var: jax.Array
 ) -> Window:
-    """Adds a micro-batch with ``n`` elements, ``mean`` and ``var``."""
+    """Adds a micro-batch's statistics to the window (exact pooled variance).
+
+    Args:
+      window: the window so far.
+      n: the micro-batch's per-feature element count.
+      mean: its per-feature mean.
+      var: its per-feature (biased) variance.
+
+    Returns:
+      The window with the micro-batch merged in and ``step`` one higher.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from optaxaccum import batch_stats
+      >>> window = batch_stats.empty_window((1,))
+      >>> for xb in (jnp.array([[0.0], [2.0]]), jnp.array([[10.0], [12.0]])):
+      ...     stats = batch_stats.micro_batch_stats(xb, 0)
+      ...     window = batch_stats.merge(window, *stats)
+      >>> window.mean, window.m2 / window.elements  # those of all four rows
+      (Array([6.], dtype=float32), Array([26.], dtype=float32))
+    """
     n, mean, var = (v.astype(jnp.float32) for v in (n, mean, var))
     total = window.elements + n
     frac = utils.divide_or(n, total, total > 0)
@@ -149,9 +247,33 @@ def close(
 ) -> tuple[jax.Array, jax.Array, Window]:
     """Folds the pooled window into the running averages where ``do_close``.
 
-    A window that saw no element (everything masked) leaves the running
-    averages unchanged. Returns ``(ra_mean, ra_var, window)``; the window is
-    emptied where it closed.
+    The running averages become ``momentum * ra + (1 - momentum) * stat``
+    with the window's mean and pooled (biased) variance, as BatchNorm's
+    once per micro-batch. A window that saw no element (everything masked)
+    leaves them unchanged.
+
+    Args:
+      window: the window to close.
+      ra_mean: the running mean.
+      ra_var: the running variance.
+      momentum: BatchNorm's momentum, a float (or an array, which takes the
+        running averages' dtype).
+      do_close: whether to close, a bool or a boolean array (traced under
+        ``jit``).
+
+    Returns:
+      ``(ra_mean, ra_var, window)``: the window is emptied where it closed;
+      elsewhere all three come back unchanged.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from optaxaccum import batch_stats
+      >>> stats = batch_stats.micro_batch_stats(jnp.array([[1.0], [3.0]]), 0)
+      >>> window = batch_stats.merge(batch_stats.empty_window((1,)), *stats)
+      >>> mean, var, window = batch_stats.close(
+      ...     window, jnp.zeros(1), jnp.ones(1), momentum=0.5, do_close=True)
+      >>> mean, var, int(window.step)
+      (Array([1.], dtype=float32), Array([1.], dtype=float32), 0)
     """
     seen = window.elements > 0
     pooled_var = utils.divide_or(window.m2, window.elements, seen)
@@ -183,9 +305,39 @@ def step(
     momentum: float,
     every_k: int,
 ) -> tuple[jax.Array, jax.Array, Window]:
-    """One training micro-batch: merge its ``stats``, close a full window of
-    ``every_k`` micro-batches (the core's name for the window length; the
-    layers' public argument is ``accum_steps``)."""
+    """One training micro-batch: :func:`merge` its ``stats``, then
+    :func:`close` the window once it holds ``every_k`` micro-batches.
+
+    Args:
+      window: the window so far.
+      ra_mean: the running mean.
+      ra_var: the running variance.
+      stats: the micro-batch's ``(count, mean, var)``
+        (:func:`micro_batch_stats`; stop their gradient first when called
+        inside a loss).
+      momentum: BatchNorm's momentum.
+      every_k: micro-batches per window, a positive int (the layers'
+        ``accum_steps``).
+
+    Returns:
+      ``(ra_mean, ra_var, window)`` after the micro-batch.
+
+    Raises:
+      TypeError, ValueError: if ``every_k`` is not a positive int.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from optaxaccum import batch_stats
+      >>> state = (batch_stats.empty_window((1,)), jnp.zeros(1), jnp.ones(1))
+      >>> for xb in (jnp.array([[0.0], [2.0]]), jnp.array([[10.0], [12.0]])):
+      ...     stats = batch_stats.micro_batch_stats(xb, 0)
+      ...     mean, var, window = batch_stats.step(
+      ...         state[0], *state[1:], stats, momentum=0.0, every_k=2)
+      ...     state = (window, mean, var)
+      >>> mean, var  # BatchNorm on the concatenated window
+      (Array([6.], dtype=float32), Array([26.], dtype=float32))
+    """
+    every_k = utils.check_positive_int("every_k", every_k)
     window = merge(window, *stats)
     return close(window, ra_mean, ra_var, momentum, window.step >= every_k)
 
@@ -241,7 +393,32 @@ def flush(
     momentum: float,
     where: Any = True,
 ) -> tuple[jax.Array, jax.Array, Window]:
-    """Closes a partial window where ``where`` (no-op for an empty one)."""
+    """Closes a partial window (end of an epoch) where ``where``.
+
+    As :func:`close`, with the window's own count (fewer than ``every_k``
+    micro-batches); an empty window changes nothing.
+
+    Args:
+      window: the window to close.
+      ra_mean: the running mean.
+      ra_var: the running variance.
+      momentum: BatchNorm's momentum.
+      where: whether to close, a bool or a boolean array, e.g.
+        :func:`closed`: the window then closes with the optimizer's.
+
+    Returns:
+      ``(ra_mean, ra_var, window)``, the window emptied where it closed.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from optaxaccum import batch_stats
+      >>> stats = batch_stats.micro_batch_stats(jnp.array([[1.0], [3.0]]), 0)
+      >>> mean, var, window = batch_stats.step(
+      ...     batch_stats.empty_window((1,)), jnp.zeros(1), jnp.ones(1), stats,
+      ...     momentum=0.0, every_k=4)  # 1 of 4: the window stays open
+      >>> batch_stats.flush(window, mean, var, momentum=0.0)[0]
+      Array([2.], dtype=float32)
+    """
     return close(
         window,
         ra_mean,
@@ -251,24 +428,71 @@ def flush(
     )
 
 
-def keep_counted(old_opt_state: Any, new_opt_state: Any, new: Any, old: Any):
-    """``new`` statistics if the chain counted the micro-batch that turned
-    ``old_opt_state`` into ``new_opt_state``, else ``old`` ones (as they
-    were before its forward pass): the BatchNorm windows stay aligned with
-    the optimizer's (docs/concepts.md). Used by linen's ``TrainState`` and nnx's
-    ``Optimizer`` alike."""
+def keep_counted(
+    old_opt_state: Any, new_opt_state: Any, new: Any, old: Any
+) -> Any:
+    """The statistics as the optimizer counted the last micro-batch.
+
+    Keeps the BatchNorm windows aligned with the optimizer's: where the
+    chain did not take the micro-batch into its window (a loss scale caught
+    an overflow, ``skip_nonfinite`` dropped it), the statistics stay as they
+    were before its forward pass (docs/concepts.md). The Flax
+    ``TrainState`` and nnx ``Optimizer`` do this for their layers.
+
+    Args:
+      old_opt_state: the optimizer's state before the call.
+      new_opt_state: its state after the call.
+      new: the statistics after the micro-batch's forward pass (any pytree).
+      old: those before it, of the same structure.
+
+    Returns:
+      ``new`` where the call counted, else ``old`` (``new`` when the
+      optimizer holds no window: every call counts).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> from optaxaccum import batch_stats
+      >>> tx = oa.chain(oa.accumulate(2, skip_nonfinite=True), optax.sgd(1.0))
+      >>> s0 = tx.init(jnp.zeros(1))
+      >>> _, s1 = tx.update(jnp.full(1, jnp.nan), s0)  # dropped
+      >>> batch_stats.keep_counted(s0, s1, jnp.ones(1), jnp.zeros(1))
+      Array([0.], dtype=float32)
+    """
     counted = windows.counted(old_opt_state, new_opt_state)
     if counted is True:  # no accumulate: every call counts
         return new
     return jax.tree.map(lambda n, o: jnp.where(counted, n, o), new, old)
 
 
-def closes_with(old_opt_state: Any, new_opt_state: Any) -> Any:
-    """Where the BatchNorm windows close because the call that turned
-    ``old_opt_state`` into ``new_opt_state`` closed the optimizer's window
-    (:func:`windows.closed`): the layers then follow any window length, a
-    callable ``every_k`` included. ``False`` when the state holds no window
-    (the layers close on their own ``accum_steps``)."""
+def closed(old_opt_state: Any, new_opt_state: Any) -> Any:
+    """Whether an optimizer call closed the optimizer's window.
+
+    Pass it to :func:`flush` as ``where`` after every optimizer call: the
+    BatchNorm windows then close with the optimizer's, whatever its window
+    length (a callable ``every_k`` such as
+    :func:`optaxaccum.critical_batch_every_k` included); give :func:`step`
+    the longest length as ``every_k``.
+
+    Args:
+      old_opt_state: the optimizer's state before the call.
+      new_opt_state: its state after the call.
+
+    Returns:
+      A boolean scalar array; the literal ``False`` when the state holds no
+      window (the layers close on their own ``every_k``).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> from optaxaccum import batch_stats
+      >>> tx = oa.chain(oa.accumulate(3), optax.sgd(1.0))
+      >>> states = [tx.init(jnp.zeros(1))]
+      >>> for _ in range(4):
+      ...     states.append(tx.update(jnp.ones(1), states[-1])[1])
+      >>> [bool(batch_stats.closed(*s)) for s in zip(states, states[1:])]
+      [False, False, True, False]
+    """
     return windows.closed(old_opt_state, new_opt_state)
 
 

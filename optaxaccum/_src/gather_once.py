@@ -191,12 +191,8 @@ def _scatter(acc: jax.Array, how: _Leaf) -> jax.Array:
         return lax.psum(c, rest) if rest else c
 
     out = P(*out_dims, unreduced=how.spec.reduced & unreduced)
-    g = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=sharding.spec_of(acc),
-        out_specs=out,
-        check_vma=False,
+    g = sharding.local_map(
+        body, mesh=mesh, in_specs=sharding.spec_of(acc), out_specs=out
     )(acc)
     if tuple(out_dims) != tuple(how.dims):
         g = jax.reshard(g, P(*how.dims, unreduced=out.unreduced))

@@ -322,9 +322,7 @@ def _scatter_back(
 
     def body(c):
         for i, d in enumerate(dims):
-            # Over axes of size 1 the scatter is the identity (and JAX's
-            # lowering rejects it: a resumed run on a one-device mesh).
-            if d is not None and _size(mesh, d) > 1:
+            if d is not None:
                 c = lax.psum_scatter(c, d, scatter_dimension=i, tiled=True)
         return lax.psum(c, rest) if rest else c
 
@@ -333,29 +331,48 @@ def _scatter_back(
 
 
 def local_map(
-    body: Callable, *, in_specs: Any, out_specs: Any, mesh: Any = None
-) -> Callable:
-    """``jax.shard_map(body, ..., check_vma=False)``, also where every axis
-    of the mesh has size 1 (a run resumed on one device): JAX then inlines
-    the body and rejects an unreduced output that does not end in a
-    sharding constraint; a body called through ``jax.jit`` ends in a call,
-    which it accepts."""
+    body: Callable[[jax.Array], jax.Array],
+    *,
+    in_specs: P,
+    out_specs: P,
+    mesh: Any = None,
+) -> Callable[[jax.Array], jax.Array]:
+    """``jax.shard_map(body, ..., check_vma=False)`` of a one-array
+    ``body``, also where every axis of the mesh has size 1 (a run resumed on
+    one device).
+
+    JAX inlines a ``shard_map`` over such a mesh and requires an unreduced
+    output to come from a sharding constraint, which a body cannot end in.
+    There a sum over the mesh is the one device's value, so the body maps a
+    plain array: ``jax.reshard`` takes the input's unreduced axes off before
+    it and puts those of ``out_specs`` on after it (casts that move no
+    data)."""
     kwargs = {} if mesh is None else {"mesh": mesh}
     context = mesh or jax.sharding.get_abstract_mesh()
-    size = math.prod(context.shape.values())
-    return jax.shard_map(
-        jax.jit(body) if size == 1 else body,
-        in_specs=in_specs,
-        out_specs=out_specs,
+    if math.prod(context.shape.values()) > 1:
+        return jax.shard_map(
+            body,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            check_vma=False,
+            **kwargs,
+        )
+    plain_in = without_unreduced(in_specs)
+    plain = jax.shard_map(
+        body,
+        in_specs=plain_in,
+        out_specs=without_unreduced(out_specs),
         check_vma=False,
         **kwargs,
     )
 
+    def mapped(x: jax.Array) -> jax.Array:
+        if unreduced_axes(x):
+            x = jax.reshard(x, plain_in)
+        y = plain(x)
+        return jax.reshard(y, out_specs) if out_specs.unreduced else y
 
-def _size(mesh: Any, axes: Any) -> int:
-    """The number of devices along the mesh axes ``axes`` (a name or a
-    tuple of names)."""
-    return math.prod(mesh.shape[a] for a in utils.axis_names(axes))
+    return mapped
 
 
 def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:

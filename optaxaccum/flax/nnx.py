@@ -14,7 +14,7 @@ import optaxaccum as oa
 from optaxaccum._src import batch_stats as stats_lib
 from optaxaccum._src import chain as chain_lib
 from optaxaccum._src import utils, windows
-from optaxaccum.flax import _shared
+from optaxaccum.flax._shared import CALL_DOC
 
 __all__ = ["AccumBatchNorm", "Optimizer", "flush_batch_stats"]
 
@@ -110,14 +110,14 @@ class AccumBatchNorm(nnx.BatchNorm):
             [getattr(self, _COUNTED + "window_step")[...]],
             [self._window().step],
             windows.counted(old_opt_state, new_opt_state),
-            stats_lib.closes_with(old_opt_state, new_opt_state),
+            stats_lib.closed(old_opt_state, new_opt_state),
         )
         stats = stats_lib.keep_counted(
             old_opt_state, new_opt_state, self._stats(), self._stats(_COUNTED)
         )
         for key, value in zip(stats_lib.STAT_KEYS, stats):
             getattr(self, key)[...] = value
-        closed = stats_lib.closes_with(old_opt_state, new_opt_state)
+        closed = stats_lib.closed(old_opt_state, new_opt_state)
         if closed is not False:
             self._flush(closed)
         self._record(self._stats())
@@ -136,16 +136,22 @@ class AccumBatchNorm(nnx.BatchNorm):
         for key, value in zip(stats_lib.WINDOW_KEYS, window):
             getattr(self, key)[...] = value
 
-    __call__ = _shared.accum_call()
-
-    def _stock_call(self, x, use_running_average, mask):
+    def __call__(
+        self,
+        x: jax.Array,
+        use_running_average: bool | None = None,
+        *,
+        mask: jax.Array | None = None,
+    ) -> jax.Array:
+        running = use_running_average
+        if running is None:
+            running = self.use_running_average
+        # In training the window pools the micro-batch.
+        if self.accum_steps > 1 and running is not None and not running:
+            return self._pooled_call(x, use_running_average, mask)
         return super().__call__(x, use_running_average, mask=mask)
 
-    def _pools(self, use_running_average: bool | None) -> bool:
-        """Whether this call updates the window: in training."""
-        if use_running_average is None:
-            use_running_average = self.use_running_average
-        return use_running_average is not None and not use_running_average
+    __call__.__doc__ = CALL_DOC
 
     def _pooled_call(self, x, use_running_average, mask):
         ra_mean, ra_var = self.mean[...], self.var[...]

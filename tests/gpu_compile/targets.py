@@ -10,6 +10,7 @@ folder holding the wheels on ``PYTHONPATH`` (``site.py`` sets that up).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pathlib
 
@@ -74,3 +75,18 @@ def describe(device: jax.Device) -> str:
     import jaxlib
 
     return f"{device.device_kind} (jaxlib {jaxlib.__version__})"
+
+
+@contextlib.contextmanager
+def barriers_off():
+    """Compiles the gates without the optimization barriers that keep each
+    one a conditional on XLA:GPU (``utils.cond_or_call``): the control that
+    shows what the barriers are for."""
+    from optaxaccum._src import utils
+
+    saved = utils._barrier
+    utils._barrier = lambda tree: tree
+    try:
+        yield
+    finally:
+        utils._barrier = saved

@@ -19,6 +19,7 @@ installs the wheels and sets the environment; elsewhere they skip.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -33,7 +34,6 @@ if os.environ.get("OPTAXACCUM_GPU_COMPILE") != "1":
 import jax  # noqa: E402
 import jaxlib  # noqa: E402
 
-from optaxaccum._src import utils  # noqa: E402
 from tests.gpu_compile import hlo, steps, targets  # noqa: E402
 
 pytestmark = pytest.mark.gpu_compile
@@ -61,13 +61,8 @@ def _device(target):
 def _gated(name, target, barriers=True):
     """The compiled program of a gated step, parsed."""
     fn, args = steps.GATED[name]()
-    saved = utils._barrier
-    if not barriers:
-        utils._barrier = lambda tree: tree
-    try:
+    with contextlib.nullcontext() if barriers else targets.barriers_off():
         compiled = targets.compile_for(fn, args, _device(target))
-    finally:
-        utils._barrier = saved
     return hlo.Module.parse(compiled.as_text())
 
 
