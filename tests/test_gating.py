@@ -144,22 +144,16 @@ def test_to_next_gate_is_the_emission_where_no_window_is_empty():
 @pytest.mark.parametrize("passed", [True, jnp.asarray(True)])
 def test_to_next_gate_of_an_empty_window_is_one_call_of_weight_0(passed):
     """An empty window reaches a later gate from the closed state, opened
-    false, weight 0; ``passed`` stays the literal ``True`` where the
-    emission's is (no select is then built on the next state)."""
-
-    def emit():
-        raise AssertionError("emit is not called for an empty window")
-
+    false, weight 0 (its emission is only traced, for its shapes);
+    ``passed`` stays the literal ``True`` where the emission's is (no
+    select is then built on the next state), eager or traced."""
     shapes_from = _emission(window_weight=jnp.float32(1.0), passed=passed)
     res = gating.Decision(
         state=CLOSED,
         may_open=jnp.asarray(False),
-        emit=emit,
+        emit=lambda: shapes_from,
         empty=jnp.asarray(True),
     )
-    with pytest.raises(AssertionError, match="not called"):
-        res.to_next_gate()  # eager: the empty branch traces it for shapes
-    res = res._replace(emit=lambda: shapes_from)  # for its shapes only
     out = res.to_next_gate()
     assert not bool(out.opened) and int(out.state) == 0
     chex.assert_trees_all_equal(out.updates, jnp.zeros(2))
@@ -168,6 +162,15 @@ def test_to_next_gate_of_an_empty_window_is_one_call_of_weight_0(passed):
         assert out.passed is True
     else:
         assert isinstance(out.passed, jax.Array) and bool(out.passed)
+    literal = []
+
+    def traced(may_open):  # a lax.cond between the two branches
+        out = res._replace(may_open=may_open, empty=~may_open).to_next_gate()
+        literal.append(out.passed is True)
+        return out.updates
+
+    chex.assert_trees_all_equal(jax.jit(traced)(False), jnp.zeros(2))
+    assert literal == [passed is True]
 
 
 # ------------------------------------------------- keywords and plain runs
