@@ -45,8 +45,8 @@ _NESTED_0 = [
     "as_one_accumulate_of_4 or skips_a_window_of_weight_0 or padding",
 ]
 
-# name: (file under optaxaccum/_src, original text, mutated text, pytest
-# arguments: test files, optionally -k)
+# name: (file under the package's _src folder, original text, mutated text,
+# pytest arguments: test files, optionally -k)
 MUTANTS = {
     "nested_tail": (  # issue 10 (a): followers' state from the inner branch
         "gating.py",

@@ -761,7 +761,7 @@ def test_float64_gradients_accumulate_in_float64_under_x64():
 @pytest.mark.parametrize("accumulator_dtype", [None, jnp.float64])
 @pytest.mark.parametrize("case", ["k3", "flush3", "weights"])
 def test_float64_mean_is_exact_at_float64_rounding(case, accumulator_dtype):
-    """Issue 23, item 2: the window's weight and its division are in the
+    """The window's weight and its division are in the
     accumulator's dtype, so a float64 mean is off by float64 rounding only
     (a float32 ``1 / weight`` left errors of ~3e-8 for k=3)."""
     rng = np.random.default_rng(23)
@@ -808,7 +808,7 @@ _COMPLEX_GS = [
     ids=["float32", "complex64", "multisteps", "multisteps-complex64"],
 )
 def test_complex_gradients_with_explicit_accumulator_dtype(make):
-    """Issue 23, item 5: a real explicit ``accumulator_dtype`` means the
+    """A real explicit ``accumulator_dtype`` means the
     complex dtype of that precision for complex gradients (the imaginary part
     is kept), and a complex one is accepted."""
     tx = make()
@@ -827,7 +827,7 @@ def test_complex_gradients_with_explicit_accumulator_dtype(make):
 
 
 def test_complex_accumulator_dtype_for_real_gradients_is_real():
-    """Issue 23, item 5: with a complex ``accumulator_dtype``, real leaves
+    """With a complex ``accumulator_dtype``, real leaves
     accumulate in the real dtype of that precision."""
     params = {"r": jnp.zeros(2), "c": jnp.zeros(2, jnp.complex64)}
     tx = oa.chain(

@@ -467,7 +467,7 @@ def _linesearch_args(params, batch):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("name", list(_LINESEARCH_OPTIMIZERS))
 def test_linesearch_optimizer_after_accumulate(name, jit, path):
-    """Issue 23, item 1: ``accum_weight`` reached optax's linesearches,
+    """``accum_weight`` reached optax's linesearches,
     which hand unknown keywords to ``value_fn`` (a TypeError on every call).
     Over a window of two micro-batches (``flush``: of one), the chain equals the optimizer run on the window means with the window's
     ``value``/``grad``/``value_fn``."""
@@ -505,7 +505,7 @@ def test_linesearch_optimizer_after_accumulate(name, jit, path):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
 def test_nested_window_of_weight_0_counts_as_one_micro_batch(fused):
-    """Issue 23, item 3: with weights 1, 2, 0, 0, 1, 1, 4, 4 nested
+    """With weights 1, 2, 0, 0, 1, 1, 4, 4 nested
     accumulates of 2 and 2 stepped once, at call 6; ``oa.accumulate(4)``
     steps at calls 4 and 8, and so must they, with the same result."""
     nested = oa.chain(oa.accumulate(2), oa.accumulate(2), optax.sgd(1.0))
@@ -1212,7 +1212,7 @@ def test_follower_keyword_close_to_accum_weight_is_not_a_near_miss():
     "entry", ["update", "apply_gradients", "flush", "nnx", "trainstate"]
 )
 def test_bare_weight_keyword_is_a_near_miss_of_accum_weight(entry):
-    """Issue 23, item 7: ``weight=3.`` was silently ignored."""
+    """``weight=3.`` was silently ignored."""
     tx = oa.chain(oa.agc(0.1), oa.accumulate(2), optax.sgd(1.0))
     params = {"w": jnp.ones(1)}
     state = tx.init(params)
@@ -1246,7 +1246,7 @@ def test_bare_weight_keyword_is_a_near_miss_of_accum_weight(entry):
 @pytest.mark.parametrize("loss_scale", [False, True])
 @pytest.mark.parametrize("entry", ["update", "apply_gradients"])
 def test_string_accum_weight_raises_naming_it(entry, loss_scale):
-    """Issue 23, item 7: a string ``accum_weight`` gave numpy's raw
+    """A string ``accum_weight`` gave numpy's raw
     ``ufunc 'isfinite' not supported``."""
     head = (oa.dynamic_loss_scale(),) if loss_scale else ()
     tx = oa.chain(*head, oa.accumulate(2), optax.sgd(1.0))
@@ -1276,7 +1276,7 @@ def _to_float32():
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_zeros_take_the_followers_output_dtype(jit):
-    """Issue 23, tests the suite lacks: bf16 gradients, a follower casting to
+    """bf16 gradients, a follower casting to
     float32. Every call emits float32: a non-closing call (the closed gate's
     zeros), a closing one, and a flush of an all-weight-0 window (the gate
     opens with ``opened=False``): never zeros in the gradients' dtype."""
@@ -1304,7 +1304,7 @@ def test_zeros_take_the_followers_output_dtype(jit):
 
 
 def test_nested_closed_gate_zeros_take_the_followers_output_dtype():
-    """Issue 23, tests the suite lacks: where the outer window closes but an
+    """Where the outer window closes but an
     inner gate after a float32-casting follower stays closed, the zeros are
     float32 (the followers' output), not the bf16 gradients' dtype."""
     # The outer window closes on every call (so no branch is traced before
@@ -1324,7 +1324,7 @@ def test_nested_closed_gate_zeros_take_the_followers_output_dtype():
 
 @pytest.mark.devices(4)
 def test_closed_gate_zeros_keep_the_device_varying_type_under_shard_map():
-    """Issue 23, tests the suite lacks (a kill that was only a crash): inside
+    """Inside
     ``shard_map`` the zeros a closed gate emits are built from the shapes of
     what the open branch would emit, so they keep its device-varying type
     (``vma``) and dtype; zeros typed as the incoming gradients, or built

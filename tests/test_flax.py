@@ -1091,7 +1091,7 @@ def _two_bn_state(k, variables=None):
 
 
 def test_trainstate_flush_uses_each_layers_own_momentum():
-    """Issue 10 item 7: flush() needs no momentum; each layer's window is
+    """``flush()`` needs no momentum; each layer's window is
     folded in with that layer's momentum, as stock nn.BatchNorm with that
     momentum does on the concatenated (partial) window."""
     k = 4
@@ -1124,7 +1124,7 @@ def test_trainstate_flush_uses_each_layers_own_momentum():
 
 
 def test_trainstate_flush_passes_extra_args_to_the_chain():
-    """Issue 10 item 7: flush(value=...) reaches reduce_on_plateau, exactly
+    """``flush(value=...)`` reaches reduce_on_plateau, exactly
     as oa.flush(tx, ..., value=...) driven by hand."""
     model = nn.Dense(2)
     params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
@@ -1188,7 +1188,7 @@ def test_flush_batch_stats_momentum_is_deprecated_and_checked():
 
 
 def test_convert_batch_stats_gives_the_full_structure_for_scan():
-    """Issue 10 item 8: plain nn.BatchNorm variables change the state's tree
+    """Plain nn.BatchNorm variables change the state's tree
     structure on the first training call, so lax.scan with the TrainState as
     carry fails; converted up front, the scan runs and equals step by step."""
     k, n = 2, 5
@@ -1266,7 +1266,7 @@ def test_convert_batch_stats_rejects_what_does_not_match():
 def test_linen_and_nnx_statistics_agree_for_half_precision_inputs(
     x_dtype, dtype
 ):
-    """Issue 13: for half-precision inputs the linen and nnx layers pool the
+    """For half-precision inputs the linen and nnx layers pool the
     same statistics, equal to their stock layers on the concatenation."""
     dtype = x_dtype if dtype == "x" else dtype
     batches = _data((6, 10), (3,), x_dtype)
@@ -1304,7 +1304,7 @@ def test_linen_and_nnx_statistics_agree_for_half_precision_inputs(
     ids=["f32", "bf16-no-f32-reductions"],
 )
 def test_linen_accum_batchnorm_under_strict_dtype_promotion(x_dtype, kw):
-    """Issue 13: where stock nn.BatchNorm runs under
+    """Where stock nn.BatchNorm runs under
     jax_numpy_dtype_promotion='strict', AccumBatchNorm (and its flush) does
     too, with the results of the standard mode."""
     batches = _data((6, 10, 4), (3,), x_dtype)

@@ -616,7 +616,7 @@ def test_scaled_value_and_grad_traced_scale_is_accepted():
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
 def test_loss_scale_zero_weight_call_is_not_an_overflow(fused, jit):
-    """Issue 23, item 4: a weight-0 micro-batch's NaN gradient (0/0 of an
+    """A weight-0 micro-batch's NaN gradient (0/0 of an
     empty mask) behind ``dynamic_loss_scale`` leaves the scale and its
     counter as they were and passes on: the window is the one of
     ``oa.accumulate`` alone on the unscaled gradients."""
@@ -660,7 +660,7 @@ def test_loss_scale_zero_weight_call_is_not_an_overflow(fused, jit):
 
 
 def test_loss_scale_without_accumulate_passes_zero_weight_call_on():
-    """Issue 23, item 4: the loss scale alone (no accumulate) also reads a
+    """The loss scale alone (no accumulate) also reads a
     weight-0 call as no data: the scale stays, the followers run."""
     tx = oa.chain(oa.dynamic_loss_scale(4.0), optax.scale(0.5))
     state = tx.init(jnp.zeros(1))
@@ -674,7 +674,7 @@ def test_loss_scale_without_accumulate_passes_zero_weight_call_on():
 
 @pytest.mark.parametrize("part", ["imag", "real"])
 def test_loss_scale_overflow_in_a_complex_part(part):
-    """Issue 23, item 5: an ``inf`` in the imaginary part of a complex
+    """An ``inf`` in the imaginary part of a complex
     gradient is an overflow: scale halved, micro-batch not counted."""
     tx = oa.chain(oa.dynamic_loss_scale(4.0), oa.accumulate(2), optax.sgd(1.0))
     params = jnp.zeros(2, jnp.complex64)
@@ -691,7 +691,7 @@ def test_loss_scale_overflow_in_a_complex_part(part):
 
 @pytest.mark.devices(4)
 def test_dynamic_loss_scale_replicas_agree_on_one_device_overflow():
-    """Issue 23, tests the suite lacks: with ``axis_name``, one device's
+    """With ``axis_name``, one device's
     overflow skips the step on all and every replica's scale and params
     stay equal (no collective after the gate, so a disagreement shows as
     values, not as a crash)."""

@@ -473,7 +473,7 @@ def _traces(f, *args):
 
 
 def test_hlo_fsdp_reduce_scatter_per_micro_step():
-    """Issue 24, part 3: on data=2 x fsdp=4, a micro-step's collectives
+    """On data=2 x fsdp=4, a micro-step's collectives
     (outside the closing branch) output at most 1 + 1/fsdp parameter trees:
     the forward's all-gathers plus a reduce-scatter of the gradient over
     fsdp (in the HLO, not an all-reduce of the whole gradient then
@@ -1088,7 +1088,7 @@ def _scaled_step(tx, mesh):
 def test_checkpoint_round_trip_mid_window_and_boundary(
     tmp_path, k, before, after
 ):
-    """Issue 24: after ``before`` micro-steps of the documented mesh loop
+    """After ``before`` micro-steps of the documented mesh loop
     (mid-window for k=4, at a boundary for k=3), the state leaves the
     device (jax.device_get), saves with orbax and restores into
     jax.eval_shape(tx.init, params) with oa.state_shardings; the restored
@@ -1163,7 +1163,7 @@ def _one_step(tx, mesh, vg):
 
 @pytest.mark.parametrize("where", ["accumulate", "loss_scale", "grad"])
 def test_axis_name_not_a_mesh_axis_is_named(where):
-    """Issue 24: 'dp' on a ('data', 'fsdp') mesh raises ValueError naming
+    """'dp' on a ('data', 'fsdp') mesh raises ValueError naming
     'dp' and the mesh's axes, not JAX's NameError about shard_map."""
     mesh = _mesh("data2xfsdp4")
     bad = "dp"
@@ -1178,7 +1178,7 @@ def test_axis_name_not_a_mesh_axis_is_named(where):
 
 
 def test_unreduced_gradients_without_axis_name_are_named():
-    """Issue 24: unreduced gradients reaching an accumulate that does not
+    """Unreduced gradients reaching an accumulate that does not
     name their axis raise ValueError naming axis_name and 'data'."""
     mesh = _mesh("data2xfsdp4")
     tx = oa.chain(oa.accumulate(K), optax.sgd(0.1))
@@ -1187,7 +1187,7 @@ def test_unreduced_gradients_without_axis_name_are_named():
 
 
 def test_reduced_gradients_with_axis_name_warn_once():
-    """Issue 24: jax.value_and_grad (gradients reduced on every micro-step)
+    """Jax.value_and_grad (gradients reduced on every micro-step)
     with accumulate(axis_name='data') on an explicit mesh is correct but
     warns, once, naming oa.unreduced_value_and_grad."""
     from optaxaccum._src import sharding
@@ -1212,7 +1212,7 @@ def test_fsdp_gather_bad_axes():
 
 
 def test_docs_scaling_first_step_runs_as_written(capsys):
-    """Issue 24: the first step of docs/scaling.md's jit section, exactly
+    """The first step of docs/scaling.md's jit section, exactly
     as written (its first Python block there), runs on the 8 CPU devices
     and closes two windows."""
     import pathlib
@@ -1228,7 +1228,7 @@ def test_docs_scaling_first_step_runs_as_written(capsys):
 
 
 def test_unreduced_value_and_grad_tuple_argnums_all_unreduced():
-    """Issue 23, item 10: with ``argnums=(0, 1)`` every differentiated
+    """With ``argnums=(0, 1)`` every differentiated
     argument's gradient comes back unreduced over 'data' (a version that
     converts only the first one passed the suite), with jax.grad's values."""
     mesh = _mesh("data8")
@@ -1260,7 +1260,7 @@ def test_unreduced_value_and_grad_tuple_argnums_all_unreduced():
 
 
 def test_window_emits_reduced_gradients_on_an_explicit_mesh():
-    """Issue 23, tests the suite lacks: the closing window reduces the
+    """The closing window reduces the
     unreduced accumulator once, so what it emits is not unreduced (checked
     on the traced types, before anything could fail on them), with the
     values of the global window sum. ``reduction="sum"``: no scaling, so a

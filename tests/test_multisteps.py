@@ -597,7 +597,7 @@ def test_oa_has_updated_reads_a_multisteps_state():
 
 
 def test_multisteps_has_updated_on_an_optax_state_answers_as_optax():
-    """Issue 23, item 8: ``has_updated`` of a state made by
+    """``has_updated`` of a state made by
     ``optax.MultiSteps`` (no ``updated`` flag) answers as optax's does,
     on every call of a window, and ``oa.has_updated`` finds our state."""
     params = jnp.zeros(2)
@@ -637,7 +637,7 @@ def test_oa_has_updated_on_a_flagless_state_answers_as_optax():
 
 
 def test_multisteps_takes_accumulator_dtype_fifth_positional():
-    """Issue 23, item 8: optax's constructor order, ``accumulator_dtype``
+    """Optax's constructor order, ``accumulator_dtype``
     fifth positional included."""
     ms = oa.MultiSteps(optax.adam(0.1), 3, True, None, jnp.bfloat16)
     theirs = optax.MultiSteps(optax.adam(0.1), 3, True, None, jnp.bfloat16)

@@ -164,7 +164,7 @@ def test_optimizer_equals_stock_nnx_optimizer_over_windows(case):
         rtol=1e-6,
         atol=1e-7,
     )
-    # Issue 23, item 11: the accumulator (the raw weighted gradient sum) on
+    # The accumulator (the raw weighted gradient sum) on
     # its own. Each element sums a window's K * MICRO per-example gradient
     # terms, computed in float32 by two different XLA programs (fused step vs
     # stock); each result is within (K * MICRO) * eps of the exact sum,
@@ -358,7 +358,7 @@ def test_flush_passes_extra_args_and_needs_an_accumulate():
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("gated", [False, True])
 def test_update_returns_the_updates_as_stock_nnx_optimizer(gated, jit):
-    """Issue 23, item 9: ``update`` returns the updates tree, as flax's
+    """``update`` returns the updates tree, as flax's
     ``nnx.Optimizer.update`` does since 0.12.3: the optimizer's update
     without a gate; with one, zeros on the non-closing micro-step and the
     window's update on the closing one."""
@@ -494,7 +494,7 @@ REFUSING = {
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("refusing", sorted(REFUSING))
 def test_refused_micro_batch_stays_out_of_the_batchnorm_window(refusing, jit):
-    """Issue 23, item 6: a micro-batch whose labels are NaN (finite forward
+    """A micro-batch whose labels are NaN (finite forward
     pass, NaN gradients) is refused by the chain and must not enter the
     AccumBatchNorm window: both windows close on the same calls, and the
     running statistics equal stock ``nnx.BatchNorm`` on the concatenation
