@@ -70,7 +70,7 @@ def test_a_decision_is_read_from_a_gate_result_or_itself():
     decision = gating.Decision.of(res)
     assert isinstance(decision, gating.Decision)
     assert decision.empty is False and decision.state == "s"
-    assert gating.Decision.of(decision) is decision
+    assert gating.decision_of(decision) is decision
     assert gating.decision_of(decision) is decision
 
 
@@ -320,8 +320,9 @@ def test_a_closing_update_without_a_mesh_is_a_short_trip():
 
 
 def test_the_trip_counter_sees_the_library():
-    """The counter above counts library calls (no vacuous pass): a mesh
-    check with an ``axis_name`` enters ``sharding.py``."""
+    """The counter above counts library calls (no vacuous pass): a call of
+    ``sharding.check_mesh_axes`` (here without an axis name) is one call in
+    ``sharding.py``."""
     from optaxaccum._src import sharding
 
     files, calls = _trace(lambda: sharding.check_mesh_axes(None, "x"))

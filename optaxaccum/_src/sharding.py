@@ -366,11 +366,15 @@ def local_map(
         **kwargs,
     )
 
+    def placed(spec: P) -> Any:
+        # On the given mesh, else on the context's (a bare spec).
+        return spec if mesh is None else jax.NamedSharding(mesh, spec)
+
     def mapped(x: jax.Array) -> jax.Array:
         if unreduced_axes(x):
-            x = jax.reshard(x, plain_in)
+            x = jax.reshard(x, placed(plain_in))
         y = plain(x)
-        return jax.reshard(y, out_specs) if out_specs.unreduced else y
+        return jax.reshard(y, placed(out_specs)) if out_specs.unreduced else y
 
     return mapped
 
