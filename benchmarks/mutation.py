@@ -515,8 +515,8 @@ MUTANTS = {
     ),
     "bn_window_of_no_element_closes": (  # all masked: running stats stay
         "batch_stats.py",
-        "    use = do_close & seen\n",
-        "    use = do_close\n",
+        "    use = where & seen\n",
+        "    use = where\n",
         ["tests/test_flax.py", "-k", "mask"],
     ),
     "head_steps_on_a_refused_call": (  # behind a loss scale that overflows
@@ -704,6 +704,19 @@ MUTANTS = {
         "return flags._replace(passed=None) if out.passed is True else flags",
         "return flags",
         ["tests/test_gating.py", "-k", "one_call_of_weight_0"],
+    ),
+    # ---------------------- optaxaccum.batchnorm's checks (batch_stats.py)
+    "bn_merge_broadcasts_a_wrong_shape": (
+        "batch_stats.py",
+        '    _check_shapes("merge", window, count=count, mean=mean, var=var)\n',
+        "",
+        ["tests/test_batch_stats.py", "-k", "shape"],
+    ),
+    "bn_momentum_unchecked": (
+        "batch_stats.py",
+        "    if not np.all((value >= 0) & (value <= 1)):",
+        "    if False:",
+        ["tests/test_batch_stats.py", "-k", "momentum"],
     ),
 }
 

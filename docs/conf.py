@@ -126,7 +126,7 @@ doctest_test_doctest_blocks = ""
 # -- coverage_check (docs/_ext/coverage_check.py) ----------------------------
 coverage_check_modules = [
     "optaxaccum",
-    "optaxaccum.batch_stats",
+    "optaxaccum.batchnorm",
     "optaxaccum.flax",
     "optaxaccum.flax.nnx",
 ]

@@ -6,7 +6,7 @@ micro-batch, from that micro-batch alone. This script builds, in Equinox, a
 BatchNorm whose running ``mean``/``var`` are updated once per window with the
 pooled statistics of the whole window (as ``optaxaccum.flax.AccumBatchNorm``
 does for Flax), from optaxaccum's framework-neutral helpers
-(``optaxaccum.batch_stats``: plain JAX, no flax), and keeps its window
+(``optaxaccum.batchnorm``: plain JAX, no flax), and keeps its window
 aligned with the optimizer's: a micro-batch that the chain does not count
 stays out, and the BatchNorm window closes on exactly the calls where the
 optimizer's window closes -- here windows whose length changes, sized from
@@ -19,7 +19,6 @@ Run: ``python examples/equinox_batchnorm.py [--micro-batches 40] [--tiny]``.
 """
 
 import argparse
-from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -28,20 +27,12 @@ import numpy as np
 import optax
 
 import optaxaccum as oa
-from optaxaccum import batch_stats
+from optaxaccum import batchnorm
 
 FEATURES = 4
 MICRO = 8  # examples per micro-batch
 MOMENTUM = 0.8
 MIN_K, MAX_K = 2, 6  # window lengths chosen by critical_batch_every_k
-
-
-class BNState(NamedTuple):
-    """Running statistics and the current window's."""
-
-    mean: jax.Array
-    var: jax.Array
-    window: batch_stats.Window
 
 
 class BatchNorm(eqx.Module):
@@ -58,27 +49,26 @@ class BatchNorm(eqx.Module):
         self.bias = jnp.zeros(features)
         self.accum_steps = accum_steps
 
-    def init_state(self) -> BNState:
+    def init_state(self) -> batchnorm.RunningStats:
         n = self.scale.shape[0]
-        window = batch_stats.empty_window((n,))
-        return BNState(jnp.zeros(n), jnp.ones(n), window)
+        window = batchnorm.empty_window(n)
+        return batchnorm.RunningStats(jnp.zeros(n), jnp.ones(n), window)
 
-    def __call__(self, x, state: BNState, *, train: bool):
+    def __call__(self, x, state: batchnorm.RunningStats, *, train: bool):
         if not train:
-            y = (x - state.mean) * jax.lax.rsqrt(state.var + 1e-5)
+            mean, var = state.running_mean, state.running_var
+            y = (x - mean) * jax.lax.rsqrt(var + 1e-5)
             return y * self.scale + self.bias, state
-        stats = batch_stats.micro_batch_stats(x, reduction_axes=0)
+        stats = batchnorm.micro_batch_stats(x, reduction_axes=0)
         _, mean, var = stats
         y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale + self.bias
-        new = batch_stats.step(
-            state.window,
-            state.mean,
-            state.var,
+        new = batchnorm.step(
+            *state,
             jax.tree.map(jax.lax.stop_gradient, stats),
             momentum=MOMENTUM,
             every_k=self.accum_steps,
         )
-        return y, BNState(*new)
+        return y, new
 
 
 class Net(eqx.Module):
@@ -94,16 +84,14 @@ class Net(eqx.Module):
         return jax.vmap(self.head)(h)[:, 0], state
 
 
-def follow_window(old_opt, new_opt, new: BNState, old: BNState) -> BNState:
+def follow_window(old_opt, new_opt, *, old, new) -> batchnorm.RunningStats:
     """The BatchNorm state after the optimizer's call that turned
     ``old_opt`` into ``new_opt``: ``old`` where the chain did not count the
     micro-batch, ``new`` otherwise, its window closed where the optimizer's
     window closed (both answers come from the optimizer's states)."""
-    kept = batch_stats.keep_counted(old_opt, new_opt, new, old)
-    closed = batch_stats.closed(old_opt, new_opt)
-    return BNState(
-        *batch_stats.flush(kept.window, kept.mean, kept.var, MOMENTUM, closed)
-    )
+    kept = batchnorm.keep_counted(old_opt, new_opt, old=old, new=new)
+    closed = batchnorm.closed(old_opt, new_opt)
+    return batchnorm.close(*kept, momentum=MOMENTUM, where=closed)
 
 
 def make_step(tx):
@@ -116,7 +104,7 @@ def make_step(tx):
         grads, new_bn = eqx.filter_grad(loss, has_aux=True)(model)
         params, static = eqx.partition(model, eqx.is_inexact_array)
         params, new_opt = oa.apply_gradients(tx, grads, opt_state, params)
-        bn_state = follow_window(opt_state, new_opt, new_bn, bn_state)
+        bn_state = follow_window(opt_state, new_opt, old=bn_state, new=new_bn)
         return eqx.combine(params, static), bn_state, new_opt
 
     return step
@@ -161,14 +149,14 @@ def main(argv=None):
         y = 0.3 * jnp.sin(x.sum(1)) + jax.random.normal(keys[i], (MICRO,))
         model, bn_state, opt_state = step(model, bn_state, opt_state, x, y)
         closed.append(bool(oa.has_updated(opt_state)))
-        aligned &= closed[-1] == (int(bn_state.window.step) == 0)
+        aligned &= closed[-1] == (int(bn_state.window.micro_batches) == 0)
 
     ends = [i for i, c in enumerate(closed) if c]
     windows = [range(a + 1, b + 1) for a, b in zip([-1, *ends], ends)]
     mean, var = reference(batches, windows)
     error = max(
-        float(np.abs(np.asarray(bn_state.mean) - mean).max()),
-        float(np.abs(np.asarray(bn_state.var) - var).max()),
+        float(np.abs(np.asarray(bn_state.running_mean) - mean).max()),
+        float(np.abs(np.asarray(bn_state.running_var) - var).max()),
     )
     print(f"window lengths: {[len(w) for w in windows]}")
     print(f"BatchNorm windows closed with the optimizer's: {aligned}")

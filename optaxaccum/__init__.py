@@ -1,7 +1,7 @@
 """optaxaccum: gradient accumulation for JAX as composable optax transforms.
 
 Users import :mod:`optaxaccum` (and :mod:`optaxaccum.flax` for the Flax
-integration, :mod:`optaxaccum.batch_stats` for pooled BatchNorm statistics in
+integration, :mod:`optaxaccum.batchnorm` for pooled BatchNorm statistics in
 any framework); everything under ``optaxaccum._src`` is private.
 """
 
@@ -109,5 +109,5 @@ from optaxaccum._src.owned import WholeLeavesState, whole_leaves  # noqa: E402
 
 __all__ += ["WholeLeavesState", "whole_leaves"]
 
-# Pooled BatchNorm statistics for any framework: ``oa.batch_stats.step``.
-from optaxaccum import batch_stats as batch_stats  # noqa: E402
+# Pooled BatchNorm statistics for any framework: ``oa.batchnorm.step``.
+from optaxaccum import batchnorm as batchnorm  # noqa: E402

@@ -1,5 +1,5 @@
 """The public surface, frozen: every name of ``optaxaccum.__all__``,
-``optaxaccum.batch_stats.__all__``, ``optaxaccum.flax.__all__`` and
+``optaxaccum.batchnorm.__all__``, ``optaxaccum.flax.__all__`` and
 ``optaxaccum.flax.nnx.__all__`` with its
 signature (for a class: its constructor and the public methods it defines),
 checked against ``tests/api_snapshot.txt``.
@@ -23,7 +23,7 @@ import jax
 import pytest
 
 SNAPSHOT = pathlib.Path(__file__).with_name("api_snapshot.txt")
-CORE = ("optaxaccum", "optaxaccum.batch_stats")
+CORE = ("optaxaccum", "optaxaccum.batchnorm")
 FLAX = ("optaxaccum.flax", "optaxaccum.flax.nnx")
 # Under make test-floors, flax is at its floor, whose nn.BatchNorm and
 # TrainState have other (inherited) fields, and under make test-newest at

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import runpy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -54,6 +55,28 @@ def test_each_page_shows_code_output_and_plot():
         "![quickstart.png](outputs/quickstart.png)"
         in (GALLERY / "quickstart.md").read_text()
     )
+
+
+def test_pages_name_the_example_helpers_their_code_imports():
+    # A snippet copied from a page that starts with `from _mesh import ...`
+    # needs examples/_mesh.py: the page says where it lives.
+    mg = _make_gallery()
+    helpers = {p.stem for p in (ROOT / "examples").glob("_*.py")}
+    shown = {}
+    for name, _ in mg.GALLERY:
+        code = (ROOT / "examples" / f"{name}.py").read_text()
+        used = sorted(
+            h for h in helpers if re.search(rf"^\s*from {h} import", code, re.M)
+        )
+        page = (GALLERY / f"{name}.md").read_text()
+        code_part = page.split("## The code", 1)[1].split("```", 1)[0]
+        for h in used:
+            assert f"`examples/{h}.py`" in code_part, (name, h)
+        if not used:
+            assert "helpers" not in code_part, name
+        shown[name] = used
+    for name in ("data_parallel", "fsdp", "nnx_example"):
+        assert shown[name], name
 
 
 def test_intersphinx_reads_vendored_inventories_only():

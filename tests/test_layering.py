@@ -196,7 +196,7 @@ class _NoFlax(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, _NoFlax())
-import optaxaccum.batch_stats  # the public module, and the private one under it
+import optaxaccum.batchnorm  # the public module, and the private one under it
 import optaxaccum._src.windows
 assert not any(m == "flax" or m.startswith("flax.") for m in sys.modules)
 try:

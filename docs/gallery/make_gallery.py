@@ -117,7 +117,7 @@ def page(name: str) -> str:
         "",
         "## The code",
         "",
-        f"`examples/{name}.py`:",
+        f"`examples/{name}.py`{_helpers_note(name)}:",
         "",
         f"```{{literalinclude}} ../../examples/{name}.py",
         ":language: python",
@@ -135,6 +135,43 @@ def page(name: str) -> str:
     for png in figures:
         parts += ["", f"![{png}](outputs/{png})"]
     return "\n".join(parts) + "\n"
+
+
+def _helpers(name: str) -> list[str]:
+    """The helper modules of ``examples/`` (``_mesh``, ``_digits``) that
+    ``examples/<name>.py`` imports, in the order it imports them."""
+    with open(os.path.join(EXAMPLES, f"{name}.py")) as f:
+        tree = ast.parse(f.read())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        for module in modules:
+            local = os.path.join(EXAMPLES, f"{module}.py")
+            if module.startswith("_") and os.path.exists(local):
+                found.append(module)
+    return list(dict.fromkeys(found))
+
+
+def _helpers_note(name: str) -> str:
+    """Where the helpers the example imports live, for a reader who copies
+    the code (empty if it imports none)."""
+    files = [f"`examples/{m}.py`" for m in _helpers(name)]
+    if not files:
+        return ""
+    listed = files[0] if len(files) == 1 else ", ".join(files[:-1])
+    if len(files) > 1:
+        listed += f" and {files[-1]}"
+    plural = "s" if len(files) > 1 else ""
+    return (
+        f", which imports the example helper{plural} {listed} that live"
+        f"{'' if plural else 's'} beside it (a copy of this code needs "
+        f"{'them' if plural else 'it'} too)"
+    )
 
 
 def _code_start(name: str) -> str:

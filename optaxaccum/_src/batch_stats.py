@@ -1,7 +1,7 @@
 """Pooled BatchNorm statistics over an accumulation window (pure JAX).
 
 The arithmetic behind the linen and nnx ``AccumBatchNorm``, published for
-any framework as :mod:`optaxaccum.batch_stats` (it imports no flax;
+any framework as :mod:`optaxaccum.batchnorm` (it imports no flax;
 examples/equinox_batchnorm.py builds an Equinox layer on it). A window's
 statistics are kept as per-feature ``count``, ``mean`` and ``m2`` (sum of
 squared deviations from the mean) in float32 and merged micro-batch by
@@ -26,7 +26,10 @@ from jax import lax
 
 from optaxaccum._src import utils, windows
 
-# Names of the extra ``batch_stats`` entries (linen) / attributes (nnx).
+# Names of the extra ``batch_stats`` entries (linen) / attributes (nnx), one
+# per field of :class:`Window`, in its order. They are stored in users'
+# variables and checkpoints: keep them as they are (``window_step`` holds
+# ``Window.micro_batches``).
 WINDOW_KEYS = ("window_count", "window_mean", "window_m2", "window_step")
 # Every statistic a training micro-batch changes: the running ones and the
 # window's.
@@ -39,57 +42,104 @@ class Window(NamedTuple):
     """The statistics of the current, not yet closed window.
 
     Attributes:
-      elements: per-feature number of elements seen, float32.
+      count: per-feature number of elements seen, float32.
       mean: per-feature mean, float32.
       m2: per-feature sum of squared deviations from ``mean``, float32.
-      step: number of micro-batches in the window, int32 scalar.
+      micro_batches: number of micro-batches merged into the window, an
+        int32 scalar (the Flax layers store it as ``window_step``).
 
     Examples:
-      >>> from optaxaccum import batch_stats
-      >>> window = batch_stats.empty_window((2,))
-      >>> window.mean, int(window.step)
+      >>> from optaxaccum import batchnorm
+      >>> window = batchnorm.empty_window(2)
+      >>> window.mean, int(window.micro_batches)
       (Array([0., 0.], dtype=float32), 0)
     """
 
-    elements: jax.Array
+    # ``count`` hides tuple.count, on purpose: it is the name that
+    # micro_batch_stats and the Flax layers' ``window_count`` give it.
+    count: jax.Array  # pyright: ignore[reportIncompatibleMethodOverride]
     mean: jax.Array
     m2: jax.Array
-    step: jax.Array
+    micro_batches: jax.Array
 
 
-def empty_window(feature_shape: Sequence[int]) -> Window:
+class RunningStats(NamedTuple):
+    """BatchNorm's running statistics and its open window, as
+    :func:`step` and :func:`close` take and return them.
+
+    Attributes:
+      running_mean: the running mean.
+      running_var: the running (biased) variance.
+      window: the statistics of the window not yet folded into them.
+    """
+
+    running_mean: jax.Array
+    running_var: jax.Array
+    window: Window
+
+
+def empty_window(feature_shape: int | Sequence[int]) -> Window:
     """A window that has seen nothing: zero counts, means and sums.
 
     Args:
       feature_shape: the shape of the per-feature statistics (the input's
-        shape without its reduction axes), e.g. ``(num_features,)``.
+        shape without its reduction axes): ``num_features`` or a tuple
+        such as ``(num_features,)``.
 
     Returns:
-      A :class:`Window` of float32 zeros of that shape and ``step`` 0.
+      A :class:`Window` of float32 zeros of that shape and
+      ``micro_batches`` 0.
+
+    Raises:
+      TypeError: if ``feature_shape`` is not an int or a sequence of ints.
 
     Examples:
-      >>> from optaxaccum import batch_stats
-      >>> batch_stats.empty_window((3,)).elements
+      >>> from optaxaccum import batchnorm
+      >>> batchnorm.empty_window((3,)).count
       Array([0., 0., 0.], dtype=float32)
     """
+    shape = _feature_shape(feature_shape)
     # Three distinct buffers: one array used for three leaves could not be
     # donated (XLA refuses to donate the same buffer twice).
-    shape = tuple(feature_shape)
     return Window(
         *(jnp.zeros(shape, jnp.float32) for _ in range(3)),
-        step=jnp.zeros([], jnp.int32),
+        micro_batches=jnp.zeros([], jnp.int32),
     )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _feature_shape(value: Any) -> tuple[int, ...]:
+    """``empty_window``'s ``feature_shape`` as a tuple of ints."""
+    if _is_int(value):
+        return (int(value),)
+    if (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(_is_int(d) for d in value)
+    ):
+        return tuple(int(d) for d in value)
+    raise TypeError(
+        "empty_window: feature_shape must be an int or a sequence of ints, "
+        f"got feature_shape={value!r}"
+    )
+
+
+def _check_real_input(x: jax.Array, who: str) -> None:
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{who} supports real inputs only, got x of dtype {x.dtype}"
+        )
 
 
 def _checked_axes(ndim: int, axes: Any) -> tuple[int, ...]:
     """``axes`` (an int or a sequence of ints) as sorted non-negative ints
     of an array of rank ``ndim``."""
-    if isinstance(axes, numbers.Integral) and not isinstance(axes, bool):
+    if _is_int(axes):
         axes = (axes,)
-    if not isinstance(axes, (tuple, list)) or not all(
-        isinstance(a, numbers.Integral) and not isinstance(a, bool)
-        for a in axes
-    ):
+    if not isinstance(axes, (tuple, list)) or not all(_is_int(a) for a in axes):
         raise TypeError(
             "reduction_axes must be an int or a tuple of ints, got "
             f"reduction_axes={axes!r}"
@@ -100,6 +150,39 @@ def _checked_axes(ndim: int, axes: Any) -> tuple[int, ...]:
             f"reduction_axes={axes!r}"
         )
     return tuple(sorted({int(a) % ndim for a in axes}))
+
+
+def _check_shapes(who: str, window: Window, **arrays: Any) -> None:
+    """Raises ``ValueError`` where an array's shape is not the window's
+    feature shape (``window.mean``'s): nothing is broadcast."""
+    want = jnp.shape(window.mean)
+    for name, value in arrays.items():
+        if jnp.shape(value) != want:
+            raise ValueError(
+                f"{who}: {name} has shape {jnp.shape(value)}, but the "
+                f"window's statistics have shape {want} (the feature shape)"
+            )
+
+
+def _check_momentum(momentum: Any) -> None:
+    """Raises ``ValueError`` if a concrete ``momentum`` is outside [0, 1]
+    (``TypeError`` if it is not a real number); a traced one passes."""
+    if type(momentum) is float and 0.0 <= momentum <= 1.0:
+        return  # the common case, without a trip through NumPy
+    if isinstance(momentum, bool):
+        raise TypeError(f"momentum must be a real number, got {momentum!r}")
+    value = utils.concrete(momentum)
+    if value is None:  # traced: cannot be checked here
+        return
+    if value.dtype.kind not in "fiu":
+        raise TypeError(
+            f"momentum must be a real number, got momentum={momentum!r}"
+        )
+    if not np.all((value >= 0) & (value <= 1)):
+        raise ValueError(
+            "momentum must be in [0, 1] (the weight of the old running "
+            f"average, as in flax), got momentum={momentum!r}"
+        )
 
 
 def micro_batch_stats(
@@ -145,18 +228,37 @@ def micro_batch_stats(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from optaxaccum import batch_stats
+      >>> from optaxaccum import batchnorm
       >>> x = jnp.array([[0.0, 1.0], [2.0, 5.0]])
-      >>> count, mean, var = batch_stats.micro_batch_stats(x, 0)
+      >>> count, mean, var = batchnorm.micro_batch_stats(x, 0)
       >>> count
       Array([2., 2.], dtype=float32)
       >>> mean, var
       (Array([1., 3.], dtype=float32), Array([1., 4.], dtype=float32))
     """
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        raise TypeError(
-            f"AccumBatchNorm supports real inputs only, got dtype {x.dtype}"
-        )
+    _check_real_input(x, "micro_batch_stats")
+    return _micro_batch_stats(
+        x,
+        reduction_axes,
+        dtype=dtype,
+        mask=mask,
+        axis_name=axis_name,
+        axis_index_groups=axis_index_groups,
+        use_fast_variance=use_fast_variance,
+    )
+
+
+def _micro_batch_stats(
+    x: jax.Array,
+    reduction_axes: Any,
+    *,
+    dtype: Any,
+    mask: Any,
+    axis_name: Any,
+    axis_index_groups: Any,
+    use_fast_variance: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`micro_batch_stats` of a real ``x``."""
     reduction_axes = _checked_axes(x.ndim, reduction_axes)
     dtype = utils.widen(x.dtype if dtype is None else dtype)
     x = x.astype(dtype)
@@ -164,7 +266,7 @@ def micro_batch_stats(
         feature_shape = [
             d for i, d in enumerate(x.shape) if i not in reduction_axes
         ]
-        n = jnp.full(
+        count = jnp.full(
             feature_shape,
             math.prod(x.shape[i] for i in reduction_axes),
             dtype,
@@ -173,7 +275,7 @@ def micro_batch_stats(
     else:
         weight = jnp.broadcast_to(jnp.asarray(mask, bool), x.shape)
         weight = weight.astype(dtype)
-        n = weight.sum(reduction_axes)
+        count = weight.sum(reduction_axes)
 
     def total(v):
         return (v if weight is None else v * weight).sum(reduction_axes)
@@ -186,160 +288,194 @@ def micro_batch_stats(
         )
         return tuple(out)
 
-    def per_element(v, n):
-        return utils.divide_or(v, n, n > 0)
+    def per_element(v, count):
+        return utils.divide_or(v, count, count > 0)
 
     if use_fast_variance:
-        n, s1, s2 = psum(n, total(x), total(x * x))
-        mean = per_element(s1, n)
-        var = jnp.maximum(0.0, per_element(s2, n) - mean * mean)
+        count, s1, s2 = psum(count, total(x), total(x * x))
+        mean = per_element(s1, count)
+        var = jnp.maximum(0.0, per_element(s2, count) - mean * mean)
     else:
-        n, s1 = psum(n, total(x))
-        mean = per_element(s1, n)
+        count, s1 = psum(count, total(x))
+        mean = per_element(s1, count)
         dev = x - jnp.expand_dims(mean, reduction_axes)
         (ss,) = psum(total(dev * dev))
-        var = per_element(ss, n)
-    return n, mean, var
+        var = per_element(ss, count)
+    return count, mean, var
 
 
 def merge(
-    window: Window, n: jax.Array, mean: jax.Array, var: jax.Array
+    window: Window, count: jax.Array, mean: jax.Array, var: jax.Array
 ) -> Window:
     """Adds a micro-batch's statistics to the window (exact pooled variance).
 
     Args:
       window: the window so far.
-      n: the micro-batch's per-feature element count.
+      count: the micro-batch's per-feature element count.
       mean: its per-feature mean.
       var: its per-feature (biased) variance.
 
     Returns:
-      The window with the micro-batch merged in and ``step`` one higher.
+      The window with the micro-batch merged in and ``micro_batches`` one
+      higher.
+
+    Raises:
+      ValueError: if ``count``, ``mean`` or ``var`` does not have the
+        window's feature shape (nothing is broadcast).
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from optaxaccum import batch_stats
-      >>> window = batch_stats.empty_window((1,))
+      >>> from optaxaccum import batchnorm
+      >>> window = batchnorm.empty_window(1)
       >>> for xb in (jnp.array([[0.0], [2.0]]), jnp.array([[10.0], [12.0]])):
-      ...     stats = batch_stats.micro_batch_stats(xb, 0)
-      ...     window = batch_stats.merge(window, *stats)
-      >>> window.mean, window.m2 / window.elements  # those of all four rows
+      ...     stats = batchnorm.micro_batch_stats(xb, 0)
+      ...     window = batchnorm.merge(window, *stats)
+      >>> window.mean, window.m2 / window.count  # those of all four rows
       (Array([6.], dtype=float32), Array([26.], dtype=float32))
     """
-    n, mean, var = (v.astype(jnp.float32) for v in (n, mean, var))
-    total = window.elements + n
-    frac = utils.divide_or(n, total, total > 0)
+    _check_shapes("merge", window, count=count, mean=mean, var=var)
+    count, mean, var = (v.astype(jnp.float32) for v in (count, mean, var))
+    total = window.count + count
+    frac = utils.divide_or(count, total, total > 0)
     delta = mean - window.mean
     return Window(
-        elements=total,
+        count=total,
         mean=window.mean + delta * frac,
-        m2=window.m2 + var * n + delta * delta * window.elements * frac,
-        step=window.step + 1,
+        m2=window.m2 + var * count + delta * delta * window.count * frac,
+        micro_batches=window.micro_batches + 1,
     )
 
 
 def close(
+    running_mean: jax.Array,
+    running_var: jax.Array,
     window: Window,
-    ra_mean: jax.Array,
-    ra_var: jax.Array,
+    *,
     momentum: float,
-    do_close: jax.Array,
-) -> tuple[jax.Array, jax.Array, Window]:
-    """Folds the pooled window into the running averages where ``do_close``.
+    where: Any = True,
+) -> RunningStats:
+    """Folds the pooled window into the running statistics where ``where``.
 
-    The running averages become ``momentum * ra + (1 - momentum) * stat``
-    with the window's mean and pooled (biased) variance, as BatchNorm's
-    once per micro-batch. A window that saw no element (everything masked)
-    leaves them unchanged.
+    Each running statistic becomes ``momentum * running + (1 - momentum) *
+    pooled``, with the window's mean and pooled (biased) variance: flax's
+    convention (``momentum`` weighs the old value; PyTorch's ``momentum``
+    is ``1 -`` this one). A window that saw no element (everything masked,
+    or nothing merged) leaves them unchanged, so closing an empty window is
+    a no-op; at the end of an epoch, ``close`` folds in a partial window
+    with its own count.
 
     Args:
+      running_mean: the running mean.
+      running_var: the running variance.
       window: the window to close.
-      ra_mean: the running mean.
-      ra_var: the running variance.
-      momentum: BatchNorm's momentum, a float (or an array, which takes the
-        running averages' dtype).
-      do_close: whether to close, a bool or a boolean array (traced under
-        ``jit``).
+      momentum: BatchNorm's momentum in [0, 1], a float (or an array, which
+        takes the running statistics' dtype).
+      where: whether to close, a bool or a boolean array (traced under
+        ``jit``), e.g. :func:`closed`: the window then closes with the
+        optimizer's.
 
     Returns:
-      ``(ra_mean, ra_var, window)``: the window is emptied where it closed;
-      elsewhere all three come back unchanged.
+      The :class:`RunningStats` ``(running_mean, running_var, window)``: the
+      window is emptied where it closed; elsewhere all three come back
+      unchanged.
+
+    Raises:
+      ValueError: if a concrete ``momentum`` is outside [0, 1], or
+        ``running_mean`` or ``running_var`` does not have the window's
+        feature shape.
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from optaxaccum import batch_stats
-      >>> stats = batch_stats.micro_batch_stats(jnp.array([[1.0], [3.0]]), 0)
-      >>> window = batch_stats.merge(batch_stats.empty_window((1,)), *stats)
-      >>> mean, var, window = batch_stats.close(
-      ...     window, jnp.zeros(1), jnp.ones(1), momentum=0.5, do_close=True)
-      >>> mean, var, int(window.step)
+      >>> from optaxaccum import batchnorm
+      >>> stats = batchnorm.micro_batch_stats(jnp.array([[1.0], [3.0]]), 0)
+      >>> window = batchnorm.merge(batchnorm.empty_window(1), *stats)
+      >>> mean, var, window = batchnorm.close(
+      ...     jnp.zeros(1), jnp.ones(1), window, momentum=0.5)
+      >>> mean, var, int(window.micro_batches)
       (Array([1.], dtype=float32), Array([1.], dtype=float32), 0)
     """
-    seen = window.elements > 0
-    pooled_var = utils.divide_or(window.m2, window.elements, seen)
-    use = do_close & seen
+    _check_momentum(momentum)
+    _check_shapes(
+        "close", window, running_mean=running_mean, running_var=running_var
+    )
+    seen = window.count > 0
+    pooled_var = utils.divide_or(window.m2, window.count, seen)
+    use = where & seen
 
-    def ema(ra, stat):
+    def ema(running, stat):
         # A Python float stays weakly typed, exactly as in nn.BatchNorm; a
-        # recorded (array) momentum takes the running average's dtype.
+        # recorded (array) momentum takes the running statistic's dtype.
         m = momentum
         if not isinstance(m, (int, float)):
-            m = jnp.asarray(m).astype(ra.dtype)
-        new = m * ra + (1 - m) * stat.astype(ra.dtype)
-        return jnp.where(use, new, ra).astype(ra.dtype)
+            m = jnp.asarray(m).astype(running.dtype)
+        new = m * running + (1 - m) * stat.astype(running.dtype)
+        return jnp.where(use, new, running).astype(running.dtype)
 
-    new_mean, new_var = ema(ra_mean, window.mean), ema(ra_var, pooled_var)
+    new_mean = ema(running_mean, window.mean)
+    new_var = ema(running_var, pooled_var)
     empty = empty_window(window.mean.shape)
     window = jax.tree.map(
-        lambda e, w: jnp.where(do_close, e, w).astype(w.dtype), empty, window
+        lambda e, w: jnp.where(where, e, w).astype(w.dtype), empty, window
     )
-    return new_mean, new_var, window
+    return RunningStats(new_mean, new_var, window)
 
 
 def step(
+    running_mean: jax.Array,
+    running_var: jax.Array,
     window: Window,
-    ra_mean: jax.Array,
-    ra_var: jax.Array,
     stats: tuple[jax.Array, jax.Array, jax.Array],
     *,
     momentum: float,
     every_k: int,
-) -> tuple[jax.Array, jax.Array, Window]:
+) -> RunningStats:
     """One training micro-batch: :func:`merge` its ``stats``, then
     :func:`close` the window once it holds ``every_k`` micro-batches.
 
+    The running statistics change only when the window closes, to
+    ``momentum * running + (1 - momentum) * pooled`` (flax's convention,
+    see :func:`close`).
+
     Args:
+      running_mean: the running mean.
+      running_var: the running variance.
       window: the window so far.
-      ra_mean: the running mean.
-      ra_var: the running variance.
       stats: the micro-batch's ``(count, mean, var)``
         (:func:`micro_batch_stats`; stop their gradient first when called
         inside a loss).
-      momentum: BatchNorm's momentum.
+      momentum: BatchNorm's momentum in [0, 1].
       every_k: micro-batches per window, a positive int (the layers'
         ``accum_steps``).
 
     Returns:
-      ``(ra_mean, ra_var, window)`` after the micro-batch.
+      The :class:`RunningStats` ``(running_mean, running_var, window)``
+      after the micro-batch.
 
     Raises:
-      TypeError, ValueError: if ``every_k`` is not a positive int.
+      TypeError, ValueError: if ``every_k`` is not a positive int, a
+        concrete ``momentum`` is outside [0, 1], or a shape differs from
+        the window's feature shape.
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> from optaxaccum import batch_stats
-      >>> state = (batch_stats.empty_window((1,)), jnp.zeros(1), jnp.ones(1))
+      >>> from optaxaccum import batchnorm
+      >>> state = batchnorm.RunningStats(
+      ...     jnp.zeros(1), jnp.ones(1), batchnorm.empty_window(1))
       >>> for xb in (jnp.array([[0.0], [2.0]]), jnp.array([[10.0], [12.0]])):
-      ...     stats = batch_stats.micro_batch_stats(xb, 0)
-      ...     mean, var, window = batch_stats.step(
-      ...         state[0], *state[1:], stats, momentum=0.0, every_k=2)
-      ...     state = (window, mean, var)
-      >>> mean, var  # BatchNorm on the concatenated window
+      ...     stats = batchnorm.micro_batch_stats(xb, 0)
+      ...     state = batchnorm.step(*state, stats, momentum=0.0, every_k=2)
+      >>> state.running_mean, state.running_var  # BatchNorm on the window
       (Array([6.], dtype=float32), Array([26.], dtype=float32))
     """
     every_k = utils.check_positive_int("every_k", every_k)
     window = merge(window, *stats)
-    return close(window, ra_mean, ra_var, momentum, window.step >= every_k)
+    return close(
+        running_mean,
+        running_var,
+        window,
+        momentum=momentum,
+        where=window.micro_batches >= every_k,
+    )
 
 
 def canonical_axes(ndim: int, axis: Any) -> tuple[int, ...]:
@@ -352,10 +488,10 @@ def train_step(
     module: Any,
     x: jax.Array,
     mask: jax.Array | None,
+    running_mean: jax.Array,
+    running_var: jax.Array,
     window: Window,
-    ra_mean: jax.Array,
-    ra_var: jax.Array,
-) -> tuple[jax.Array, jax.Array, Window]:
+) -> RunningStats:
     """The running statistics after one training micro-batch ``x``.
 
     ``module`` is a linen or nnx ``AccumBatchNorm``: its ``axis``, ``dtype``,
@@ -366,7 +502,8 @@ def train_step(
     """
     feature_axes = canonical_axes(x.ndim, module.axis)
     reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
-    stats = micro_batch_stats(
+    _check_real_input(x, "AccumBatchNorm")
+    stats = _micro_batch_stats(
         x,
         reduction_axes,
         dtype=module.dtype,
@@ -377,59 +514,17 @@ def train_step(
     )
     stats = jax.tree.map(lax.stop_gradient, stats)
     return step(
+        running_mean,
+        running_var,
         window,
-        ra_mean,
-        ra_var,
         stats,
         momentum=module.momentum,
         every_k=module.accum_steps,
     )
 
 
-def flush(
-    window: Window,
-    ra_mean: jax.Array,
-    ra_var: jax.Array,
-    momentum: float,
-    where: Any = True,
-) -> tuple[jax.Array, jax.Array, Window]:
-    """Closes a partial window (end of an epoch) where ``where``.
-
-    As :func:`close`, with the window's own count (fewer than ``every_k``
-    micro-batches); an empty window changes nothing.
-
-    Args:
-      window: the window to close.
-      ra_mean: the running mean.
-      ra_var: the running variance.
-      momentum: BatchNorm's momentum.
-      where: whether to close, a bool or a boolean array, e.g.
-        :func:`closed`: the window then closes with the optimizer's.
-
-    Returns:
-      ``(ra_mean, ra_var, window)``, the window emptied where it closed.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from optaxaccum import batch_stats
-      >>> stats = batch_stats.micro_batch_stats(jnp.array([[1.0], [3.0]]), 0)
-      >>> mean, var, window = batch_stats.step(
-      ...     batch_stats.empty_window((1,)), jnp.zeros(1), jnp.ones(1), stats,
-      ...     momentum=0.0, every_k=4)  # 1 of 4: the window stays open
-      >>> batch_stats.flush(window, mean, var, momentum=0.0)[0]
-      Array([2.], dtype=float32)
-    """
-    return close(
-        window,
-        ra_mean,
-        ra_var,
-        momentum,
-        jnp.logical_and(where, window.step > 0),
-    )
-
-
 def keep_counted(
-    old_opt_state: Any, new_opt_state: Any, new: Any, old: Any
+    old_opt_state: Any, new_opt_state: Any, *, old: Any, new: Any
 ) -> Any:
     """The statistics as the optimizer counted the last micro-batch.
 
@@ -442,23 +537,28 @@ def keep_counted(
     Args:
       old_opt_state: the optimizer's state before the call.
       new_opt_state: its state after the call.
-      new: the statistics after the micro-batch's forward pass (any pytree).
-      old: those before it, of the same structure.
+      old: the statistics before the micro-batch's forward pass (any
+        pytree, e.g. a :class:`RunningStats`).
+      new: those after it, of the same structure.
 
     Returns:
       ``new`` where the call counted, else ``old`` (``new`` when the
       optimizer holds no window: every call counts).
 
+    Raises:
+      ValueError: if ``old`` and ``new`` differ in structure.
+
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> import optaxaccum as oa
-      >>> from optaxaccum import batch_stats
+      >>> from optaxaccum import batchnorm
       >>> tx = oa.chain(oa.accumulate(2, skip_nonfinite=True), optax.sgd(1.0))
       >>> s0 = tx.init(jnp.zeros(1))
       >>> _, s1 = tx.update(jnp.full(1, jnp.nan), s0)  # dropped
-      >>> batch_stats.keep_counted(s0, s1, jnp.ones(1), jnp.zeros(1))
+      >>> batchnorm.keep_counted(s0, s1, old=jnp.zeros(1), new=jnp.ones(1))
       Array([0.], dtype=float32)
     """
+    utils.check_same_structure("new", new, old, "old")
     counted = windows.counted(old_opt_state, new_opt_state)
     if counted is True:  # no accumulate: every call counts
         return new
@@ -468,7 +568,7 @@ def keep_counted(
 def closed(old_opt_state: Any, new_opt_state: Any) -> Any:
     """Whether an optimizer call closed the optimizer's window.
 
-    Pass it to :func:`flush` as ``where`` after every optimizer call: the
+    Pass it to :func:`close` as ``where`` after every optimizer call: the
     BatchNorm windows then close with the optimizer's, whatever its window
     length (a callable ``every_k`` such as
     :func:`optaxaccum.critical_batch_every_k` included); give :func:`step`
@@ -485,12 +585,12 @@ def closed(old_opt_state: Any, new_opt_state: Any) -> Any:
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> import optaxaccum as oa
-      >>> from optaxaccum import batch_stats
+      >>> from optaxaccum import batchnorm
       >>> tx = oa.chain(oa.accumulate(3), optax.sgd(1.0))
       >>> states = [tx.init(jnp.zeros(1))]
       >>> for _ in range(4):
       ...     states.append(tx.update(jnp.ones(1), states[-1])[1])
-      >>> [bool(batch_stats.closed(*s)) for s in zip(states, states[1:])]
+      >>> [bool(batchnorm.closed(*s)) for s in zip(states, states[1:])]
       [False, False, True, False]
     """
     return windows.closed(old_opt_state, new_opt_state)

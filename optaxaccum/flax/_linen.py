@@ -132,7 +132,7 @@ class AccumBatchNorm(nn.BatchNorm):
         y = super().__call__(x, use_running_average, mask=mask)
         window = stats_lib.Window(*(v.value for v in window_vars))
         new_mean, new_var, window = stats_lib.train_step(
-            self, x, mask, window, ra_mean, ra_var
+            self, x, mask, ra_mean, ra_var, window
         )
         # Replace the per-micro-batch update that nn.BatchNorm just made.
         self.put_variable("batch_stats", "mean", new_mean)
@@ -298,8 +298,12 @@ def flush_windows(batch_stats: Mapping, momentum: Any, where: Any = True):
             out.get(stats_lib.MOMENTUM_KEY), momentum, path
         )
         window = stats_lib.Window(*(out[k] for k in stats_lib.WINDOW_KEYS))
-        out["mean"], out["var"], window = stats_lib.flush(
-            window, out["mean"], out["var"], layer_momentum, where
+        out["mean"], out["var"], window = stats_lib.close(
+            out["mean"],
+            out["var"],
+            window,
+            momentum=layer_momentum,
+            where=where,
         )
         out.update(zip(stats_lib.WINDOW_KEYS, window, strict=True))
         return _rebuild(node, out)

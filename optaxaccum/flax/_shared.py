@@ -1,5 +1,5 @@
 """What the linen and the nnx ``AccumBatchNorm`` share beyond the window
-arithmetic (:mod:`optaxaccum.batch_stats`): the documentation of their
+arithmetic (:mod:`optaxaccum.batchnorm`): the documentation of their
 ``__call__``. Each layer writes its own call, as flax writes
 ``nn.BatchNorm``'s and ``nnx.BatchNorm``'s."""
 

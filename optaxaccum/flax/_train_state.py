@@ -163,7 +163,7 @@ def _follow_window(old: Any, new: Any, old_opt: Any, new_opt: Any) -> Any:
     turned ``old_opt`` into ``new_opt`` (else ``old``'s), their windows
     closed where that call closed the optimizer's window."""
     kept = stats_lib.keep_counted(
-        old_opt, new_opt, new, _linen.with_windows_like(old, new)
+        old_opt, new_opt, old=_linen.with_windows_like(old, new), new=new
     )
     closed = stats_lib.closed(old_opt, new_opt)
     _check_steps(old, new, old_opt, new_opt, closed)

@@ -108,12 +108,15 @@ class AccumBatchNorm(nnx.BatchNorm):
         stats_lib.check_closed_with(
             [f"(accum_steps={self.accum_steps})"],
             [getattr(self, _COUNTED + "window_step")[...]],
-            [self._window().step],
+            [self._window().micro_batches],
             windows.counted(old_opt_state, new_opt_state),
             stats_lib.closed(old_opt_state, new_opt_state),
         )
         stats = stats_lib.keep_counted(
-            old_opt_state, new_opt_state, self._stats(), self._stats(_COUNTED)
+            old_opt_state,
+            new_opt_state,
+            old=self._stats(_COUNTED),
+            new=self._stats(),
         )
         for key, value in zip(stats_lib.STAT_KEYS, stats):
             getattr(self, key)[...] = value
@@ -161,19 +164,19 @@ class AccumBatchNorm(nnx.BatchNorm):
         # Replace the per-micro-batch update that nnx.BatchNorm just made.
         self._set(
             *stats_lib.train_step(
-                self, x, mask, self._window(), ra_mean, ra_var
+                self, x, mask, ra_mean, ra_var, self._window()
             )
         )
         return y
 
     def _flush(self, where: Any = True) -> None:
         self._set(
-            *stats_lib.flush(
-                self._window(),
+            *stats_lib.close(
                 self.mean[...],
                 self.var[...],
-                self.momentum,
-                where,
+                self._window(),
+                momentum=self.momentum,
+                where=where,
             )
         )
 
