@@ -134,20 +134,20 @@ def _check_real_input(x: jax.Array, who: str) -> None:
         )
 
 
-def _checked_axes(ndim: int, axes: Any) -> tuple[int, ...]:
-    """``axes`` (an int or a sequence of ints) as sorted non-negative ints
-    of an array of rank ``ndim``."""
+def _checked_axes(
+    ndim: int, axes: Any, name: str = "reduction_axes"
+) -> tuple[int, ...]:
+    """``axes`` (an int or a sequence of ints, the argument ``name``) as
+    sorted non-negative ints of an array of rank ``ndim``."""
     if _is_int(axes):
         axes = (axes,)
     if not isinstance(axes, (tuple, list)) or not all(_is_int(a) for a in axes):
         raise TypeError(
-            "reduction_axes must be an int or a tuple of ints, got "
-            f"reduction_axes={axes!r}"
+            f"{name} must be an int or a tuple of ints, got {name}={axes!r}"
         )
     if not all(-ndim <= a < ndim for a in axes):
         raise ValueError(
-            f"reduction_axes must be axes of x (of rank {ndim}), got "
-            f"reduction_axes={axes!r}"
+            f"{name} must be axes of x (of rank {ndim}), got {name}={axes!r}"
         )
     return tuple(sorted({int(a) % ndim for a in axes}))
 
@@ -479,9 +479,8 @@ def step(
 
 
 def canonical_axes(ndim: int, axis: Any) -> tuple[int, ...]:
-    """Feature axes as sorted non-negative ints."""
-    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
-    return tuple(sorted({a % ndim for a in axes}))
+    """A layer's feature axes ``axis`` as sorted non-negative ints."""
+    return _checked_axes(ndim, axis, "axis")
 
 
 def train_step(

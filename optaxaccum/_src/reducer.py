@@ -311,8 +311,8 @@ def of(axis_name: Any, tree: Any, shard_update: bool = False) -> Reducer:
     without ``axis_name``, :class:`Local` unless a leaf of ``tree`` is
     unreduced over a mesh axis (then :class:`Reducer`)."""
     if axis_name is None:
-        # Read from the leaves' types here, so that the mesh-less path
-        # stays out of sharding.py.
+        # sharding.unreduced_axes's test, read from the leaves' types here
+        # so that the mesh-less path makes no call into sharding.py.
         for x in jax.tree.leaves(tree):
             named = getattr(jax.typeof(x), "sharding", None)
             if isinstance(named, NamedSharding) and named.spec.unreduced:

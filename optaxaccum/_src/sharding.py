@@ -349,22 +349,15 @@ def local_map(
     data)."""
     kwargs = {} if mesh is None else {"mesh": mesh}
     context = mesh or jax.sharding.get_abstract_mesh()
-    if math.prod(context.shape.values()) > 1:
-        return jax.shard_map(
-            body,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            check_vma=False,
-            **kwargs,
-        )
-    plain_in = without_unreduced(in_specs)
+    one_device = math.prod(context.shape.values()) == 1
+    plain_in, plain_out = in_specs, out_specs
+    if one_device:
+        plain_in, plain_out = map(without_unreduced, (in_specs, out_specs))
     plain = jax.shard_map(
-        body,
-        in_specs=plain_in,
-        out_specs=without_unreduced(out_specs),
-        check_vma=False,
-        **kwargs,
+        body, in_specs=plain_in, out_specs=plain_out, check_vma=False, **kwargs
     )
+    if not one_device:
+        return plain
 
     def placed(spec: P) -> Any:
         # On the given mesh, else on the context's (a bare spec).
