@@ -73,7 +73,7 @@ def _fold_rows(targets_, steps, hlo, models):
     rows = []
     for model in models:
         for api in steps.TRAIN:
-            fn, args, counts = steps.train_step(api, model)
+            fn, args, counts, _ = steps.train_step(api, model)
             donate = (0,) if api in ("TrainState", "nnx Optimizer") else (0, 1)
             row = [model, api, str(len(counts))]
             for target in targets_:

@@ -20,6 +20,7 @@ from optaxaccum._src.base import (
 )
 from optaxaccum._src.chain import apply_gradients, chain, flush
 from optaxaccum._src.collectives import collective_census
+from optaxaccum._src.compiler import fold_compiler_options
 from optaxaccum._src.every_weight import every_weight
 from optaxaccum._src.gather_once import GatherOnce
 from optaxaccum._src.gating import GatedTransformation, is_gate
@@ -78,6 +79,7 @@ __all__ = [
     "chain",
     "collective_census",
     "critical_batch_every_k",
+    "fold_compiler_options",
     "dynamic_loss_scale",
     "flush",
     "has_updated",

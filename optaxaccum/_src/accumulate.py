@@ -24,6 +24,12 @@ from optaxaccum._src.gating import GatedTransformation
 
 __all__ = ["AccumulateState", "accumulate", "map_accumulators"]
 
+_NEEDS_WEIGHT_MSG = (
+    "oa.accumulate(..., summed_gradients=True) adds each call's gradient as "
+    "the sum over its micro-batch: pass the micro-batch's count (examples "
+    "or tokens) as accum_weight=..., got no accum_weight"
+)
+
 
 class AccumulateState(NamedTuple):
     """State of :func:`accumulate`.
@@ -33,15 +39,15 @@ class AccumulateState(NamedTuple):
         accumulated in it so far; ``shape=(), int32``.
       gradient_step: windows closed so far; ``shape=(), int32``.
       acc: the window's running weighted sum of gradients, a pytree like the
-        params in ``accumulator_dtype``. Reset lazily: when ``mini_step`` is
-        0 its content is stale and the next micro-batch overwrites it. Under
+        params in ``accumulator_dtype``; zero between windows (zeroed in
+        place when a window closes or is flushed). Under
         ``jax.jit`` on a mesh whose ``axis_name`` axes are Explicit, each
         leaf has a leading axis of their size, sharded over them: row ``i``
         is device ``i``'s partial sum (an ordinary, checkpointable array;
         docs/scaling.md).
       weight: the window's running sum of weights; ``shape=()``, the real
         dtype of the widest accumulator leaf, at least float32 (token counts
-        overflow float16). Stale when ``mini_step`` is 0.
+        overflow float16); 0 between windows.
       updated: whether the most recent call that reached this transformation
         closed a window and stepped the followers; ``shape=(), bool``.
       noise_scale: the gradient noise scale's sums and averages
@@ -70,6 +76,7 @@ class _Config(NamedTuple):
     skip_nonfinite: bool
     noise_scale_decay: float | None
     shard_update: bool = False
+    summed_gradients: bool = False
 
 
 def accumulate(
@@ -84,6 +91,7 @@ def accumulate(
     skip_nonfinite: bool = False,
     noise_scale_decay: float | None = None,
     shard_update: bool = False,
+    summed_gradients: bool = False,
 ) -> GatedTransformation:
     r"""Accumulates gradients over windows of ``every_k`` micro-batches.
 
@@ -113,6 +121,12 @@ def accumulate(
         with it (:func:`noise_scale`, docs/noise_scale.md).
       shard_update: reduce-scatter the window over ``axis_name`` (``jit``,
         explicit mesh), the followers' state sharded over it (ZeRO-1).
+      summed_gradients: each call's gradient is already a *sum* over its
+        micro-batch (the loss summed, not averaged) and ``accum_weight``
+        (required) its count: the gradient is added as it is, and the mean
+        divides the window's sum by its total weight. The form whose
+        weighted micro-step XLA:GPU folds into the gradient's GEMM
+        (docs/gpu.md).
 
     Returns:
       A :class:`GatedTransformation` with an :class:`AccumulateState`.
@@ -150,6 +164,7 @@ def accumulate(
         utils.check_bool("skip_nonfinite", skip_nonfinite),
         decay,
         _check_shard_update(shard_update, axis_name),
+        utils.check_bool("summed_gradients", summed_gradients),
     )
     # Its results carry the window bookkeeping (gating.Decision), which the
     # chain reads; to anyone else they are GateResults.
@@ -251,18 +266,25 @@ def _gate_update(
     params: optax.Params | None,
     ctx: base.GateContext,
     *,
-    accum_weight: Any = 1.0,
+    accum_weight: Any = None,
     **extra_args: Any,
 ) -> gating.Decision:
     """Adds one micro-batch (of weight ``ctx.window_weight``, an earlier
     window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
     state, sums = _checked_input(cfg, updates, state)
+    # An earlier window's total reaches a nested accumulate with that
+    # window's mean (or sum): weighed as usual, whatever this one's form.
+    summed = cfg.summed_gradients and ctx.window_weight is None
     if ctx.window_weight is not None:
         accum_weight = ctx.window_weight
+    elif accum_weight is None:
+        if summed:
+            raise ValueError(_NEEDS_WEIGHT_MSG)
+        accum_weight = 1.0
     utils.check_weight("accum_weight", accum_weight)
     acc, weight, noise, counted = _add(
-        cfg, sums, state, updates, accum_weight, ctx.passed
+        cfg, sums, state, updates, accum_weight, ctx.passed, summed
     )
     mini_step = utils.select(counted, state.mini_step + 1, state.mini_step)
     closing = utils.both(counted, cfg.closes(state, mini_step, weight, sums))
@@ -284,9 +306,12 @@ def _gate_update(
         noise_scale=noise,
     )
     out_dtypes = jax.tree.map(jnp.result_type, updates)
-    if cfg.axis_name is None:
+    if cfg.axis_name is None and not cfg.summed_gradients:
         # The weight is local: decide on it here so the chain branches once.
-        # A window of weight 0 is ``empty``: a later gate counts it.
+        # A window of weight 0 is ``empty``: a later gate counts it (its
+        # accumulator is still zero: weight-0 calls add nothing). Summed
+        # gradients are added as they are, so such a window's emit runs:
+        # it zeroes the accumulator.
         nonzero = weight != 0
         return gating.Decision(
             state=new_state,
@@ -330,40 +355,90 @@ def _add(
     updates: optax.Updates,
     weight: Any,
     passed: Any,
+    summed: bool,
 ) -> tuple[optax.Updates, jax.Array, Any, Any]:
     """The accumulator, total weight and noise-scale sums with this
     micro-batch, and whether it counted (a flag): not where an earlier gate
     refused it (``passed``) or ``skip_nonfinite`` drops it, and then all
     stay as they were.
 
-    A weight that is negative or not finite (traced: it could not be checked)
-    makes the micro-batch non-finite; weight 0 contributes nothing, even a
-    non-finite gradient (a fully padded micro-batch).
+    The accumulator is zero at a window's start, so a counted call adds to
+    it and nothing else: ``acc + g`` for a weight known now to be 1 or for
+    ``summed`` gradients, ``acc + w * g`` otherwise (XLA can make the add
+    the epilogue of the GEMM that computes ``g``: docs/gpu.md). A weight
+    that is negative or not finite (traced: it could not be checked) makes
+    the micro-batch non-finite; weight 0 contributes nothing, even a
+    non-finite gradient (a fully padded micro-batch), except to ``summed``
+    gradients, which are added as they are.
     """
-    w = jnp.asarray(weight).astype(state.weight.dtype)
-    valid = jnp.isfinite(w) & (w >= 0)
-    w = jnp.where(valid, w, jnp.nan)
-    weightless = w == 0
-    fresh = state.mini_step == 0  # the accumulator is stale: overwrite it
+    w, valid, weightless = _weight(weight, state.weight.dtype)
     counted = passed
     if cfg.skip_nonfinite:
-        finite = valid & (weightless | sums.finite(updates))
+        exempt = False if summed else weightless
+        finite = utils.both(valid, utils.either(exempt, sums.finite(updates)))
         counted = utils.both(counted, sums.agree(finite))
 
     def add(a, g):
         g = jnp.asarray(g).astype(a.dtype)
-        wg = sums.scale(w.astype(a.dtype), g, a)
-        wg = jnp.where(weightless, jnp.zeros_like(wg), wg)
-        return utils.select(counted, jnp.where(fresh, wg, a + wg), a)
+        if weightless is True and not summed:
+            return a  # a weight of 0 known now: nothing to add
+        if summed or (isinstance(w, float) and w == 1.0):
+            return utils.select(counted, a + sums.scale(None, g, a), a)
+        wg = sums.scale(jnp.asarray(w, a.dtype), g, a)
+        if weightless is not False:  # traced: 0 * NaN must add nothing
+            wg = jnp.where(weightless, jnp.zeros_like(wg), wg)
+        return utils.select(counted, a + wg, a)
 
     acc = jax.tree.map(add, state.acc, updates)
-    total = jnp.where(fresh, w, state.weight + w)
+    total = state.weight + w
     noise = state.noise_scale  # None: the estimate is off (no work)
     if noise is not None:
         noise = noise_scale.micro_step(
-            sums, noise, updates, state.acc, w, fresh, counted
+            sums,
+            noise,
+            _per_unit(sums, updates, w) if summed else updates,
+            state.acc,
+            jnp.asarray(w, state.weight.dtype),
+            state.mini_step == 0,
+            counted,
         )
     return acc, utils.select(counted, total, state.weight), noise, counted
+
+
+def _weight(weight: Any, dtype: Any) -> tuple[Any, Any, Any]:
+    """A checked ``accum_weight`` as ``(w, valid, weightless)``: for a
+    weight known now (a Python or NumPy number, a concrete array), a Python
+    float and the literals ``True`` and ``w == 0``, so that no select is
+    built for it; for a traced one, an array of ``dtype`` (NaN where it is
+    negative or not finite) and two boolean scalars."""
+    known = utils.concrete(weight)
+    if known is not None:  # checked by utils.check_weight: finite, >= 0
+        w = float(known)
+        return w, True, w == 0
+    w = jnp.asarray(weight).astype(dtype)
+    valid = jnp.isfinite(w) & (w >= 0)
+    w = jnp.where(valid, w, jnp.nan)
+    return w, valid, w == 0
+
+
+def _per_unit(sums: reducer.Reducer, updates: Any, w: Any) -> Any:
+    """Summed gradients divided by their weight ``w`` (0 where it is 0):
+    the per-micro-batch means the noise scale squares."""
+    inv = utils.divide_or(1, jnp.asarray(w))
+    return jax.tree.map(lambda g: sums.scale(inv.astype(g.dtype), g), updates)
+
+
+def zeroed(tree: Any) -> Any:
+    """Zeros computed from ``tree``'s own values,
+    ``where(isfinite(a), a * 0, 0)`` (NaN-safe): written where a closing
+    window's work reads the accumulator, XLA reuses its buffer in place,
+    and the branch of a call that does not close passes the donated buffer
+    through without a copy (``zeros_like`` would make XLA:GPU copy it on
+    every such call)."""
+    return jax.tree.map(
+        lambda a: jnp.where(jnp.isfinite(a), a * 0, jnp.zeros((), a.dtype)),
+        tree,
+    )
 
 
 def _emitter(
@@ -406,7 +481,13 @@ def _emitter(
         )
         return gating.Emission(
             updates=updates,
-            state=state._replace(updated=updated, noise_scale=noise),
+            # The next window starts from zero (in place: see zeroed).
+            state=state._replace(
+                acc=zeroed(state.acc),
+                weight=jnp.zeros_like(state.weight),
+                updated=updated,
+                noise_scale=noise,
+            ),
             opened=opened,
             window_weight=follower_weight,
             noise=None if noise is None else noise_scale.estimates(noise),

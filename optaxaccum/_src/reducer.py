@@ -128,10 +128,12 @@ class Reducer:
         over all devices (``None``: nothing)."""
         del reduction
 
-    def scale(self, s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
-        """``s * x`` for a scalar ``s``, also when ``x`` is unreduced; with
-        ``like`` (an unreduced accumulator leaf) a plain ``x`` is first cast
-        to its sharding."""
+    def scale(
+        self, s: jax.Array | None, x: jax.Array, like: Any = None
+    ) -> jax.Array:
+        """``s * x`` for a scalar ``s`` (``x`` for ``None``), also when ``x``
+        is unreduced; with ``like`` (an unreduced accumulator leaf) a plain
+        ``x`` is first cast to its sharding."""
         return sharding.times(s, x, like)
 
     def squared_norm(
@@ -175,10 +177,12 @@ class Local(Reducer):
         del grads
         return acc
 
-    def scale(self, s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
-        """``s * x``."""
+    def scale(
+        self, s: jax.Array | None, x: jax.Array, like: Any = None
+    ) -> jax.Array:
+        """``s * x`` (``x`` for ``None``)."""
         del like
-        return s * x
+        return x if s is None else s * x
 
     def finite(
         self, tree: Any, local: Callable[[Any], jax.Array] | None = None

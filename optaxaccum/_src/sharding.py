@@ -472,12 +472,14 @@ def match_unreduced(x: Any, like: Any) -> Any:
     return x
 
 
-def times(s: jax.Array, x: jax.Array, like: Any = None) -> jax.Array:
-    """``s * x`` for a scalar ``s``, also when ``x`` is unreduced (``s`` is
-    then cast to reduced); with ``like`` (an unreduced accumulator) a plain
-    ``x`` is first cast to ``like``'s sharding."""
+def times(s: jax.Array | None, x: jax.Array, like: Any = None) -> jax.Array:
+    """``s * x`` for a scalar ``s`` (``x`` for ``None``), also when ``x`` is
+    unreduced (``s`` is then cast to reduced); with ``like`` (an unreduced
+    accumulator) a plain ``x`` is first cast to ``like``'s sharding."""
     if like is not None:
         x = match_unreduced(x, like)
+    if s is None:
+        return x
     axes = unreduced_axes(x)
     if axes:
         s = jax.reshard(s, P(reduced=axes))

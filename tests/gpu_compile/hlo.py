@@ -6,7 +6,9 @@ operands and called computations. Two questions are answered from it:
 * where does an op run: outside every ``conditional`` (on every call) or
   only inside one of its branches (``placement``);
 * is each dense weight's accumulation folded into the GEMM fusion that makes
-  its gradient, with no loop fusion reading the gradient again (``fold``).
+  its gradient, with no loop fusion reading the gradient again (``fold``);
+* what else the path a non-closing call takes does with weight-sized arrays:
+  copies and passes outside the GEMMs (``non_closing``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ class Instr:
         array, one per element of a tuple)."""
         return [
             math.prod(int(d) for d in dims.split(",") if d)
+            for _, dims in _SHAPE.findall(self.shape)
+        ]
+
+    @property
+    def dims(self) -> list[tuple[int, ...]]:
+        """The sorted dimensions of each array in the shape (a transposed
+        array has the dimensions of the original)."""
+        return [
+            tuple(sorted(int(d) for d in dims.split(",") if d))
             for _, dims in _SHAPE.findall(self.shape)
         ]
 
@@ -265,4 +276,69 @@ def opcode_counts(module: Module) -> dict[str, int]:
     for instrs in module.computations.values():
         for i in instrs:
             out[i.opcode] = out.get(i.opcode, 0) + 1
+    return out
+
+
+# Control flow and views: no pass over the data of their own.
+_NO_PASS = frozenset(
+    {
+        "bitcast",
+        "call",
+        "conditional",
+        "get-tuple-element",
+        "opt-barrier",
+        "parameter",
+        "reshape",
+        "tuple",
+        "while",
+    }
+)
+
+
+def non_closing(
+    module: Module, shapes: set[tuple[int, ...]], closing_ops: tuple[str, ...]
+) -> dict[str, int]:
+    """What the path of a call that does not close its window does with
+    arrays of the weights' ``shapes`` (sorted dimensions), outside the
+    GEMMs: the entry's own instructions and those of every conditional
+    branch that holds none of ``closing_ops`` (the optimizer's, e.g.
+    Adam's ``sqrt``).
+
+    Returns:
+      ``{"copies": n, "passes": n}``: weight-sized ``copy`` instructions
+      (and fusions that only copy), and other instructions (loop fusions)
+      that read or write a weight-sized array.
+    """
+
+    def holds_closing(name: str) -> bool:
+        return any(
+            i.opcode in closing_ops
+            for c in module.reachable(name, through_branches=True)
+            for i in module.computations.get(c, [])
+        )
+
+    paths = [module.entry]
+    for cond in module.conditionals():
+        paths += [
+            n for e, n in cond.called if e == "branch" and not holds_closing(n)
+        ]
+    by_name = {i.name: i for c in module.computations.values() for i in c}
+    out = {"copies": 0, "passes": 0}
+    for name in paths:
+        for i in module.computations[name]:
+            if i.opcode in _NO_PASS or is_gemm(i):
+                continue
+            reads = [by_name[o] for o in i.operands if o in by_name]
+            if not any(d in shapes for x in [i, *reads] for d in x.dims):
+                continue
+            fused = {
+                j.opcode
+                for e, c in i.called
+                if e == "calls"
+                for j in module.computations.get(c, [])
+            }
+            copy = i.opcode in ("copy", "copy-start") or (
+                i.opcode == "fusion" and fused <= {"copy", "parameter"}
+            )
+            out["copies" if copy else "passes"] += 1
     return out

@@ -188,6 +188,16 @@ MODELS = {
 }
 
 
+def dense_weight_shapes(model) -> set[tuple[int, ...]]:
+    """The sorted dimensions of every matrix product's weight."""
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    return {
+        tuple(sorted(x.shape))
+        for path, x in leaves
+        if "kernel" in jax.tree_util.keystr(path)
+    }
+
+
 def dense_weight_counts(model) -> list[int]:
     """The element count of every matrix product's weight (a ``kernel``)."""
     leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
@@ -225,6 +235,29 @@ def _pure(model, loss, batch, make_tx, train_state=False):
     return step, (params, tx.init(params), *batch)
 
 
+def _weighted(model, loss, batch, make_tx, summed):
+    """A train step whose window is weighted by a traced ``accum_weight``
+    (a token count, an argument of the step): with ``summed`` the loss is
+    summed over the rows (``oa.accumulate(..., summed_gradients=True)``),
+    else their mean."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    rows = jax.tree.leaves(batch)[0].shape[0]
+
+    def loss_of(p, *batch):
+        mean = loss(nnx.merge(graphdef, p), *batch)
+        return mean * rows if summed else mean
+
+    tx = make_tx()
+
+    def step(params, opt_state, weight, *batch):
+        grads = jax.grad(loss_of)(params, *batch)
+        return oa.apply_gradients(
+            tx, grads, opt_state, params, accum_weight=weight
+        )
+
+    return step, (params, tx.init(params), jnp.float32(rows), *batch)
+
+
 def _nnx_train(model, loss, batch):
     opt = oa_nnx.Optimizer(model, oa.chain(oa.accumulate(K), _adamw()))
     graphdef, state = nnx.split((model, opt))
@@ -249,6 +282,29 @@ TRAIN = {
         m, f, b, lambda: oa.chain(oa.accumulate(K), _adamw()), True
     ),
     "nnx Optimizer": _nnx_train,
+    "summed weighted": lambda m, f, b: _weighted(
+        m,
+        f,
+        b,
+        lambda: oa.chain(oa.accumulate(K, summed_gradients=True), _adamw()),
+        summed=True,
+    ),
+}
+# Steps whose micro-step cannot be the GEMM's epilogue alone (a select or a
+# multiply by a traced value in front of the add): docs/gpu.md names them.
+TRAIN_OFF_FLOOR = {
+    "mean weighted": lambda m, f, b: _weighted(
+        m, f, b, lambda: oa.chain(oa.accumulate(K), _adamw()), summed=False
+    ),
+    "skip_nonfinite": lambda m, f, b: _pure(
+        m, f, b, lambda: oa.chain(oa.accumulate(K, skip_nonfinite=True), _adamw())
+    ),
+    "loss_scale": lambda m, f, b: _pure(
+        m,
+        f,
+        b,
+        lambda: oa.chain(oa.dynamic_loss_scale(), oa.accumulate(K), _adamw()),
+    ),
 }
 
 
@@ -258,8 +314,8 @@ def train_step(api: str, model: str):
     caller."""
     m, loss, batch = MODELS[model]()
     counts = dense_weight_counts(m)
-    fn, args = TRAIN[api](m, loss, batch)
-    return fn, args, counts
+    fn, args = {**TRAIN, **TRAIN_OFF_FLOOR}[api](m, loss, batch)
+    return fn, args, counts, dense_weight_shapes(m)
 
 
 # The memory premises of the suite (tests/test_chain.py,

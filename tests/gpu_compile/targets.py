@@ -61,14 +61,34 @@ def abstract(tree, device: jax.Device):
     return jax.tree.map(one, tree)
 
 
-def compile_for(fn, args, device: jax.Device, donate=()):
-    """``jax.jit(fn, donate_argnums=donate)`` compiled for ``device`` at
-    the users' default matmul precision (tests run at ``"highest"``)."""
+def compile_for(fn, args, device: jax.Device, donate=(), options=None):
+    """``jax.jit(fn, donate_argnums=donate, compiler_options=options)``
+    compiled for ``device`` at the users' default matmul precision (tests
+    run at ``"highest"``)."""
     with jax.default_matmul_precision("default"):
-        lowered = jax.jit(fn, donate_argnums=donate).lower(
-            *abstract(args, device)
-        )
+        lowered = jax.jit(
+            fn, donate_argnums=donate, compiler_options=options
+        ).lower(*abstract(args, device))
         return lowered.compile()
+
+
+# The compiler settings a card may compile a train step in: its GEMMs as
+# Triton fusions (what a compile without a GPU picks) or as cuBLAS-LT calls
+# (the autotuner picks per GEMM on a card), each with or without
+# oa.fold_compiler_options(); per-jit options, so one process compiles all.
+SETTINGS = ("triton", "triton+options", "cublas", "cublas+options")
+
+
+def options(setting: str) -> dict:
+    """The per-jit compiler options of a setting of :data:`SETTINGS`."""
+    import optaxaccum as oa
+
+    out = {}
+    if setting.startswith("cublas"):
+        out["xla_gpu_enable_triton_gemm"] = False
+    if setting.endswith("+options"):
+        out.update(oa.fold_compiler_options())
+    return out
 
 
 def describe(device: jax.Device) -> str:

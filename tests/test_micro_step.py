@@ -1,0 +1,284 @@
+"""The micro-step's arithmetic (API.md 2): ``acc + g`` on a call that does
+not close the window, the accumulator zeroed from its own value when the
+window closes, summed gradients, and the compiler options of an in-place
+micro-step."""
+
+from __future__ import annotations
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxaccum as oa
+
+
+def _grads(seed, shape=(3, 4)):
+    return {"w": jax.random.normal(jax.random.key(seed), shape)}
+
+
+def _acc_states(state):
+    """Every AccumulateState in a chain's state."""
+    return [
+        s
+        for s in jax.tree.leaves(
+            state, is_leaf=lambda s: isinstance(s, oa.AccumulateState)
+        )
+        if isinstance(s, oa.AccumulateState)
+    ]
+
+
+# ------------------------------------------------ zero between windows
+
+
+@pytest.mark.parametrize("summed", [False, True])
+def test_accumulator_is_zero_between_windows(summed):
+    """A closing call and a flush leave the accumulator and its weight at
+    exactly zero: the next window adds to them."""
+    tx = oa.chain(oa.accumulate(2, summed_gradients=summed), optax.sgd(1.0))
+    params = {"w": jnp.zeros((3, 4))}
+    state = tx.init(params)
+    for i in range(2):
+        _, state = tx.update(_grads(i), state, params, accum_weight=2.0)
+    (acc,) = _acc_states(state)
+    assert int(acc.mini_step) == 0
+    np.testing.assert_array_equal(acc.acc["w"], np.zeros((3, 4)))
+    assert float(acc.weight) == 0.0
+    _, state = tx.update(_grads(5), state, params, accum_weight=2.0)
+    _, state = oa.flush(tx, state, params)
+    (acc,) = _acc_states(state)
+    np.testing.assert_array_equal(acc.acc["w"], np.zeros((3, 4)))
+    assert float(acc.weight) == 0.0
+
+
+def test_multisteps_accumulator_is_zero_between_windows():
+    ms = oa.MultiSteps(optax.adam(1e-3), 2)
+    params = {"w": jnp.zeros((3, 4))}
+    state = ms.init(params)
+    for i in range(2):
+        _, state = ms.update(_grads(i), state, params)
+    np.testing.assert_array_equal(state.acc_grads["w"], np.zeros((3, 4)))
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_nonfinite_window_does_not_poison_the_next(bad):
+    """Without skip_nonfinite a non-finite micro-batch is emitted with its
+    window; the zero written at the close is NaN-safe, so the next window
+    equals a fresh one."""
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    params = {"w": jnp.zeros((3, 4))}
+    state = tx.init(params)
+    poisoned = {"w": _grads(0)["w"].at[0, 0].set(bad)}
+    _, state = tx.update(poisoned, state, params)
+    u, state = tx.update(_grads(1), state, params)
+    assert not np.isfinite(np.asarray(u["w"])[0, 0])
+    _, state = tx.update(_grads(2), state, params)
+    u, state = tx.update(_grads(3), state, params)
+    want = -(_grads(2)["w"] + _grads(3)["w"]) / 2
+    np.testing.assert_allclose(u["w"], want, rtol=1e-6)
+
+
+# ------------------------------------------------ the micro-step itself
+
+
+def _outside_cond(jaxpr):
+    """The equations of a jaxpr outside every conditional (recursing into
+    pjit/custom calls but not into cond branches)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            continue
+        out.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _outside_cond(sub)
+    return out
+
+
+def _tree_sized_ops(step, args, shape):
+    """Primitive names of the equations outside the conditional whose
+    output has the tree's ``shape``."""
+    jaxpr = jax.make_jaxpr(step)(*args).jaxpr
+    return sorted(
+        e.primitive.name
+        for e in _outside_cond(jaxpr)
+        for v in e.outvars
+        if getattr(v.aval, "shape", None) == shape
+    )
+
+
+@pytest.mark.parametrize(
+    ("summed", "weight"),
+    [(False, None), (False, 3.0), (True, "traced")],
+)
+def test_non_closing_micro_step_is_one_add(summed, weight):
+    """Outside the gate's conditional the fused step does one thing to the
+    accumulator: ``acc + g`` (no select, no multiply by a weight), the form
+    XLA folds into the GEMM that makes ``g``. A weight known at trace time
+    is 1 or multiplied in as a constant; a traced weight with summed
+    gradients only adds to the window's total."""
+    shape = (8, 16)
+    tx = oa.chain(oa.accumulate(4, summed_gradients=summed), optax.adam(0.1))
+    params = {"w": jnp.zeros(shape)}
+    state = tx.init(params)
+    if weight == "traced":
+
+        def step(p, s, g, w):
+            return oa.apply_gradients(tx, g, s, p, accum_weight=w)
+
+        args = (params, state, params, jnp.float32(2.0))
+    else:
+        extra = {} if weight is None else {"accum_weight": weight}
+
+        def step(p, s, g):
+            return oa.apply_gradients(tx, g, s, p, **extra)
+
+        args = (params, state, params)
+    ops = _tree_sized_ops(step, args, shape)
+    want = ["add"] if weight in (None, "traced") else ["add", "mul"]
+    assert ops == want, ops
+
+
+# ------------------------------------------------ summed gradients
+
+
+def _run(tx, grads, weights, params, flush=False, jit=False):
+    wrap = jax.jit if jit else (lambda f: f)
+    update = wrap(lambda g, s, w: tx.update(g, s, params, accum_weight=w))
+    state = tx.init(params)
+    outs = []
+    for g, w in zip(grads, weights):
+        u, state = update(g, state, w)
+        outs.append(u)
+    if flush:
+        u, state = wrap(lambda s: oa.flush(tx, s, params))(state)
+        outs.append(u)
+    return outs, state
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_summed_gradients_equal_weighted_means(reduction, jit):
+    """Summed micro-batch gradients with their counts give what the
+    per-micro-batch means with the same ``accum_weight`` give, including a
+    partial window closed by flush."""
+    counts = [3.0, 1.0, 4.0, 2.0, 5.0]
+    means = [_grads(i) for i in range(5)]
+    sums = [jax.tree.map(lambda g, n=n: n * g, m) for m, n in zip(means, counts)]
+    params = {"w": jnp.zeros((3, 4))}
+
+    def make(summed):
+        return oa.chain(
+            oa.accumulate(2, reduction=reduction, summed_gradients=summed),
+            optax.adam(0.1),
+        )
+
+    got, s1 = _run(make(True), sums, counts, params, True, jit)
+    want, _ = _run(make(False), means, counts, params, True, jit)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a["w"], b["w"], rtol=2e-5, atol=1e-7)
+    assert int(_acc_states(s1)[0].gradient_step) == 3
+
+
+def test_summed_gradients_need_accum_weight():
+    tx = oa.chain(oa.accumulate(2, summed_gradients=True), optax.sgd(1.0))
+    params = {"w": jnp.zeros(2)}
+    with pytest.raises(ValueError, match="accum_weight"):
+        tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+
+
+def test_summed_gradients_must_be_a_bool():
+    with pytest.raises(TypeError, match="summed_gradients"):
+        oa.accumulate(2, summed_gradients="yes")
+
+
+def test_summed_gradients_nested_follower_weighs_the_window():
+    """An inner summed accumulate closing a window hands its mean on to an
+    outer one; nested accumulates equal one accumulate of the product."""
+    counts = [3.0, 1.0, 4.0, 2.0]
+    sums = [
+        jax.tree.map(lambda g, n=n: n * g, _grads(i))
+        for i, n in enumerate(counts)
+    ]
+    params = {"w": jnp.zeros((3, 4))}
+    nested = oa.chain(
+        oa.accumulate(2, summed_gradients=True),
+        oa.accumulate(2, summed_gradients=True),
+        optax.sgd(1.0),
+    )
+    one = oa.chain(oa.accumulate(4, summed_gradients=True), optax.sgd(1.0))
+    got, _ = _run(nested, sums, counts, params)
+    want, _ = _run(one, sums, counts, params)
+    np.testing.assert_allclose(got[-1]["w"], want[-1]["w"], rtol=1e-6)
+
+
+def test_summed_gradients_skip_nonfinite_drops_an_empty_nan():
+    """Summed gradients are added as they are, so under skip_nonfinite a
+    non-finite one is dropped even at weight 0 (the mean form counts such a
+    call and adds nothing)."""
+    tx = oa.chain(
+        oa.accumulate(2, summed_gradients=True, skip_nonfinite=True),
+        optax.sgd(1.0),
+    )
+    params = {"w": jnp.zeros(1)}
+    outs, state = _run(
+        tx,
+        [{"w": jnp.array([jnp.nan])}, {"w": jnp.array([6.0])}],
+        [0.0, 3.0],
+        params,
+    )
+    assert not bool(oa.has_updated(state))
+    u, state = tx.update({"w": jnp.array([2.0])}, state, params, accum_weight=1)
+    np.testing.assert_allclose(u["w"], [-2.0])
+
+
+def test_summed_gradients_noise_scale_equals_the_mean_form():
+    counts = [3.0, 1.0, 4.0, 2.0, 2.0, 5.0]
+    means = [_grads(i) for i in range(6)]
+    sums = [jax.tree.map(lambda g, n=n: n * g, m) for m, n in zip(means, counts)]
+    params = {"w": jnp.zeros((3, 4))}
+
+    def make(summed):
+        return oa.chain(
+            oa.accumulate(3, summed_gradients=summed, noise_scale_decay=0.5),
+            optax.sgd(1.0),
+        )
+
+    _, s1 = _run(make(True), sums, counts, params)
+    _, s2 = _run(make(False), means, counts, params)
+    for a, b in zip(oa.noise_scale(s1), oa.noise_scale(s2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+# ------------------------------------------------ compiler options
+
+
+def test_fold_compiler_options_name_both_backends():
+    options = oa.fold_compiler_options()
+    assert options == {
+        "xla_cpu_copy_insertion_use_region_analysis": True,
+        "xla_gpu_copy_insertion_use_region_analysis": True,
+    }
+    options.clear()  # a new dict on every call
+    assert oa.fold_compiler_options()
+
+
+def test_fold_compiler_options_change_no_result():
+    """The same fused steps with and without the options: bit-identical
+    params and state over two windows."""
+    tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
+    params = {"w": jnp.ones((8, 16))}
+
+    def run(**jit_kwargs):
+        step = jax.jit(
+            lambda p, s, g: oa.apply_gradients(tx, g, s, p), **jit_kwargs
+        )
+        p, s = params, tx.init(params)
+        for i in range(4):
+            p, s = step(p, s, _grads(i, (8, 16)))
+        return p, s
+
+    plain = run()
+    folded = run(compiler_options=oa.fold_compiler_options())
+    jax.tree.map(np.testing.assert_array_equal, plain, folded)
