@@ -306,7 +306,7 @@ def index() -> str:
     for page_name, thumb, script in entries:
         parts += [
             f"- [![{script}](thumbs/{thumb}.png)]({page_name}.md)",
-            f"  {{doc}}`{page_name}` (`examples/{script}.py`)",
+            f"  {{doc}}`{page_name}` `examples/{script}.py`",
         ]
     parts += [
         "",
