@@ -141,17 +141,26 @@ copybutton_only_copy_prompt_lines = True
 # -- HTML ----------------------------------------------------------------------
 # The theme of the JAX ecosystem's sites (jax, optax, flax): a left
 # navigation, an "on this page" table of contents on the right.
-# The repository button appears once pyproject.toml names the repository
-# ([project.urls] Repository).
+# The repository and issue buttons, and the links of the file names the
+# pages mention (_ext/doc_links.py), go to pyproject.toml's
+# [project.urls] Repository.
 _pyproject = os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")
 with open(_pyproject, "rb") as f:
     _urls = tomllib.load(f)["project"].get("urls", {})
 repository_url = _urls.get("Repository", "")
+# The landing page's one-line install, from the same address.
+myst_substitutions["repository"] = f"[the repository]({repository_url})"
+myst_substitutions["issues"] = f"[issue tracker]({repository_url}/issues)"
+myst_substitutions["install"] = (
+    f'`pip install "optaxaccum[flax] @ git+{repository_url}"`'
+)
 
 html_theme = "sphinx_book_theme"
 html_title = f"optaxaccum {release}"
 html_static_path = ["_static"]
 html_css_files = ["custom.css"]
+# Search excerpts read the page body without the theme's buttons.
+html_js_files = [("search_excerpts.js", {"defer": "defer"})]
 html_show_sourcelink = False
 html_theme_options = {
     "home_page_in_toc": True,
@@ -159,6 +168,7 @@ html_theme_options = {
     "navigation_with_keys": False,
     "repository_url": repository_url,
     "use_repository_button": bool(repository_url),
+    "use_issues_button": bool(repository_url),
     "path_to_docs": "docs",
     "repository_branch": "main",
     # One search field, the sidebar's: the header bar would repeat it.

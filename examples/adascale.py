@@ -12,11 +12,11 @@ on the same examples:
 
 It prints each run's optimizer steps, final training loss and progress
 ``tau`` (``oa.window_progress``), and plots the training loss against the
-examples seen, against the optimizer steps and against ``tau``
-(docs/figures/adascale.png):
-(d) follows (a) per example with far fewer steps; (b) lags; (c) sits
-between. Reproduce the figure with ``python examples/adascale.py``
-(about a minute on two CPU cores).
+examples seen, against the optimizer steps and against ``tau`` into
+``adascale.png`` (``--out DIR``, default the current directory): (d)
+follows (a) per example with far fewer steps; (b) lags; (c) sits between.
+Reproduce the figure with ``python examples/adascale.py`` (about a minute
+on two CPU cores).
 """
 
 import argparse
@@ -127,9 +127,8 @@ def main(argv=None):
     parser.add_argument(
         "--out",
         type=pathlib.Path,
-        default=pathlib.Path(__file__).resolve().parent.parent
-        / "docs"
-        / "figures",
+        default=pathlib.Path("."),
+        help="directory for adascale.png",
     )
     args = parser.parse_args(argv)
     x, y, _, _ = load_data(images=False)

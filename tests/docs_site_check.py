@@ -28,7 +28,20 @@ fails when
 * its header holds more search fields than one (the theme's persistent
   navbar search next to the sidebar's);
 * its API summary table lets names break mid-word on a narrow screen (the
-  site's style sheet must keep the name column from wrapping).
+  site's style sheet must keep the name column from wrapping);
+* it names a private class (``optaxaccum._src.batch_stats.Window``) where
+  users import a public one, or holds more API entries than a reader
+  scrolls through (the reference is split into pages);
+* it has no link to the repository in its header, or (the landing page) no
+  one-line install; a file of the repository it names (``examples/fsdp.py``)
+  is not a link; it shows an absolute path of the machine that built it;
+* it writes a formula as code (``W = sum_i w_i``) beside rendered math
+  (docstrings on the API pages aside: help() shows them as text), or has a display equation too wide for a phone's column (about 30
+  characters: a wider one needs line breaks, ``\\``);
+* it shows a figure wider than a phone can read outside a
+  ``wide-figure`` container (which scrolls it at a readable size);
+* search excerpts would start with the theme's buttons ("System Settings
+  Light Dark"): the site must load ``_static/search_excerpts.js``.
 
 Standard library only: it runs with the ``docs`` extra alone.
 """
@@ -52,7 +65,31 @@ WORK_LOG = re.compile(
 )
 PRIVATE_TYPE = re.compile(
     r"\bjaxlib\._jax\.\w+|TypeAliasForwardRef|bool \| number \| bool"
+    r"|\boptaxaccum\._src\.\w+"
 )
+# API entries (functions and classes, not their members) on one page.
+MAX_API_ENTRIES = 12
+# An absolute path on the machine that built the site or ran an example.
+MACHINE_PATH = re.compile(
+    r"(?<![\w.:/~-])/(?:home|Users|work|root|tmp|mnt)/[\w.-]+/[\w./-]*"
+)
+# A file or folder of the repository, named on a page.
+REPO_PATH = re.compile(
+    r"(?<![\w/.-])((?:examples|benchmarks|tests|docs|optaxaccum|\.ci)/"
+    r"(?:[\w.-]+/)*(?:[\w.-]*[\w/])?|README\.md|CHANGELOG\.md|Makefile"
+    r"|pyproject\.toml|LICENSE)"
+)
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+# A formula written as inline code rather than math.
+FORMULA_CODE = re.compile(
+    r"\bsum_\w|\w\^\d|\bSigma\b|\|G\||\btr\s?\(|\bE\[|[²Σ]"
+    r"|\bsqrt\(W|\bW / B0\b"
+)
+# A phone's content column (358 px at 390 px) holds about this many
+# characters of display math (tests/docs_site_check.py's tex_width).
+DISPLAY_MATH_WIDTH = 30
+# Wider images (in pixels) are unreadable scaled to a phone's column.
+WIDE_IMAGE = 800
 RUN_NOTES = re.compile(
     r"\(two runs\)|\bload average\b|keeps this as evidence|\banother run\b"
     r"|depending on the run|\bother jobs\b|\bone run each\b|\bwe cannot run\b"
@@ -72,7 +109,9 @@ NOWRAP_RULE = re.compile(
     r"table\.autosummary[^{]*\{[^}]*white-space:\s*nowrap", re.S
 )
 REMOTE = re.compile(r"^\s*(https?:)?//", re.I)
-# Pages made by Sphinx itself (search, index of names), not by the project.
+# Pages made by Sphinx itself (search, index of names), not by the project;
+# the source listings (_modules/), which show the private modules; and the
+# theme's own templates (_static/).
 SKIPPED = {"search.html", "genindex.html", "py-modindex.html"}
 VOID = {"br", "img", "hr", "meta", "link", "input", "wbr", "col"}
 
@@ -90,6 +129,14 @@ class _Page(html.parser.HTMLParser):
         self.prose: list[str] = []
         self.search_fields = 0
         self.autosummary = False
+        self.display: list[bool] = []  # per math element: a display?
+        self.inline_code: list[tuple[str, bool]] = []  # (text, in a link)
+        self.unlinked_prose: list[str] = []
+        self.images: list[tuple[str, bool]] = []  # (src, in a wide-figure)
+        self.api_entries = 0
+        self.repository_link = False
+        self.theme_buttons = False
+        self._stack: list[tuple[str, list[str]]] = []
         self._math = 0
         self._code = 0
         self._pre = 0
@@ -108,8 +155,22 @@ class _Page(html.parser.HTMLParser):
         elif "math" in classes:
             self._math = 1
             self.math.append("")
+            self.display.append(tag == "div")
         if tag == "code":
             self._code += 1
+            if not self._pre:
+                self.inline_code.append(("", self._inside("a")))
+        if tag == "img":
+            wide = any("wide-figure" in c for _, c in self._stack)
+            self.images.append((attrs.get("src") or "", wide))
+        if tag == "dl" and "py" in classes:
+            self.api_entries += bool({"function", "class"} & set(classes))
+        if tag == "a" and "btn-source-repository-button" in classes:
+            self.repository_link = True
+        if "theme-switch-container" in classes:
+            self.theme_buttons = True
+        if tag not in VOID:
+            self._stack.append((tag, classes))
         if "search-button-field" in classes:
             self.search_fields += 1
         if tag == "table" and "autosummary" in classes:
@@ -127,7 +188,14 @@ class _Page(html.parser.HTMLParser):
         elif tag in ("td", "th") and self.tables and self.tables[-1]:
             self._cell = []
 
+    def _inside(self, tag: str) -> bool:
+        return any(t == tag for t, _ in self._stack)
+
     def handle_endtag(self, tag):
+        for i in range(len(self._stack) - 1, -1, -1):
+            if self._stack[i][0] == tag:
+                del self._stack[i:]
+                break
         if self._math:
             self._math -= 1
         if tag == "code":
@@ -148,6 +216,11 @@ class _Page(html.parser.HTMLParser):
             self.math[-1] += data
         elif not (self._pre or self._code):
             self.prose.append(data)
+            if not self._inside("a"):
+                self.unlinked_prose.append(data)
+        if self._code and not self._pre and self.inline_code:
+            text, linked = self.inline_code[-1]
+            self.inline_code[-1] = (text + data, linked)
         if self._pre:
             self.code_blocks[-1] += data
         if self._cell is not None:
@@ -165,8 +238,12 @@ def _table_chars(rows: list[list[str]]) -> int:
     return sum(w + TABLE_CELL_PADDING for w in widest.values())
 
 
-def page_problems(source: str, name: str) -> list[str]:
-    """What a reader of the page ``name`` (its HTML ``source``) runs into."""
+def page_problems(
+    source: str, name: str, repo: pathlib.Path | None = None
+) -> list[str]:
+    """What a reader of the page ``name`` (its HTML ``source``) runs into;
+    with ``repo``, the repository the site documents, also the files of it
+    the page names without linking them."""
     page = _Page()
     page.feed(source)
     problems = []
@@ -201,11 +278,141 @@ def page_problems(source: str, name: str) -> list[str]:
     prose = " ".join(" ".join(page.prose).split())
     for m in SUBSTITUTION.finditer(prose):
         problems.append(f"{name}: substitution left unreplaced: {m.group()!r}")
+    problems += _source_problems(page, name, text, repo)
+    problems += _formula_problems(page, name)
+    if page.api_entries > MAX_API_ENTRIES:
+        problems.append(
+            f"{name}: {page.api_entries} API entries on one page (at most "
+            f"{MAX_API_ENTRIES}: split the reference into pages)"
+        )
     if page.search_fields > 1:
         problems.append(
             f"{name}: {page.search_fields} search fields (one is enough: "
             "the theme's navbar_persistent repeats the sidebar's)"
         )
+    return problems
+
+
+def repository_names(text: str, repo: pathlib.Path) -> list[str]:
+    """The files and folders of ``repo`` that ``text`` names."""
+    found = []
+    for m in REPO_PATH.finditer(text):
+        path = m.group(1).rstrip(".")
+        if ".." not in path and (repo / path).exists():
+            found.append(path)
+    return found
+
+
+def _source_problems(
+    page: _Page, name: str, text: str, repo: pathlib.Path | None
+) -> list[str]:
+    """No way back to the source: no repository link, no install line on
+    the landing page, file names that are not links; and machine paths."""
+    problems = []
+    if not page.repository_link:
+        problems.append(f"{name}: no link to the repository in the header")
+    if name == "index.html" and "pip install" not in text:
+        problems.append(f"{name}: no one-line install (`pip install ...`)")
+    for m in MACHINE_PATH.finditer(text):
+        problems.append(
+            f"{name}: an absolute path of the machine that made it: "
+            f"{m.group()!r}"
+        )
+    if repo is None:
+        return problems
+    unlinked = [code for code, linked in page.inline_code if not linked]
+    prose = " ".join(" ".join(page.unlinked_prose).split())
+    for found in [repository_names(code, repo) for code in unlinked] + [
+        repository_names(prose, repo)
+    ]:
+        problems += [
+            f"{name}: names the repository's {path!r} without a link"
+            for path in found
+        ]
+    return problems
+
+
+def tex_width(tex: str) -> float:
+    """About how many characters wide a TeX formula renders: its widest
+    line (``\\``), a fraction as wide as its wider part, sub- and
+    superscripts at 0.7, spaced operators at 1.8."""
+    widths = []
+    for line in tex.split("\\\\"):
+        line = re.sub(r"\\(?:begin|end)\{\w+\*?\}|&", "", line)
+        line = re.sub(r"\\(?:left|right|[Bb]ig+)\b|\\[,;!: ]", "", line)
+        widths.append(_group_width(line, 0)[0])
+    return max(widths)
+
+
+def _group_width(tex: str, i: int) -> tuple[float, int]:
+    """The width of ``tex`` from ``i`` to its group's closing brace, and
+    the position after it."""
+    width = 0.0
+    while i < len(tex):
+        c = tex[i]
+        if c == "}":
+            return width, i + 1
+        if c == "{":
+            w, i = _group_width(tex, i + 1)
+            width += w
+        elif c in "_^":
+            w, i = _atom_width(tex, i + 1)
+            width += 0.7 * w
+        elif c == "\\":
+            m = re.match(r"\\([a-zA-Z]+)|\\(.)", tex[i:])
+            assert m is not None
+            macro, i = m.group(1) or m.group(2), i + m.end()
+            if macro in ("frac", "dfrac", "tfrac"):
+                top, i = _atom_width(tex, i)
+                bottom, i = _atom_width(tex, i)
+                width += max(top, bottom) + 0.5
+            elif macro in ("text", "texttt", "mathrm", "operatorname", "mbox"):
+                m = re.match(r"\s*\{([^{}]*)\}", tex[i:])
+                arg = m.group(1) if m else ""
+                i += m.end() if m else 0
+                width += len(arg) * (1.1 if macro == "texttt" else 0.9)
+            elif macro in ("qquad", "quad"):
+                width += 2 if macro == "qquad" else 1
+            elif macro not in ("mathbb", "mathbf", "sqrt", "displaystyle"):
+                width += 1.8 if macro in ("leftarrow", "le", "ge") else 1
+        elif c in "=+<>":
+            width += 1.8
+        elif not c.isspace():
+            width += 1
+        i += c not in "{_^\\"
+    return width, i
+
+
+def _atom_width(tex: str, i: int) -> tuple[float, int]:
+    """The width of the group or single token at ``i``."""
+    while i < len(tex) and tex[i].isspace():
+        i += 1
+    if i < len(tex) and tex[i] == "{":
+        return _group_width(tex, i + 1)
+    if i < len(tex) and tex[i] == "\\":
+        m = re.match(r"\\[a-zA-Z]+|\\.", tex[i:])
+        assert m is not None
+        return 1.0, i + m.end()
+    return (1.0 if i < len(tex) else 0.0), i + 1
+
+
+def _formula_problems(page: _Page, name: str) -> list[str]:
+    """Formulas as code beside rendered math; display math too wide."""
+    problems = []
+    # The API pages show docstrings, which help() shows as plain text too.
+    prose_page = page.math and not name.startswith("api")
+    for code, _ in page.inline_code if prose_page else []:
+        if FORMULA_CODE.search(code):
+            problems.append(f"{name}: a formula written as code: {code!r}")
+    for tex, display in zip(page.math, page.display, strict=True):
+        inner = tex.strip().removeprefix("\\[").removesuffix("\\]")
+        width = tex_width(inner) if display else 0
+        if width > DISPLAY_MATH_WIDTH:
+            problems.append(
+                f"{name}: a display equation about {width:.0f} characters "
+                f"wide (a phone's column holds {DISPLAY_MATH_WIDTH}): break "
+                f"it into lines: {' '.join(inner.split())[:60]!r}..."
+            )
     return problems
 
 
@@ -232,18 +439,59 @@ def _math_problems(page: _Page, name: str) -> list[str]:
     return problems
 
 
-def site_problems(root: str | pathlib.Path) -> list[str]:
-    """``page_problems`` of every page of the built site under ``root``."""
+def png_width(path: pathlib.Path) -> int:
+    """The width in pixels of a PNG file (0 for anything else)."""
+    try:
+        head = path.read_bytes()[:24]
+    except OSError:
+        return 0
+    if head[:8] != b"\x89PNG\r\n\x1a\n":
+        return 0
+    return int.from_bytes(head[16:20], "big")
+
+
+def site_problems(
+    root: str | pathlib.Path, repo: pathlib.Path | None = REPO_ROOT
+) -> list[str]:
+    """``page_problems`` of every page of the built site under ``root``
+    (with ``repo``, the repository it documents), and the site's own."""
     root = pathlib.Path(root)
-    pages = sorted(p for p in root.rglob("*.html") if p.name not in SKIPPED)
+    pages = sorted(
+        p
+        for p in root.rglob("*.html")
+        if p.name not in SKIPPED
+        and not {"_modules", "_static"} & set(p.relative_to(root).parts)
+    )
     if not pages:
         return [f"{root}: no HTML pages (build the docs first)"]
     problems = []
-    summary = False
+    summary = buttons = False
     for path in pages:
         source = path.read_text(encoding="utf-8")
-        problems += page_problems(source, str(path.relative_to(root)))
+        name = str(path.relative_to(root))
+        problems += page_problems(source, name, repo)
         summary = summary or 'class="autosummary' in source
+        page = _Page()
+        page.feed(source)
+        buttons = buttons or page.theme_buttons
+        for src, wide in page.images:
+            width = png_width(path.parent / src)
+            if width > WIDE_IMAGE and not wide:
+                problems.append(
+                    f"{name}: {src} is {width} px wide, unreadable on a "
+                    "phone: put it in a `wide-figure` container"
+                )
+    search = root / "search.html"
+    script = "search_excerpts.js"
+    if buttons and not (
+        (root / "_static" / script).exists()
+        and search.exists()
+        and script in search.read_text(encoding="utf-8")
+    ):
+        problems.append(
+            f"search.html: does not load _static/{script}: search excerpts "
+            "start with the theme's buttons ('System Settings Light Dark')"
+        )
     css = root / "_static" / "custom.css"
     rules = css.read_text(encoding="utf-8") if css.exists() else ""
     if summary and not NOWRAP_RULE.search(rules):

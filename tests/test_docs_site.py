@@ -4,6 +4,8 @@ docs`` runs the same checks on its build)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.docs_site_check import (
@@ -14,9 +16,11 @@ from tests.docs_site_check import (
     site_problems,
 )
 
+HEADER = '<a class="btn btn-source-repository-button" href="https://x">r</a>'
 
-def _page(body: str, head: str = "") -> str:
-    return f"<html><head>{head}</head><body>{body}</body></html>"
+
+def _page(body: str, head: str = "", header: str = HEADER) -> str:
+    return f"<html><head>{head}</head><body>{header}{body}</body></html>"
 
 
 def test_a_clean_page_passes():
@@ -239,7 +243,7 @@ def test_comm_model_tables_are_current():
 
 def _params(signature: str) -> list[tuple[str, bool]]:
     """``(name, keyword_only)`` of each parameter of a signature written
-    as in docs/api.rst (defaults dropped, ``*`` and ``**kwargs`` kept)."""
+    as in docs/api/*.rst (defaults dropped, ``*`` and ``**kwargs`` kept)."""
     out, keyword_only = [], False
     depth, part, parts = 0, "", []
     for ch in signature:  # split on the top-level commas
@@ -263,7 +267,7 @@ def _params(signature: str) -> list[tuple[str, bool]]:
 
 
 def test_hand_written_signatures_in_the_api_page_are_true():
-    # A signature written into docs/api.rst (where autodoc's own would be
+    # A signature written into the API pages (where autodoc's own would be
     # unreadable) must name the parameters the object takes, positional or
     # keyword-only as it takes them; MultiSteps's said accumulator_dtype was
     # keyword-only when it is not.
@@ -272,10 +276,15 @@ def test_hand_written_signatures_in_the_api_page_are_true():
     import pathlib
     import re
 
-    api = pathlib.Path(BUILT).parent.parent / "api.rst"
+    docs = pathlib.Path(BUILT).parent.parent
+    lines = [
+        line
+        for page in [docs / "api.rst", *sorted((docs / "api").glob("*.rst"))]
+        for line in page.read_text().splitlines()
+    ]
     module, checked = "optaxaccum", 0
-    for line in api.read_text().splitlines():
-        if m := re.match(r"\.\. (?:current)?module:: (\S+)", line):
+    for line in lines:
+        if m := re.match(r"\.\. (?:current|auto)?module:: (\S+)", line):
             module = m.group(1)
         m = re.match(r"\.\. auto(?:class|function):: (\w+)\((.*)\)$", line)
         if not m:
@@ -316,5 +325,184 @@ def test_hand_written_signatures_in_the_api_page_are_true():
 def test_multisteps_signature_is_generated():
     import pathlib
 
-    api = (pathlib.Path(BUILT).parent.parent / "api.rst").read_text()
-    assert ".. autoclass:: MultiSteps\n" in api
+    api = pathlib.Path(BUILT).parent.parent / "api" / "accumulation.rst"
+    assert ".. autoclass:: MultiSteps\n" in api.read_text()
+
+
+ROOT = BUILT.parent.parent.parent
+
+
+def test_a_page_without_a_repository_link_fails():
+    problems = page_problems(_page("<p>text</p>", header=""), "p")
+    assert problems == ["p: no link to the repository in the header"]
+    assert page_problems(_page("<p>text</p>"), "p") == []
+
+
+def test_the_landing_page_without_an_install_line_fails():
+    problems = page_problems(_page("<p>hi</p>"), "index.html")
+    assert len(problems) == 1 and "one-line install" in problems[0]
+    body = "<p><code>pip install optaxaccum</code></p>"
+    assert page_problems(_page(body), "index.html") == []
+
+
+def test_a_repository_file_named_without_a_link_fails(tmp_path):
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "fsdp.py").write_text("")
+    for body in (
+        "<p>see <code>examples/fsdp.py</code>.</p>",
+        "<p>see examples/fsdp.py.</p>",
+    ):
+        problems = page_problems(_page(body), "p", tmp_path)
+        assert len(problems) == 1 and "'examples/fsdp.py'" in problems[0]
+    linked = '<p><a href="u"><code>examples/fsdp.py</code></a></p>'
+    missing = "<p><code>examples/other.py</code> <code>tests/</code></p>"
+    code = "<pre>python examples/fsdp.py</pre>"
+    for body in (linked, missing, code):
+        assert page_problems(_page(body), "p", tmp_path) == []
+
+
+def test_a_machine_path_fails():
+    body = "<pre>saved /work/main/docs/figures/adascale.png</pre>"
+    problems = page_problems(_page(body), "p")
+    assert len(problems) == 1 and "absolute path" in problems[0]
+    body = "<pre>saved ./adascale.png</pre><p>a/work/b/c</p>"
+    assert page_problems(_page(body), "p") == []
+
+
+def test_a_private_class_name_fails():
+    body = "<dt>Type:</dt><dd>optaxaccum._src.batch_stats.Window</dd>"
+    problems = page_problems(_page(body), "p")
+    assert len(problems) == 1 and "public type name" in problems[0]
+    body = "<p>nothing under <code>optaxaccum._src</code> is</p>"
+    assert page_problems(_page(body), "p") == []
+
+
+def test_a_long_api_page_fails():
+    entry = '<dl class="py function"><dt>f</dt></dl>'
+    member = '<dl class="py method"><dt>m</dt></dl>'
+    problems = page_problems(_page(entry * 13), "api.html")
+    assert len(problems) == 1 and "13 API entries" in problems[0]
+    body = entry * 12 + member * 20
+    assert page_problems(_page(body), "api.html") == []
+
+
+@pytest.mark.parametrize(
+    "code", ["W = sum_i w_i", "tr(Sigma)", "|G|^2", "(tr Σ / B0 + |G|²)"]
+)
+def test_a_formula_as_code_beside_math_fails(code):
+    math = r'<span class="math">\(x\)</span>'
+    body = f"{math}<p><code>{code}</code></p>"
+    problems = page_problems(_page(body), "p")
+    assert len(problems) == 1 and "formula written as code" in problems[0]
+    # Without rendered math on the page, or in a docstring: no notation
+    # to agree with.
+    assert page_problems(_page(f"<code>{code}</code>"), "p") == []
+    assert page_problems(_page(body), "api/noise_scale.html") == []
+
+
+def test_a_wide_display_equation_fails():
+    wide = (
+        r"\begin{aligned} \mathbb{E}[A] &= \frac{1}{W} \sum_i w_i "
+        r"\Big(|G|^2 + \frac{\operatorname{tr}(\Sigma)}{w_i}\Big) "
+        r"= |G|^2 + \frac{k \operatorname{tr}(\Sigma)}{W} \end{aligned}"
+    )
+    broken = wide.replace(r"\Big) =", r"\Big) \\ &=")
+    for tex, n in ((wide, 1), (broken, 0)):
+        body = f'<div class="math">\\[{tex}\\]</div>'
+        problems = page_problems(_page(body), "p")
+        assert len(problems) == n, problems
+    inline = f'<span class="math">\\({wide}\\)</span>'
+    assert page_problems(_page(inline), "p") == []
+
+
+def _png(path, width):
+    head = b"\x89PNG\r\n\x1a\n" + b"\0\0\0\rIHDR" + width.to_bytes(4, "big")
+    path.write_bytes(head + (100).to_bytes(4, "big"))
+
+
+def test_a_wide_figure_outside_a_wide_figure_container_fails(tmp_path):
+    (tmp_path / "_static").mkdir()
+    (tmp_path / "_static" / "custom.css").write_text("")
+    _png(tmp_path / "chart.png", 990)
+    _png(tmp_path / "thumb.png", 360)
+    page = tmp_path / "p.html"
+    page.write_text(_page('<img src="chart.png"><img src="thumb.png">'))
+    problems = site_problems(tmp_path, None)
+    assert len(problems) == 1 and "chart.png is 990 px" in problems[0]
+    body = '<div class="wide-figure"><p><img src="chart.png"></p></div>'
+    page.write_text(_page(body))
+    assert site_problems(tmp_path, None) == []
+
+
+def test_search_excerpts_without_the_theme_buttons(tmp_path):
+    (tmp_path / "_static").mkdir()
+    (tmp_path / "_static" / "custom.css").write_text("")
+    buttons = '<div class="theme-switch-container">System Settings</div>'
+    (tmp_path / "p.html").write_text(_page(buttons))
+    (tmp_path / "search.html").write_text(_page("<p>search</p>"))
+    problems = site_problems(tmp_path, None)
+    assert len(problems) == 1 and "search_excerpts.js" in problems[0]
+    (tmp_path / "_static" / "search_excerpts.js").write_text("")
+    script = '<script defer src="_static/search_excerpts.js"></script>'
+    (tmp_path / "search.html").write_text(_page("", script))
+    assert site_problems(tmp_path, None) == []
+
+
+def test_private_classes_get_their_public_names(doc_links):
+    names = doc_links.public_names(["optaxaccum", "optaxaccum.batchnorm"])
+    assert names["optaxaccum._src.base.Emitted"] == "optaxaccum.Emitted"
+    window = names["optaxaccum._src.batch_stats.Window"]
+    assert window == "optaxaccum.batchnorm.Window"
+    line = (
+        ":type: collections.abc.Callable[[], optaxaccum._src.base.Emitted]"
+        " | ~optaxaccum._src.base.Emitted"
+    )
+    assert doc_links.public(line, names) == (
+        ":type: collections.abc.Callable[[], optaxaccum.Emitted]"
+        " | optaxaccum.Emitted"
+    )
+
+
+def test_repository_files_on_the_pages_are_found(doc_links):
+    assert doc_links.repository_path("examples/fsdp.py") == "examples/fsdp.py"
+    assert doc_links.repository_path("benchmarks/") == "benchmarks/"
+    assert doc_links.repository_path("examples/<name>.py") is None
+    assert doc_links.repository_path("examples/nothing.py") is None
+    assert doc_links.repository_path("../etc/passwd") is None
+
+
+def test_the_scaling_headline_is_a_row_of_its_tables():
+    # "The headline, 8B parameters on 16 slices ... with `k = 8`" quoted a
+    # k the tables do not have (1, 4 and 16).
+    page = " ".join((ROOT / "docs" / "scaling.md").read_text().split())
+    table = (ROOT / "docs" / "comm_model_table.md").read_text()
+    m = re.search(
+        r"The headline, (\w+) parameters on (\d+) slices .*?`k = (\d+)`: "
+        r"(\d+)x fewer DCN bytes",
+        page,
+    )
+    assert m, "scaling.md: the communication model's headline"
+    params, slices, k, ratio = m.groups()
+    row = rf"^\| {params} +\| {slices} +\| {k} +\|.*\| {ratio}\.0x +\|$"
+    assert re.search(row, table, re.M), m.group()
+
+
+def test_the_pages_say_what_a_too_short_batchnorm_window_raises():
+    # Eagerly the check raises ValueError; under jit it runs in a callback
+    # and arrives as JaxRuntimeError, which `except ValueError` misses.
+    pytest.importorskip("flax")
+    import jax
+
+    from tests.test_flax import _bn_trainstate_steps
+
+    raised = {}
+    for jit in (False, True):
+        with pytest.raises(Exception, match="accum_steps") as info:
+            _bn_trainstate_steps(4, 6, 5, jit)
+        raised[jit] = info.value
+    assert type(raised[False]) is ValueError
+    assert isinstance(raised[True], jax.errors.JaxRuntimeError)
+    assert not isinstance(raised[True], ValueError)
+    for page in ("concepts.md", "sharp_bits.md"):
+        text = " ".join((ROOT / "docs" / page).read_text().split())
+        assert "`jax.errors.JaxRuntimeError`" in text, page

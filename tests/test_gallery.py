@@ -91,3 +91,35 @@ def test_intersphinx_reads_vendored_inventories_only():
             .read_bytes()
             .startswith(b"# Sphinx inventory version 2")
         )
+
+
+def test_every_entry_has_a_thumbnail():
+    # The index showed 11 titles and 2 pictures: each entry now has one,
+    # drawn by make_gallery.py (the example's plot, or what it prints).
+    mg = _make_gallery()
+    index = (GALLERY / "index.md").read_text()
+    names = ["lm_example", *(name for name, _ in mg.GALLERY)]
+    for name in names:
+        assert f"(thumbs/{name}.png)" in index, name
+        png = GALLERY / "thumbs" / f"{name}.png"
+        assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), png
+    # Each entry names its page once, not its title twice.
+    assert index.count("Quickstart: accumulating") == 0
+
+
+def test_docstring_layout_survives_on_the_pages():
+    # The AdaScale docstring's aligned (a)-(d) list ran into one paragraph.
+    mg = _make_gallery()
+    page = mg.page("adascale")
+    assert "```text\n(a) base batch      every micro-batch" in page
+    # A hanging indent is a list item; an indented snippet is code.
+    assert "\n- (b) ``16 x accumulate(4)``" in mg.page("quickstart")
+    assert "```python\nloss, grads = oa.unreduced_value_and_grad" in (
+        mg.page("fsdp")
+    )
+
+
+def test_adascale_page_shows_its_figure_and_no_machine_path():
+    page = (GALLERY / "adascale.md").read_text()
+    assert "![adascale.png](outputs/adascale.png)" in page
+    assert "saved adascale.png" in page and "/work/" not in page

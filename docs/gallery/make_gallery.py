@@ -9,8 +9,11 @@ output with the command, machine and date that produced it.
 Run: ``python docs/gallery/make_gallery.py [--run [NAME ...]]``. Without
 ``--run`` it rewrites the pages from the recorded outputs (seconds);
 ``--run`` first reruns the named examples (default: all) and records their
-output in ``docs/gallery/outputs/``. ``tests/test_gallery.py`` fails when a
-page differs from what this script writes.
+output in ``docs/gallery/outputs/``. It also draws the index's thumbnails
+(``docs/gallery/thumbs/``, with matplotlib from the ``examples`` extra):
+each example's plot scaled down, or the start of what it printed.
+``tests/test_gallery.py`` fails when a page differs from what this script
+writes or a thumbnail is missing.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 EXAMPLES = os.path.join(ROOT, "examples")
 OUTPUTS = os.path.join(HERE, "outputs")
+THUMBS = os.path.join(HERE, "thumbs")
 WIDTH = 88  # the site's code width (tests/docs_site_check.py)
 
 # (example, arguments it is recorded with): the order of the gallery.
@@ -113,7 +117,7 @@ def page(name: str) -> str:
     parts = [
         f"# {title.rstrip('.')}",
         "",
-        body.strip(),
+        _prose(body),
         "",
         "## The code",
         "",
@@ -133,8 +137,105 @@ def page(name: str) -> str:
         "```",
     ]
     for png in figures:
-        parts += ["", f"![{png}](outputs/{png})"]
+        # A plot keeps a readable size on a phone, scrolling in its box.
+        parts += ["", ":::{container} wide-figure", f"![{png}](outputs/{png})"]
+        parts += [":::"]
     return "\n".join(parts) + "\n"
+
+
+def _prose(body: str) -> str:
+    """The docstring's text as Markdown, where it would otherwise run into
+    one paragraph: a block of indented lines after a blank line (code, an
+    aligned list) is shown as laid out, in a code block; a line followed by
+    indented ones (a hanging indent) is a list item."""
+    out: list[str] = []
+    block: list[str] = []
+    for line in body.strip().splitlines() + [""]:
+        indented = line.startswith(" ") and line.strip()
+        if indented and (block or not out or not out[-1]):
+            block.append(line)
+            continue
+        if indented:  # continues the line above: a list item
+            if not out[-1].startswith(("- ", "  ")):
+                out[-1] = "- " + out[-1]
+            out.append("  " + line.strip())
+            continue
+        if block:
+            width = min(len(b) - len(b.lstrip()) for b in block)
+            lines = [b[width:] for b in block]
+            out += [f"```{_language(lines)}", *lines, "```"]
+            block = []
+        if out and out[-1].startswith(("- ", "  ")) and line.strip():
+            line = "- " + line if line.startswith("(") else line
+        out.append(line)
+    return "\n".join(out).strip()
+
+
+def _language(lines: list[str]) -> str:
+    """``python`` for a block of code, ``text`` for an aligned list."""
+    try:
+        ast.parse("\n".join(lines))
+    except SyntaxError:
+        return "text"
+    return "python"
+
+
+def thumbnail_source(name: str) -> str | None:
+    """The figure an example's thumbnail is made from: the first plot it
+    saves (``docs/gallery/outputs/<name>*.png``), else none (the thumbnail
+    then shows the start of what it prints)."""
+    figures = sorted(
+        f
+        for f in os.listdir(OUTPUTS)
+        if f.endswith(".png") and f.startswith(name)
+    )
+    return os.path.join(OUTPUTS, figures[0]) if figures else None
+
+
+def make_thumbnail(name: str, source: str | None, text: str) -> None:
+    """Writes ``docs/gallery/thumbs/<name>.png`` (360 x 225 pixels): the
+    figure ``source`` scaled down, or the first lines of ``text``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(2.4, 1.5), dpi=150)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_axis_off()
+    if source is not None:
+        ax.imshow(plt.imread(source), interpolation="antialiased")
+        ax.set_aspect("auto")
+    else:
+        lines = [line[:46] for line in text.splitlines()[:10]]
+        ax.text(
+            0.03,
+            0.96,
+            "\n".join(lines),
+            family="monospace",
+            fontsize=4.6,
+            va="top",
+            ha="left",
+            transform=ax.transAxes,
+        )
+    os.makedirs(THUMBS, exist_ok=True)
+    fig.savefig(
+        os.path.join(THUMBS, f"{name}.png"),
+        metadata={"Software": None},
+        facecolor="white",
+    )
+    plt.close(fig)
+
+
+def thumbnails() -> None:
+    """Every thumbnail of the gallery's index, from the recorded outputs
+    (and the language model's figure)."""
+    for name, _ in GALLERY:
+        with open(os.path.join(OUTPUTS, f"{name}.txt")) as f:
+            printed = f.read().split("\n", 2)[2]
+        make_thumbnail(name, thumbnail_source(name), printed)
+    lm = os.path.join(ROOT, "docs", "figures", "transformer_lm.png")
+    make_thumbnail("lm_example", lm, "")
 
 
 def _helpers(name: str) -> list[str]:
@@ -184,25 +285,32 @@ def _code_start(name: str) -> str:
 
 
 def index() -> str:
-    """The gallery's index page: one entry per example."""
+    """The gallery's index page: a thumbnail and a link per example (the
+    thumbnails are written by ``thumbnails``)."""
+    entries = [
+        ("../lm_example", "lm_example", "transformer_lm"),
+        *((name, name, name) for name, _ in GALLERY),
+    ]
     parts = [
         "# Gallery",
         "",
         "The scripts in `examples/`, each with its code, what it printed "
         "and the plot it saves, where it saves one, recorded on CPU. Run one "
         "with `python examples/<name>.py` (the `examples` extra installs what "
-        "they need); `--tiny` or `--quick` runs it in seconds.",
+        "they need); `--tiny` or `--quick` runs it in seconds. Each picture "
+        "is the example's plot or the start of what it prints.",
         "",
-        "- {doc}`The language model <../lm_example>`: "
-        "padded variable-length documents, the per-token mean, weighted "
-        "against naive accumulation, the noise scale "
-        "(`examples/transformer_lm.py`).",
+        ":::{container} gallery-grid",
+        "",
     ]
-    for name, _ in GALLERY:
-        title = " ".join(docstring(name).partition("\n\n")[0].split())
-        title = title.rstrip(".")
-        parts.append(f"- {{doc}}`{name}`: {title} (`examples/{name}.py`).")
+    for page_name, thumb, script in entries:
+        parts += [
+            f"- [![{script}](thumbs/{thumb}.png)]({page_name}.md)",
+            f"  {{doc}}`{page_name}` `examples/{script}.py`",
+        ]
     parts += [
+        "",
+        ":::",
         "",
         "```{toctree}",
         ":hidden:",
@@ -234,6 +342,8 @@ def main() -> None:
         with open(os.path.join(HERE, file), "w") as f:
             f.write(text)
         print("wrote", os.path.join("docs/gallery", file))
+    thumbnails()
+    print("wrote", os.path.join("docs/gallery/thumbs", "*.png"))
 
 
 if __name__ == "__main__":

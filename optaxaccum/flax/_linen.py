@@ -54,7 +54,8 @@ class AccumBatchNorm(nn.BatchNorm):
         :class:`optaxaccum.flax.TrainState` the window also closes with the
         optimizer's (give the longest of a changing length); one shorter
         than the optimizer's window raises ``ValueError`` where the layer
-        closes on its own.
+        closes on its own (under ``jax.jit``: ``jax.errors.JaxRuntimeError``
+        with that message, when the step runs).
       **kwargs: every other ``nn.BatchNorm`` field, with its meaning.
 
     Raises:

@@ -46,7 +46,8 @@ class AccumBatchNorm(nnx.BatchNorm):
         :class:`Optimizer` the window also closes with the optimizer's
         (give the longest of a changing length); one shorter than the
         optimizer's window raises ``ValueError`` where the layer closes on
-        its own.
+        its own (under ``jax.jit``: ``jax.errors.JaxRuntimeError`` with
+        that message, when the step runs).
       rngs: the ``nnx.Rngs`` for the parameters.
       **kwargs: every other ``nnx.BatchNorm`` keyword (``momentum``,
         ``epsilon``, ``axis_name``, ``use_running_average``, ...).
