@@ -581,6 +581,9 @@ def _split_updates(
         u = next(flat)
         if leaf.kind == "owned":  # in the gradient's dtype, as packed
             owned_out.append(_piece_of(u, leaf.spec, pl.mesh).astype(dtypes[i]))
+        elif leaf.kind == "stacked":  # its layers' piece at the params' spec
+            entries = sharding.padded_entries(leaf.spec, len(leaf.shape))
+            pieces.append(_piece_of(u, P(None, *entries[1:]), pl.mesh))
         else:
             pieces.append(u)
     return owned_out, pieces
@@ -609,6 +612,17 @@ def reshard(x: Any, spec: P) -> Any:
 
 def _in_spec(leaf: _Leaf) -> P:
     return leaf.placed if leaf.kind == "piece" else leaf.move
+
+
+def _out_spec(leaf: _Leaf) -> P:
+    """Where a leaf that is not owned leaves the ``shard_map``: a piece at
+    its placement; a stacked leaf's layers at the params' spec on its other
+    dimensions (so that one all-gather over the data axes of the params'
+    shard brings it to the params' sharding)."""
+    if leaf.kind != "stacked":
+        return _in_spec(leaf)
+    entries = sharding.padded_entries(leaf.spec, len(leaf.shape))
+    return P(sharding.padded_entries(leaf.move, 1)[0], *entries[1:])
 
 
 def _mapped(tx: Any, pl: _Plan, trees: list, state: Any, extra: dict) -> Any:
@@ -650,7 +664,7 @@ def _mapped(tx: Any, pl: _Plan, trees: list, state: Any, extra: dict) -> Any:
     if state is not None:
         out_specs = (
             [pl.leaves[i].spec for i in owned],
-            [_in_spec(leaf) for leaf in rest],
+            [_out_spec(leaf) for leaf in rest],
             state_specs,
         )
     fn = jax.shard_map(
