@@ -663,6 +663,13 @@ MUTANTS = {
         "d = 0",
         ["tests/test_owned.py", "-m", "not slow", "-k", "balanced"],
     ),
+    "owned_stacked_leaf_gathered_whole": (  # back over data: all layers
+        "owned.py",
+        "    entries = sharding.padded_entries(leaf.spec, len(leaf.shape))\n"
+        "    return P(None, *entries[1:])\n",
+        "    return P()\n",
+        ["tests/test_owned.py", "-k", "stacked_leaf_returns"],
+    ),
     # ------------------------------- the reducers, one mode at a time
     "mapped_agree_is_local": (  # one device's flag, not every device's
         "reducer.py",

@@ -582,8 +582,7 @@ def _split_updates(
         if leaf.kind == "owned":  # in the gradient's dtype, as packed
             owned_out.append(_piece_of(u, leaf.spec, pl.mesh).astype(dtypes[i]))
         elif leaf.kind == "stacked":  # its layers' piece at the params' spec
-            entries = sharding.padded_entries(leaf.spec, len(leaf.shape))
-            pieces.append(_piece_of(u, P(None, *entries[1:]), pl.mesh))
+            pieces.append(_piece_of(u, _layers_spec(leaf), pl.mesh))
         else:
             pieces.append(u)
     return owned_out, pieces
@@ -621,8 +620,15 @@ def _out_spec(leaf: _Leaf) -> P:
     shard brings it to the params' sharding)."""
     if leaf.kind != "stacked":
         return _in_spec(leaf)
-    entries = sharding.padded_entries(leaf.spec, len(leaf.shape))
+    entries = sharding.padded_entries(_layers_spec(leaf), len(leaf.shape))
     return P(sharding.padded_entries(leaf.move, 1)[0], *entries[1:])
+
+
+def _layers_spec(leaf: _Leaf) -> P:
+    """A stacked leaf's layers at the params' spec on its other dimensions
+    (whole along the layers, which ``leaf.move`` splits)."""
+    entries = sharding.padded_entries(leaf.spec, len(leaf.shape))
+    return P(None, *entries[1:])
 
 
 def _mapped(tx: Any, pl: _Plan, trees: list, state: Any, extra: dict) -> Any:
