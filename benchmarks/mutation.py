@@ -693,6 +693,12 @@ MUTANTS = {
         "for axis in ():  # a replicated copy counts once",
         ["tests/test_reducer.py", "-k", "squared_norm"],
     ),
+    "local_map_reads_the_context_mesh": (  # jit with no jax.set_mesh
+        "sharding.py",
+        "    context = mesh or jax.sharding.get_abstract_mesh()\n",
+        "    context = jax.sharding.get_abstract_mesh()\n",
+        ["tests/test_reducer.py", "-k", "without_set_mesh"],
+    ),
     # ----------------------------- the gate's inner workings (gating.py)
     "mesh_less_reducer_takes_unreduced_gradients": (  # the check skipped
         "reducer.py",
