@@ -670,6 +670,12 @@ MUTANTS = {
         "    return P()\n",
         ["tests/test_owned.py", "-k", "stacked_leaf_returns"],
     ),
+    "owned_index_in_device_order": (  # not by path: reshard mismatches
+        "owned.py",
+        "    for _, k, row in sorted(entries):\n",
+        "    for _, k, row in entries:\n",
+        ["tests/test_owned.py", "-k", "largest_matrix_is_the_last"],
+    ),
     # ------------------------------- the reducers, one mode at a time
     "mapped_agree_is_local": (  # one device's flag, not every device's
         "reducer.py",

@@ -400,6 +400,45 @@ def test_reshard_state_mid_window_onto_another_data_size():
     chex.assert_trees_all_close(jax.device_get(resumed), want, **MUON_TOL)
 
 
+def test_reshard_state_when_the_largest_matrix_is_the_last_path():
+    """Muon's state after a step on data=8 resharded onto data=2 x fsdp=4
+    (owners recomputed; the largest matrix, first owned, is the last path,
+    so the owners' order differs from the paths'): the state's index is in
+    the paths' order, and the next step equals single-device muon's."""
+    rng = np.random.default_rng(1)
+    shapes = {"a": (16, 16), "b": (16, 24), "bias": (16,), "z": (32, 48)}
+    params = {
+        k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()
+    }
+    grads = [jax.tree.map(lambda p, i=i: p * (i + 1.5), params) for i in (0, 1)]
+    tx = ts._tx(_muon(), "data", k=1)
+
+    def step(mesh, g, state, p):
+        with jax.set_mesh(mesh), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # gradients not unreduced
+            return jax.jit(tx.update)(g, state, p)
+
+    old, _ = ts._mesh("data8")
+    with jax.set_mesh(old):
+        p = jax.device_put(params, NamedSharding(old, P()))
+        state = jax.jit(tx.init)(p)
+    _, state = step(old, jax.device_put(grads[0], p["a"].sharding), state, p)
+    # The owners' index lists muon's momentum of a, b, z in path order.
+    sizes = state[1].owners["float32"][:, 2].tolist()
+    assert sizes == [16 * 16, 16 * 24, 32 * 48], state[1].owners
+    new, _ = ts._mesh("data2xfsdp4")
+    with jax.set_mesh(new):
+        p = jax.device_put(params, NamedSharding(new, P()))
+        moved = oa.reshard_state(tx, jax.device_get(state), p)
+    got, _ = step(new, jax.device_put(grads[1], p["a"].sharding), moved, p)
+    opt = _muon()
+    _, ref = opt.update(grads[0], opt.init(params), params)
+    want, _ = opt.update(grads[1], ref, params)
+    chex.assert_trees_all_close(
+        jax.device_get(got), jax.device_get(want), **MUON_TOL
+    )
+
+
 def test_comm_model_owned_mode_equals_the_census_when_balanced():
     """Eight equal matrices on data=8 (one per owner): the reduce-scatter,
     the all-to-all and the all-gather over the data axes of the compiled
