@@ -676,6 +676,18 @@ MUTANTS = {
         "    for _, k, row in entries:\n",
         ["tests/test_owned.py", "-k", "largest_matrix_is_the_last"],
     ),
+    "owned_stacked_split_regardless": (  # 3 layers split over data=2
+        "owned.py",
+        "            if split and shape[0] % n == 0:\n",
+        "            if split:\n",
+        ["tests/test_owned.py", "-k", "does_not_divide"],
+    ),
+    "owned_layer_axis_false_accepted": (  # False == 0
+        "owned.py",
+        "    if layer_axis not in (None, 0) or isinstance(layer_axis, bool):",
+        "    if layer_axis not in (None, 0):",
+        ["tests/test_owned.py", "-k", "bad_input"],
+    ),
     # ------------------------------- the reducers, one mode at a time
     "mapped_agree_is_local": (  # one device's flag, not every device's
         "reducer.py",

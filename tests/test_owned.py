@@ -276,12 +276,42 @@ def test_stacked_leaf_returns_the_params_shard_over_data(spec, capfd):
     )
 
 
+def test_stacked_leaf_whose_layers_data_does_not_divide_is_owned_whole():
+    """data=2 x fsdp=4, layer_axis=0: a leaf of 3 layers is owned whole by
+    one device, one of 4 layers is split along them (private plan, on
+    purpose); the updates equal single-device muon's."""
+    from optaxaccum._src import owned
+
+    mesh, axis = ts._mesh("data2xfsdp4")
+    rng = np.random.default_rng(2)
+    params = {
+        f"w{n}": rng.normal(size=(n, 16, 16)).astype(np.float32)
+        for n in (3, 4)
+    }
+    specs = {k: P(None, "fsdp", None) for k in params}
+    with jax.set_mesh(mesh):
+        p = jax.device_put(
+            params, {k: NamedSharding(mesh, s) for k, s in specs.items()}
+        )
+    kinds = [leaf.kind for leaf in owned.plan(p, axis, 0).leaves]
+    assert kinds == ["owned", "stacked"], kinds
+    opt = _stacked_muon()
+    _, _, _, (updates, _) = _optimizer_step(
+        mesh, axis, oa.whole_leaves(opt, layer_axis=0), params, specs
+    )
+    want, _ = opt.update(params, opt.init(params), params)
+    chex.assert_trees_all_close(
+        jax.device_get(updates), jax.device_get(want), **MUON_TOL
+    )
+
+
 # ------------------------------------------------ declaration and refusals
 
 
 def test_whole_leaves_bad_input_and_position():
-    with pytest.raises(ValueError, match="layer_axis"):
-        oa.whole_leaves(optax.sgd(0.1), layer_axis=1)
+    for bad in (1, False, True):  # False == 0, yet not an axis
+        with pytest.raises(ValueError, match="layer_axis"):
+            oa.whole_leaves(optax.sgd(0.1), layer_axis=bad)
     with pytest.raises(ValueError, match="last of the chain"):
         oa.chain(
             oa.accumulate(tm.K, axis_name="data", shard_update=True),
