@@ -688,6 +688,12 @@ MUTANTS = {
         "    if layer_axis not in (None, 0):",
         ["tests/test_owned.py", "-k", "bad_input"],
     ),
+    "owned_init_off_a_mesh": (  # owned.init on params on no mesh
+        "shard_update.py",
+        "    if at is None or not _on_mesh(params, axis_name):\n",
+        "    if at is None:\n",
+        ["tests/test_owned.py", "-k", "on_no_mesh"],
+    ),
     # ------------------------------- the reducers, one mode at a time
     "mapped_agree_is_local": (  # one device's flag, not every device's
         "reducer.py",

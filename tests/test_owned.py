@@ -285,8 +285,7 @@ def test_stacked_leaf_whose_layers_data_does_not_divide_is_owned_whole():
     mesh, axis = ts._mesh("data2xfsdp4")
     rng = np.random.default_rng(2)
     params = {
-        f"w{n}": rng.normal(size=(n, 16, 16)).astype(np.float32)
-        for n in (3, 4)
+        f"w{n}": rng.normal(size=(n, 16, 16)).astype(np.float32) for n in (3, 4)
     }
     specs = {k: P(None, "fsdp", None) for k in params}
     with jax.set_mesh(mesh):
@@ -318,6 +317,22 @@ def test_whole_leaves_bad_input_and_position():
             _muon(),
             optax.add_decayed_weights(0.1),
         )
+
+
+def test_init_with_params_on_no_mesh_is_the_followers_own_state():
+    """tx.init of a muon shard_update chain on params that lie on no mesh
+    (host arrays, eagerly or under jax.jit with no jax.set_mesh): the
+    follower's part is muon's own init, not an error."""
+    params = tm._init_params()
+    tx = ts._tx(_muon(), "data")
+    want = _muon().init(params)
+    for init in (tx.init, jax.jit(tx.init)):
+        try:
+            state = init(params)
+        except ValueError as e:  # e.g. JAX's: no mesh to reshard onto
+            msg = f"tx.init refused params on no mesh: {e}"
+            raise AssertionError(msg) from e
+        chex.assert_trees_all_equal(jax.device_get(state[1]), want)
 
 
 def test_whole_leaves_marks_any_transformation():
