@@ -678,8 +678,8 @@ MUTANTS = {
     ),
     "owned_stacked_split_regardless": (  # 3 layers split over data=2
         "owned.py",
-        "            if split and shape[0] % n == 0:\n",
-        "            if split:\n",
+        "    return n > 1 and shape[0] % n == 0\n",
+        "    return n > 1\n",
         ["tests/test_owned.py", "-k", "does_not_divide"],
     ),
     "owned_layer_axis_false_accepted": (  # False == 0
@@ -693,6 +693,12 @@ MUTANTS = {
         "    if at is None or not _on_mesh(params, axis_name):\n",
         "    if at is None:\n",
         ["tests/test_owned.py", "-k", "on_no_mesh"],
+    ),
+    "owned_reshard_blames_another_follower": (  # a stacked leaf's move
+        "owned.py",
+        '    if not changed:\n        return " (another follower',
+        '    if changed:\n        return " (another follower',
+        ["tests/test_owned.py", "-k", "split_on_one_mesh"],
     ),
     # ------------------------------- the reducers, one mode at a time
     "mapped_agree_is_local": (  # one device's flag, not every device's

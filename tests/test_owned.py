@@ -484,6 +484,44 @@ def test_reshard_state_when_the_largest_matrix_is_the_last_path():
     )
 
 
+@pytest.mark.parametrize("saved_on,resumed_on", [("2", "8"), ("8", "2")])
+def test_reshard_state_names_a_stacked_leaf_split_on_one_mesh_only(
+    saved_on, resumed_on
+):
+    """layer_axis=0, a stacked leaf of 4 layers: split along them on
+    data=2, owned whole on data=8. Muon's state saved on one resharded
+    onto the other raises ValueError naming the leaf, the data sizes and
+    what to do (not another follower or other params)."""
+    meshes = {"2": "data2xfsdp4", "8": "data8"}
+    rng = np.random.default_rng(3)
+    params = {
+        "head": rng.normal(size=(16, 32)).astype(np.float32),
+        "layers": rng.normal(size=(4, 16, 16)).astype(np.float32),
+    }
+    tx = ts._tx(oa.whole_leaves(_stacked_muon(), layer_axis=0), "data", k=1)
+    old, _ = ts._mesh(meshes[saved_on])
+    with jax.set_mesh(old):
+        p = jax.device_put(params, NamedSharding(old, P()))
+        saved = jax.device_get(jax.jit(tx.init)(p))
+    new, _ = ts._mesh(meshes[resumed_on])
+    with jax.set_mesh(new):
+        p = jax.device_put(params, NamedSharding(new, P()))
+        with pytest.raises(ValueError) as raised:
+            oa.reshard_state(tx, saved, p)
+    msg = str(raised.value)
+    assert "another follower" not in msg, msg
+    for part in (
+        "(4, 16, 16)",
+        f"data size {resumed_on}",
+        f"data size {saved_on}",
+        "along their layers",
+        "whole",
+        "layer_axis=0",
+        "tx.init(params)",
+    ):
+        assert part in msg, (part, msg)
+
+
 def test_comm_model_owned_mode_equals_the_census_when_balanced():
     """Eight equal matrices on data=8 (one per owner): the reduce-scatter,
     the all-to-all and the all-gather over the data axes of the compiled
