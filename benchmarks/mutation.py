@@ -663,6 +663,43 @@ MUTANTS = {
         "d = 0",
         ["tests/test_owned.py", "-m", "not slow", "-k", "balanced"],
     ),
+    "owned_stacked_leaf_gathered_whole": (  # back over data: all layers
+        "owned.py",
+        "    entries = sharding.padded_entries(leaf.spec, len(leaf.shape))\n"
+        "    return P(None, *entries[1:])\n",
+        "    return P()\n",
+        ["tests/test_owned.py", "-k", "stacked_leaf_returns"],
+    ),
+    "owned_index_in_device_order": (  # not by path: reshard mismatches
+        "owned.py",
+        "    for _, k, row in sorted(entries):\n",
+        "    for _, k, row in entries:\n",
+        ["tests/test_owned.py", "-k", "largest_matrix_is_the_last"],
+    ),
+    "owned_stacked_split_regardless": (  # 3 layers split over data=2
+        "owned.py",
+        "    return n > 1 and shape[0] % n == 0\n",
+        "    return n > 1\n",
+        ["tests/test_owned.py", "-k", "does_not_divide"],
+    ),
+    "owned_layer_axis_false_accepted": (  # False == 0
+        "owned.py",
+        "    if layer_axis not in (None, 0) or isinstance(layer_axis, bool):",
+        "    if layer_axis not in (None, 0):",
+        ["tests/test_owned.py", "-k", "bad_input"],
+    ),
+    "owned_init_off_a_mesh": (  # owned.init on params on no mesh
+        "shard_update.py",
+        "    if at is None or not _on_mesh(params, axis_name):\n",
+        "    if at is None:\n",
+        ["tests/test_owned.py", "-k", "on_no_mesh"],
+    ),
+    "owned_reshard_blames_another_follower": (  # a stacked leaf's move
+        "owned.py",
+        '    if not changed:\n        return " (another follower',
+        '    if changed:\n        return " (another follower',
+        ["tests/test_owned.py", "-k", "split_on_one_mesh"],
+    ),
     # ------------------------------- the reducers, one mode at a time
     "mapped_agree_is_local": (  # one device's flag, not every device's
         "reducer.py",
@@ -685,6 +722,12 @@ MUTANTS = {
         "for axis in sorted(copies):  # a replicated copy counts once",
         "for axis in ():  # a replicated copy counts once",
         ["tests/test_reducer.py", "-k", "squared_norm"],
+    ),
+    "local_map_reads_the_context_mesh": (  # jit with no jax.set_mesh
+        "sharding.py",
+        "    context = mesh or jax.sharding.get_abstract_mesh()\n",
+        "    context = jax.sharding.get_abstract_mesh()\n",
+        ["tests/test_reducer.py", "-k", "without_set_mesh"],
     ),
     # ----------------------------- the gate's inner workings (gating.py)
     "mesh_less_reducer_takes_unreduced_gradients": (  # the check skipped

@@ -116,14 +116,15 @@ def _specs(params, fsdp):
     )
 
 
-def _optimizer_step(mesh, axis, opt, params):
+def _optimizer_step(mesh, axis, opt, params, specs=None):
     """The jitted ``tx.update`` of ``oa.chain(accumulate(1, shard_update),
-    opt)`` on gradients at the params' sharding, its state and params."""
+    opt)`` on gradients at the params' sharding (``specs``, else
+    :func:`_specs`), its state and params."""
     tx = ts._tx(opt, axis, k=1)
     fsdp = "fsdp" if "fsdp" in mesh.axis_names else None
-    shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), _specs(params, fsdp)
-    )
+    if specs is None:
+        specs = _specs(params, fsdp)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     with jax.set_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # gradients not unreduced: on purpose
         p = jax.device_put(params, shardings)
@@ -244,18 +245,94 @@ def test_hlo_collectives_once_per_window_none_per_micro_batch(mesh_name):
     assert not set(by_op) - {"all-reduce"}, by_op
 
 
+@pytest.mark.parametrize(
+    "spec", [P(None, "fsdp", None), P(None, None, "fsdp"), P("fsdp")]
+)
+def test_stacked_leaf_returns_the_params_shard_over_data(spec, capfd):
+    """data=2 x fsdp=4, a stacked leaf of 4 layers split along them
+    (layer_axis=0), fsdp on one of its dimensions: the owners' updates
+    cross the data axes as the params' shard (1024 B per device), not the
+    whole leaf (4096 B), and XLA reports no involuntary rematerialization;
+    the updates equal single-device muon's."""
+    mesh, axis = ts._mesh("data2xfsdp4")
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(4, 16, 16)).astype(np.float32)}
+    opt = _stacked_muon()
+    compiled, _, p, (updates, _) = _optimizer_step(
+        mesh, axis, oa.whole_leaves(opt, layer_axis=0), params, {"w": spec}
+    )
+    shard = tm._shard_bytes(p)
+    assert shard == 1024
+    back = [
+        o
+        for o in oa.collective_census(compiled, mesh)
+        if o["axes"] & {"data"} and o["op"] in ("all-gather", "all-reduce")
+    ]
+    assert sum(o["bytes"] for o in back) <= shard, back
+    assert "rematerialization" not in capfd.readouterr().err
+    want, _ = opt.update(params, opt.init(params), params)
+    chex.assert_trees_all_close(
+        jax.device_get(updates), jax.device_get(want), **MUON_TOL
+    )
+
+
+def test_stacked_leaf_whose_layers_data_does_not_divide_is_owned_whole():
+    """data=2 x fsdp=4, layer_axis=0: a leaf of 3 layers is owned whole by
+    one device, one of 4 layers is split along them (private plan, on
+    purpose); the updates equal single-device muon's."""
+    from optaxaccum._src import owned
+
+    mesh, axis = ts._mesh("data2xfsdp4")
+    rng = np.random.default_rng(2)
+    params = {
+        f"w{n}": rng.normal(size=(n, 16, 16)).astype(np.float32) for n in (3, 4)
+    }
+    specs = {k: P(None, "fsdp", None) for k in params}
+    with jax.set_mesh(mesh):
+        p = jax.device_put(
+            params, {k: NamedSharding(mesh, s) for k, s in specs.items()}
+        )
+    kinds = [leaf.kind for leaf in owned.plan(p, axis, 0).leaves]
+    assert kinds == ["owned", "stacked"], kinds
+    opt = _stacked_muon()
+    _, _, _, (updates, _) = _optimizer_step(
+        mesh, axis, oa.whole_leaves(opt, layer_axis=0), params, specs
+    )
+    want, _ = opt.update(params, opt.init(params), params)
+    chex.assert_trees_all_close(
+        jax.device_get(updates), jax.device_get(want), **MUON_TOL
+    )
+
+
 # ------------------------------------------------ declaration and refusals
 
 
 def test_whole_leaves_bad_input_and_position():
-    with pytest.raises(ValueError, match="layer_axis"):
-        oa.whole_leaves(optax.sgd(0.1), layer_axis=1)
+    for bad in (1, False, True):  # False == 0, yet not an axis
+        with pytest.raises(ValueError, match="layer_axis"):
+            oa.whole_leaves(optax.sgd(0.1), layer_axis=bad)
     with pytest.raises(ValueError, match="last of the chain"):
         oa.chain(
             oa.accumulate(tm.K, axis_name="data", shard_update=True),
             _muon(),
             optax.add_decayed_weights(0.1),
         )
+
+
+def test_init_with_params_on_no_mesh_is_the_followers_own_state():
+    """tx.init of a muon shard_update chain on params that lie on no mesh
+    (host arrays, eagerly or under jax.jit with no jax.set_mesh): the
+    follower's part is muon's own init, not an error."""
+    params = tm._init_params()
+    tx = ts._tx(_muon(), "data")
+    want = _muon().init(params)
+    for init in (tx.init, jax.jit(tx.init)):
+        try:
+            state = init(params)
+        except ValueError as e:  # e.g. JAX's: no mesh to reshard onto
+            msg = f"tx.init refused params on no mesh: {e}"
+            raise AssertionError(msg) from e
+        chex.assert_trees_all_equal(jax.device_get(state[1]), want)
 
 
 def test_whole_leaves_marks_any_transformation():
@@ -368,6 +445,83 @@ def test_reshard_state_mid_window_onto_another_data_size():
     chex.assert_trees_all_close(jax.device_get(resumed), want, **MUON_TOL)
 
 
+def test_reshard_state_when_the_largest_matrix_is_the_last_path():
+    """Muon's state after a step on data=8 resharded onto data=2 x fsdp=4
+    (owners recomputed; the largest matrix, first owned, is the last path,
+    so the owners' order differs from the paths'): the state's index is in
+    the paths' order, and the next step equals single-device muon's."""
+    rng = np.random.default_rng(1)
+    shapes = {"a": (16, 16), "b": (16, 24), "bias": (16,), "z": (32, 48)}
+    params = {
+        k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()
+    }
+    grads = [jax.tree.map(lambda p, i=i: p * (i + 1.5), params) for i in (0, 1)]
+    tx = ts._tx(_muon(), "data", k=1)
+
+    def step(mesh, g, state, p):
+        with jax.set_mesh(mesh), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # gradients not unreduced
+            return jax.jit(tx.update)(g, state, p)
+
+    old, _ = ts._mesh("data8")
+    with jax.set_mesh(old):
+        p = jax.device_put(params, NamedSharding(old, P()))
+        state = jax.jit(tx.init)(p)
+    _, state = step(old, jax.device_put(grads[0], p["a"].sharding), state, p)
+    # The owners' index lists muon's momentum of a, b, z in path order.
+    sizes = state[1].owners["float32"][:, 2].tolist()
+    assert sizes == [16 * 16, 16 * 24, 32 * 48], state[1].owners
+    new, _ = ts._mesh("data2xfsdp4")
+    with jax.set_mesh(new):
+        p = jax.device_put(params, NamedSharding(new, P()))
+        moved = oa.reshard_state(tx, jax.device_get(state), p)
+    got, _ = step(new, jax.device_put(grads[1], p["a"].sharding), moved, p)
+    opt = _muon()
+    _, ref = opt.update(grads[0], opt.init(params), params)
+    want, _ = opt.update(grads[1], ref, params)
+    chex.assert_trees_all_close(
+        jax.device_get(got), jax.device_get(want), **MUON_TOL
+    )
+
+
+@pytest.mark.parametrize("saved_on,resumed_on", [("2", "8"), ("8", "2")])
+def test_reshard_state_names_a_stacked_leaf_split_on_one_mesh_only(
+    saved_on, resumed_on
+):
+    """layer_axis=0, a stacked leaf of 4 layers: split along them on
+    data=2, owned whole on data=8. Muon's state saved on one resharded
+    onto the other raises ValueError naming the leaf, the data sizes and
+    what to do (not another follower or other params)."""
+    meshes = {"2": "data2xfsdp4", "8": "data8"}
+    rng = np.random.default_rng(3)
+    params = {
+        "head": rng.normal(size=(16, 32)).astype(np.float32),
+        "layers": rng.normal(size=(4, 16, 16)).astype(np.float32),
+    }
+    tx = ts._tx(oa.whole_leaves(_stacked_muon(), layer_axis=0), "data", k=1)
+    old, _ = ts._mesh(meshes[saved_on])
+    with jax.set_mesh(old):
+        p = jax.device_put(params, NamedSharding(old, P()))
+        saved = jax.device_get(jax.jit(tx.init)(p))
+    new, _ = ts._mesh(meshes[resumed_on])
+    with jax.set_mesh(new):
+        p = jax.device_put(params, NamedSharding(new, P()))
+        with pytest.raises(ValueError) as raised:
+            oa.reshard_state(tx, saved, p)
+    msg = str(raised.value)
+    assert "another follower" not in msg, msg
+    for part in (
+        "(4, 16, 16)",
+        f"data size {resumed_on}",
+        f"data size {saved_on}",
+        "along their layers",
+        "whole",
+        "layer_axis=0",
+        "tx.init(params)",
+    ):
+        assert part in msg, (part, msg)
+
+
 def test_comm_model_owned_mode_equals_the_census_when_balanced():
     """Eight equal matrices on data=8 (one per owner): the reduce-scatter,
     the all-to-all and the all-gather over the data axes of the compiled
@@ -418,7 +572,8 @@ def test_flush_partial_window_runs_muon_by_ownership():
 def test_reshard_moves_each_leafs_state_to_its_new_owner():
     """The rows' move of oa.reshard_state (private helper, on purpose):
     two owned leaves on owners 3 and 1 of 8 (at offsets 0 and 2) land on
-    owners 0 and 1 of 2 (offsets 0 and 0); nothing else is written."""
+    owners 0 and 1 of 2 (offsets 0 and 0), and back; nothing else is
+    written."""
     from optaxaccum._src import owned
 
     old = np.zeros((8, 6), np.float32)
@@ -427,8 +582,15 @@ def test_reshard_moves_each_leafs_state_to_its_new_owner():
     saved_index = {"float32": np.array([[3, 0, 4], [1, 2, 2]], np.int32)}
     new_index = {"float32": np.array([[0, 0, 4], [1, 0, 2]], np.int32)}
     like = {"float32": jax.ShapeDtypeStruct((2, 4), np.float32)}
-    got = owned.moved_rows({"float32": old}, saved_index, new_index, like)
     want = np.array([[1, 2, 3, 4], [5, 6, 0, 0]], np.float32)
+    back = owned.moved_rows(
+        {"float32": want},
+        new_index,
+        saved_index,
+        {"float32": jax.ShapeDtypeStruct(old.shape, np.float32)},
+    )
+    np.testing.assert_array_equal(back["float32"], old)
+    got = owned.moved_rows({"float32": old}, saved_index, new_index, like)
     np.testing.assert_array_equal(got["float32"], want)
     bad = {"float32": np.array([[0, 0, 3], [1, 0, 2]], np.int32)}
     with pytest.raises(ValueError, match="reshard_state"):

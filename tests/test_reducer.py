@@ -303,6 +303,21 @@ def test_explicit_store_load_round_trip(name):
 
 
 @EIGHT
+def test_explicit_load_under_jit_without_set_mesh_keeps_each_row():
+    """Under jax.jit with no jax.set_mesh (the mesh only in the arrays'
+    shardings): load makes each device's row its partial sum (the size
+    of the mesh local_map is given, not of the empty context mesh), so
+    the array reduced over data is the rows' sum."""
+    mesh, red, n = _explicit("data2xfsdp4")
+    rows = _rows(n, ROWS, COLS)
+    whole = NamedSharding(mesh, P("fsdp"))
+    out = jax.jit(lambda s: jax.reshard(red.load(s), whole))(
+        _stacked(mesh, rows)
+    )
+    np.testing.assert_allclose(out, rows.sum(0), rtol=1e-6)
+
+
+@EIGHT
 @pytest.mark.parametrize("shard_update", [False, True])
 @pytest.mark.parametrize("name", list(MESHES))
 def test_explicit_reduce_is_the_hand_sum_of_the_rows(name, shard_update):

@@ -209,8 +209,7 @@ def plan(params: Any, axis_name: Any, layer_axis: int | None) -> _Plan:
         if floating and len(shape) >= 2:
             kind = "owned"
             move = reducer.placed_spec(P(), shape, mesh, axes)
-            split = layer_axis == 0 and len(shape) >= 3 and n > 1
-            if split and shape[0] % n == 0:
+            if layer_axis == 0 and len(shape) >= 3 and _splits(shape, n):
                 kind, move = "stacked", P(sharding.spec_entry(axes))
                 loads += [_cost(shape) / n, math.prod(shape) / n]
         out.append(_Leaf(kind, 0, shape, dtype, spec, placed, move))
@@ -581,6 +580,8 @@ def _split_updates(
         u = next(flat)
         if leaf.kind == "owned":  # in the gradient's dtype, as packed
             owned_out.append(_piece_of(u, leaf.spec, pl.mesh).astype(dtypes[i]))
+        elif leaf.kind == "stacked":  # its layers' piece at the params' spec
+            pieces.append(_piece_of(u, _layers_spec(leaf), pl.mesh))
         else:
             pieces.append(u)
     return owned_out, pieces
@@ -609,6 +610,24 @@ def reshard(x: Any, spec: P) -> Any:
 
 def _in_spec(leaf: _Leaf) -> P:
     return leaf.placed if leaf.kind == "piece" else leaf.move
+
+
+def _out_spec(leaf: _Leaf) -> P:
+    """Where a leaf that is not owned leaves the ``shard_map``: a piece at
+    its placement; a stacked leaf's layers at the params' spec on its other
+    dimensions (so that one all-gather over the data axes of the params'
+    shard brings it to the params' sharding)."""
+    if leaf.kind != "stacked":
+        return _in_spec(leaf)
+    entries = sharding.padded_entries(_layers_spec(leaf), len(leaf.shape))
+    return P(sharding.padded_entries(leaf.move, 1)[0], *entries[1:])
+
+
+def _layers_spec(leaf: _Leaf) -> P:
+    """A stacked leaf's layers at the params' spec on its other dimensions
+    (whole along the layers, which ``leaf.move`` splits)."""
+    entries = sharding.padded_entries(leaf.spec, len(leaf.shape))
+    return P(None, *entries[1:])
 
 
 def _mapped(tx: Any, pl: _Plan, trees: list, state: Any, extra: dict) -> Any:
@@ -650,7 +669,7 @@ def _mapped(tx: Any, pl: _Plan, trees: list, state: Any, extra: dict) -> Any:
     if state is not None:
         out_specs = (
             [pl.leaves[i].spec for i in owned],
-            [_in_spec(leaf) for leaf in rest],
+            [_out_spec(leaf) for leaf in rest],
             state_specs,
         )
     fn = jax.shard_map(
@@ -675,7 +694,7 @@ def init(tx: Any, params: Any, axis_name: Any) -> WholeLeavesState:
     (rows, shared), lay = _mapped(tx, pl, [jax.tree.leaves(params)], None, {})
     found = index(lay)
     for record in _RECORDS:
-        record.append(found)
+        record.append((found, layered(pl, layer_axis)))
     idx = {k: jnp.asarray(v) for k, v in found.items()}
     return WholeLeavesState(rows, shared, idx)
 
@@ -683,11 +702,29 @@ def init(tx: Any, params: Any, axis_name: Any) -> WholeLeavesState:
 _RECORDS: list[list] = []  # open recordings of the indexes init makes
 
 
+class Layered(NamedTuple):
+    """The leaves ``layer_axis=0`` may split along their layers, on a data
+    size ``n``: their shapes."""
+
+    n: int
+    shapes: tuple[tuple[int, ...], ...]
+
+
+def layered(pl: _Plan, layer_axis: int | None) -> Layered:
+    """The :class:`Layered` leaves of ``pl``: none without a layer axis."""
+    shapes = tuple(
+        leaf.shape
+        for leaf in pl.leaves
+        if layer_axis == 0 and leaf.kind != "piece" and len(leaf.shape) >= 3
+    )
+    return Layered(pl.n, shapes)
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[list]:
     """The :func:`index` of each :class:`WholeLeavesState` that ``init``
     makes inside the block (also under ``jax.eval_shape``, which keeps
-    only their types), in order."""
+    only their types), with its :func:`layered` leaves, in order."""
     found: list = []
     _RECORDS.append(found)
     try:
@@ -697,12 +734,18 @@ def recording() -> Iterator[list]:
 
 
 def moved_rows(
-    saved_rows: dict, saved_index: dict, new_index: dict, new_rows: dict
+    saved_rows: dict,
+    saved_index: dict,
+    new_index: dict,
+    new_rows: dict,
+    layers: Layered | None = None,
 ) -> dict[str, np.ndarray]:
     """The saved ``rows`` (host arrays, ``saved_index`` their layout) in
     the layout ``new_index`` with rows shaped as ``new_rows``: each owned
-    leaf's state moved from its old owner to its new one."""
+    leaf's state moved from its old owner to its new one. ``layers``: the
+    new layout's :class:`Layered` leaves, to name in an error."""
     out = {}
+    saved_n = next((np.shape(r)[0] for r in saved_rows.values()), None)
     for k, want in new_rows.items():
         old = np.asarray(saved_index.get(k, np.zeros((0, 3), np.int32)))
         new = np.asarray(new_index[k])
@@ -712,13 +755,45 @@ def moved_rows(
                 "oa.reshard_state: the saved state of a whole-leaves "
                 f"follower holds {len(old)} owned {k} leaves of sizes "
                 f"{old[:, 2].tolist()}, tx.init(params) {len(new)} of sizes "
-                f"{new[:, 2].tolist()} (another follower or params?)"
+                f"{new[:, 2].tolist()}" + _why(layers, saved_n)
             )
         moved = np.zeros(want.shape, want.dtype)
         for (o, off, size), (o2, off2, _) in zip(old, new):
             moved[o2, off2 : off2 + size] = rows[o, off : off + size]
         out[k] = moved
     return out
+
+
+def _why(layers: Layered | None, saved_n: int | None) -> str:
+    """The end of :func:`moved_rows`'s error: the stacked leaves split
+    along their layers on one data size and owned whole on the other,
+    if that explains it."""
+    if layers is None or saved_n is None:
+        return " (another follower or params?)"
+    n = layers.n
+    changed = [s for s in layers.shapes if _splits(s, n) != _splits(s, saved_n)]
+    if not changed:
+        return " (another follower or params?)"
+    now_split = _splits(changed[0], n)  # those that changed the same way
+    changed = [s for s in changed if _splits(s, n) == now_split]
+    if now_split:
+        was, now = "owned whole", "splits them along their layers"
+    else:
+        was, now = "split along their layers", "cannot and owns them whole"
+    return (
+        ". With layer_axis=0 a stacked leaf is split along its layers "
+        "where the data size (above 1) divides their number, else owned "
+        f"whole: the saved state (data size {saved_n}) holds the stacked "
+        f"leaves of shapes {changed} {was}; this mesh (data size {n}) "
+        f"{now}. Resume on a data size that splits them as the saved one "
+        "did, or start this follower's state afresh from tx.init(params)."
+    )
+
+
+def _splits(shape: tuple[int, ...], n: int) -> bool:
+    """Whether a stacked leaf of ``shape`` is split along its layers (the
+    leading dimension) over ``n`` devices of the data axes."""
+    return n > 1 and shape[0] % n == 0
 
 
 def update(

@@ -136,7 +136,8 @@ def _by_path(state: Any) -> dict[tuple[str, ...], np.ndarray]:
 def _move_owned(saved: dict, abstract: Any, indexes: list) -> None:
     """The rows of each whole-leaves follower's state in ``saved`` moved to
     the owners of the new layout (``indexes``: the new layouts, in the
-    order of the followers in ``abstract``), its ``owners`` replaced."""
+    order of the followers in ``abstract``, each with its
+    :func:`owned.layered` leaves), its ``owners`` replaced."""
 
     def is_whole(x):
         return isinstance(x, owned.WholeLeavesState)
@@ -148,7 +149,7 @@ def _move_owned(saved: dict, abstract: Any, indexes: list) -> None:
         )[0]
         if is_whole(node)
     ]
-    for (path, node), new_index in zip(found, indexes):
+    for (path, node), (new_index, layers) in zip(found, indexes):
         prefix = _key(path)
 
         def take(field, node=node, prefix=prefix):
@@ -166,7 +167,7 @@ def _move_owned(saved: dict, abstract: Any, indexes: list) -> None:
             }
 
         rows = owned.moved_rows(
-            take("rows"), take("owners"), new_index, node.rows
+            take("rows"), take("owners"), new_index, node.rows, layers
         )
         for field in ("rows", "owners"):
             for key in [
