@@ -34,13 +34,13 @@ class MultiStepsState(NamedTuple):
       gradient_step: windows closed so far; ``shape=(), int32``.
       inner_opt_state: the state of the wrapped optimizer.
       acc_grads: the window's running weighted *sum* of gradients, like the
-        params in ``accumulator_dtype`` (optax keeps a running mean). Stale
-        when ``mini_step`` is 0: the next micro-batch overwrites it.
+        params in ``accumulator_dtype`` (optax keeps a running mean); zero
+        between windows.
       skip_state: what ``should_skip_update_fn`` returned last (``()``
         without one).
       acc_weight: the window's running sum of ``accum_weight`` (its
         micro-batch count by default); ``shape=()``, float32 (or the wider
-        ``accumulator_dtype``). Stale when ``mini_step`` is 0.
+        ``accumulator_dtype``); 0 between windows.
       updated: whether the most recent counted call closed a window and
         stepped the inner optimizer; ``shape=(), bool``.
     """
