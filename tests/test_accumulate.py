@@ -248,9 +248,7 @@ _DROPPING = {
         optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
     ),
     # An outer window of one before the optimizer's window of 2.
-    "nested": lambda: oa.chain(
-        _bare_skip(1), oa.accumulate(2), optax.sgd(1.0)
-    ),
+    "nested": lambda: oa.chain(_bare_skip(1), oa.accumulate(2), optax.sgd(1.0)),
 }
 
 

@@ -371,7 +371,7 @@ def args_for(
     No other keyword reaches it: optax's linesearches hand unknown keywords
     to ``value_fn``."""
     args = extra_args
-    for k in ("accum_weight", base.WINDOW_NOISE_ARG):
+    for k in ("accum_weight", base.WINDOW_NOISE_ARG, base.UNWEIGHTED_ARG):
         if k in args and k not in declared:
             args = {n: v for n, v in args.items() if n != k}
     if window is None or "accum_weight" not in declared:
