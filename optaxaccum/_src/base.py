@@ -77,11 +77,6 @@ class GateResult(NamedTuple):
 # scale estimates (an oa.NoiseScale), if it declares it by name.
 WINDOW_NOISE_ARG = "window_noise_scale"
 
-# The keyword under which a plain follower learns (at trace time) that the
-# call passed no accum_weight, so that its window's weight counts
-# micro-batches, if it declares it by name (oa.scale_by_window).
-UNWEIGHTED_ARG = "window_unweighted"
-
 
 class GateUpdateFn(Protocol):
     """``gate_update(updates, state, params, ctx, **extra_args)``: a gate's

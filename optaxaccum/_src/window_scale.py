@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base, utils
+from optaxaccum._src import base, gating, utils
 
 __all__ = ["ScaleByWindowState", "scale_by_window", "window_progress"]
 
@@ -176,7 +176,7 @@ def scale_by_window(
         r = _factor(rule, accum_weight, noise, number)
         # Static (the call passed no accum_weight), for the rules that
         # divide W by base_weight.
-        if extra_args.get(base.UNWEIGHTED_ARG, False):
+        if extra_args.get(gating.UNWEIGHTED_ARG, False):
             warnings.warn(UNWEIGHTED_MSG.format(base=base_weight), stacklevel=2)
         scale = r if schedule is None else r * schedule(state.tau)
         updates = jax.tree.map(
@@ -187,7 +187,7 @@ def scale_by_window(
 
     names = {"accum_weight", base.WINDOW_NOISE_ARG}
     if isinstance(rule, str):  # W / base_weight: both in the same unit
-        names.add(base.UNWEIGHTED_ARG)
+        names.add(gating.UNWEIGHTED_ARG)
     return optax.GradientTransformationExtraArgs(
         init_fn, utils.with_signature(update_fn, names)
     )
