@@ -125,7 +125,10 @@ def scale_by_window(
     base_weight``; 1 while they are NaN); ``"linear"``, ``W /
     base_weight``; ``"sqrt"``, its square root; or a callable ``(W,
     noise_scale) -> r`` (``noise_scale`` an :class:`NoiseScale`, ``None``
-    without ``noise_scale_decay``). Meant for ``reduction="mean"``.
+    without ``noise_scale_decay``). Meant for ``reduction="mean"``. ``W``
+    and ``base_weight`` are in one unit: a call that passes no
+    ``accum_weight`` weighs its micro-batch 1 (``W`` counts micro-batches)
+    and, with a named rule, warns (pass ``accum_weight=1`` to mean it).
 
     Args:
       base_weight: the weight of the batch the learning rate was tuned for
