@@ -761,6 +761,39 @@ MUTANTS = {
         "    if False:",
         ["tests/test_batch_stats.py", "-k", "momentum"],
     ),
+    # ------------------------------- held-out mutants of hardening 5
+    "scale_by_window_gain_clipped_to_1_and_linear": (  # W < B0: W / B0
+        "window_scale.py",
+        "r = jnp.clip(ratio, jnp.minimum(1.0, linear), "
+        "jnp.maximum(1.0, linear))",
+        "r = jnp.clip(ratio, 1.0, linear)",
+        ["tests/test_scale_by_window.py", "-k", "lighter"],
+    ),
+    "scale_by_window_no_cast_back": (  # bf16 updates come out float32
+        "window_scale.py",
+        "lambda u: (u * jnp.asarray(scale, u.dtype)).astype(u.dtype), updates",
+        "lambda u: u * scale, updates",
+        ["tests/test_scale_by_window.py", "-k", "bf16"],
+    ),
+    "closed_on_a_dropped_call_after_a_close": (  # the window did not move
+        "windows.py",
+        "_moved(old, new) & (new.mini_step == 0)",
+        "(new.mini_step == 0)",
+        ["tests/test_batch_stats.py", "-k", "dropped_right_after"],
+    ),
+    "gate_flag_of_shape_1_taken": (  # bool() takes a one-element array
+        "chain.py",
+        "if dtype == jnp.bool_ and jnp.shape(flag) == ():",
+        "if dtype == jnp.bool_:",
+        ["tests/test_gating.py", "-k", "shape_1"],
+    ),
+    "has_updated_kept_on_a_dropped_call": (  # a loop counts a window twice
+        "accumulate.py",
+        "updated=jnp.zeros_like(state.updated),",
+        "updated=utils.select(\n            counted, "
+        "jnp.zeros_like(state.updated), state.updated\n        ),",
+        ["tests/test_accumulate.py", "-k", "dropped_call_after_a_close"],
+    ),
 }
 
 

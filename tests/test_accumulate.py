@@ -234,6 +234,55 @@ def test_has_updated_on_nested_accumulates_answers_for_the_optimizer(build):
     assert flags == stepped
 
 
+def _bare_skip(every_k):
+    return oa.accumulate(every_k, skip_nonfinite=True)
+
+
+_DROPPING = {
+    "skip_nonfinite": lambda: oa.chain(_bare_skip(2), optax.sgd(1.0)),
+    "bare": lambda: _bare_skip(2),
+    "loss_scale": lambda: oa.chain(
+        oa.dynamic_loss_scale(1.0), oa.accumulate(2), optax.sgd(1.0)
+    ),
+    "multisteps": lambda: oa.MultiSteps(
+        optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite
+    ),
+    # An outer window of one before the optimizer's window of 2.
+    "nested": lambda: oa.chain(_bare_skip(1), oa.accumulate(2), optax.sgd(1.0)),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "fused"])
+@pytest.mark.parametrize("build", list(_DROPPING))
+def test_has_updated_is_false_on_a_dropped_call_after_a_close(build, fused):
+    """A micro-batch dropped right after the closing call (``skip_nonfinite``,
+    an overflow of the loss scale, MultiSteps' skip function) did not step
+    the optimizer: ``oa.has_updated`` says false there, so that a loop
+    counting windows with it counts each once ([1, 1, nan, 1, 1]: steps
+    on the 2nd and the 5th call)."""
+    tx = _DROPPING[build]()
+    params = jnp.zeros(1)
+    state = tx.init(params)
+
+    def step(g, state, params):
+        if fused and build != "bare":
+            params, state, u = oa.apply_gradients(
+                tx, g, state, params, return_updates=True
+            )
+            return u, state, params
+        u, state = tx.update(g, state, params)
+        return u, state, params
+
+    step = jax.jit(step)
+    flags, stepped = [], []
+    for g in (1.0, 1.0, jnp.nan, 1.0, 1.0):
+        u, state, params = step(jnp.array([g]), state, params)
+        flags.append(bool(oa.has_updated(state)))
+        stepped.append(bool(u[0] != 0))
+    assert stepped == [False, True, False, False, True]
+    assert flags == stepped
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_counted_with_a_window_of_one(jit):
     """Whether a call counted, asked of ``oa.accumulate(1)``: its window

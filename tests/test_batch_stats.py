@@ -152,6 +152,20 @@ def test_windows_follow_the_optimizer_under_jit():
     assert int(bn.window.micro_batches) == 0
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_closed_is_false_on_a_call_dropped_right_after_a_close(jit):
+    """A non-finite micro-batch dropped right after the closing call leaves
+    the window at position 0, as the close did; it closed nothing
+    ([1, 1, nan, 1, 1] with windows of 2: closes on the 2nd and 5th)."""
+    tx = oa.chain(oa.accumulate(2, skip_nonfinite=True), optax.sgd(1.0))
+    update = jax.jit(tx.update) if jit else tx.update
+    states = [tx.init(jnp.zeros(1))]
+    for g in (1.0, 1.0, jnp.nan, 1.0, 1.0):
+        states.append(update(jnp.array([g]), states[-1])[1])
+    got = [bool(batchnorm.closed(*s)) for s in zip(states, states[1:])]
+    assert got == [False, True, False, False, True]
+
+
 def test_keep_counted_takes_old_and_new_by_keyword():
     """Positional statistics could be swapped silently (both have the same
     structure); by keyword, a dropped micro-batch keeps ``old``."""

@@ -258,6 +258,31 @@ def test_then_gate_after_an_eager_gate_is_one_decision():
     chex.assert_trees_all_equal(out.emission().updates, jnp.ones(2))
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("after", [False, True], ids=["first", "after_acc"])
+def test_a_gate_flag_of_shape_1_is_named(after, jit):
+    """A user gate whose ``may_open`` is a boolean array of shape (1,) (a
+    reduction left out): ``TypeError`` naming ``may_open``, its shape and
+    the gate, where the chain receives it (eagerly ``bool()`` would take
+    it; under ``jit`` ``lax.cond`` would fail on it without a name)."""
+
+    def one_element_gate_update(updates, state, params, ctx, **extra_args):
+        ok = jnp.isfinite(updates).all(keepdims=True) & ctx.passed
+        return oa.GateResult(state, ok, oa.Emitted(updates, state))
+
+    gate = oa.GatedTransformation(
+        lambda p: optax.EmptyState(), one_element_gate_update
+    )
+    front = (oa.accumulate(1),) if after else ()
+    tx = oa.chain(*front, gate, optax.sgd(1.0))
+    p = jnp.zeros(2)
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(TypeError, match="may_open") as info:
+        update(jnp.ones(2), tx.init(p), p)
+    assert "one_element_gate_update" in str(info.value)
+    assert "(1,)" in str(info.value)
+
+
 def test_flag_like_takes_the_type_of_the_other_flag():
     for flag, like in ((True, jnp.asarray(False)), (False, True)):
         out = utils.flag_like(flag, like)

@@ -10,6 +10,8 @@ of ``S`` base batches with the gain reaches the base batch's loss at the
 same ``tau``; without the scaling it lags far behind on the same examples.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,11 +48,11 @@ def _feed(tx, grads, weights, fused=False, params=None):
 
 
 def _hand_gain(grads, weights, base):
-    """AdaScale's gain of one window from the estimator's hand formula."""
+    """AdaScale's gain ratio of one window from the estimator's hand
+    formula, unclipped (the callers check that no bound binds)."""
     trace, grad_sq = tns._brute(grads, weights)
     big_w = float(np.sum(weights))
-    r = (trace / base + grad_sq) / (trace / big_w + grad_sq)
-    return float(np.clip(r, 1.0, big_w / base)), big_w
+    return (trace / base + grad_sq) / (trace / big_w + grad_sq), big_w
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -69,12 +71,47 @@ def test_gain_equals_the_hand_formula(fused):
     for j in range(3):
         sl = slice(4 * j, 4 * j + 4)
         r, big_w = _hand_gain(grads[sl], weights[sl], 2.0)
-        assert 1.0 < r < big_w / 2.0  # neither clip binds
+        assert 1.0 < r < big_w / 2.0  # the gain's bounds do not bind
         mean = (weights[sl, None] * grads[sl]).sum(0) / big_w
         np.testing.assert_allclose(updates[4 * j + 3], -r * mean, rtol=2e-4)
         tau += r
     np.testing.assert_allclose(state[2].factor, r, rtol=2e-4)
     np.testing.assert_allclose(oa.window_progress(state), tau, rtol=2e-4)
+
+
+def test_gain_of_a_window_lighter_than_the_base_batch():
+    """A window of total weight W = 2 against a base batch of 8: the gain
+    is the ratio itself, between W / B0 = 0.25 and 1 (a smaller step than
+    the base batch's), not W / B0."""
+    grads, weights = tns._synthetic(jax.random.key(3), (0.5,) * 4, 2)
+    tx = oa.chain(
+        oa.accumulate(4, noise_scale_decay=0.0),
+        optax.sgd(1.0),
+        oa.scale_by_window(8.0),
+    )
+    updates, state = _feed(tx, grads, weights)
+    for j in range(2):
+        sl = slice(4 * j, 4 * j + 4)
+        r, big_w = _hand_gain(grads[sl], weights[sl], 8.0)
+        assert big_w == 2.0 and 0.3 < r < 0.9, r  # no bound binds
+        mean = (weights[sl, None] * grads[sl]).sum(0) / big_w
+        np.testing.assert_allclose(updates[4 * j + 3], -r * mean, rtol=2e-4)
+    np.testing.assert_allclose(state[2].factor, r, rtol=2e-4)
+
+
+def test_bf16_updates_stay_bf16():
+    """Every rule scales bfloat16 updates in bfloat16: the float32 factor
+    does not promote them."""
+    params = jnp.zeros(2, jnp.bfloat16)
+    grads = jnp.asarray([[1.0, 2.0], [3.0, -1.0]], jnp.bfloat16)
+    for rule in ("gain", "linear", "sqrt", lambda w, noise: w / 8.0):
+        tx = oa.chain(
+            oa.accumulate(2, noise_scale_decay=0.5),
+            optax.sgd(1.0),
+            oa.scale_by_window(2.0, rule=rule),
+        )
+        updates, _ = _feed(tx, grads, jnp.asarray([2.0, 2.0]), params=params)
+        assert updates.dtype == jnp.bfloat16, (rule, updates.dtype)
 
 
 def test_linear_sqrt_callable_and_the_schedule_at_tau():
@@ -154,6 +191,81 @@ def test_gain_is_one_while_the_estimates_are_unset():
     updates, state = _feed(tx, grads, jnp.asarray([4.0, 4.0]))
     np.testing.assert_allclose(updates, -grads)
     np.testing.assert_allclose(oa.window_progress(state), 2.0)
+
+
+_UNWEIGHTED_CALLS = {
+    "update": lambda tx, g, s, p: tx.update(g, s, p),
+    "fused": lambda tx, g, s, p: oa.apply_gradients(tx, g, s, p)[::-1],
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("call", list(_UNWEIGHTED_CALLS))
+@pytest.mark.parametrize("nest", ["flat", "in_optax_chain", "nested"])
+def test_a_window_without_weights_warns_naming_both(nest, call, jit):
+    """Without ``accum_weight`` the window's weight counts micro-batches: a
+    ``base_weight`` in examples would scale the wrong way (four
+    micro-batches of 16 against 16 examples: 0.25, not 4). The call warns
+    at trace time, naming ``accum_weight`` and ``base_weight``."""
+    inner = (oa.accumulate(2), optax.sgd(1.0))
+    sbw = oa.scale_by_window(16, rule="linear")
+    tx = {
+        "flat": lambda: oa.chain(*inner, sbw),
+        "in_optax_chain": lambda: optax.chain(
+            optax.scale(1.0), oa.chain(*inner, sbw)
+        ),
+        "nested": lambda: oa.chain(oa.accumulate(1), oa.chain(*inner, sbw)),
+    }[nest]()
+    params = jnp.zeros(1)
+    step = _UNWEIGHTED_CALLS[call]
+    step = jax.jit(step, static_argnums=0) if jit else step
+    with pytest.warns(UserWarning, match="accum_weight") as record:
+        _, state = step(tx, jnp.ones(1), tx.init(params), params)
+    assert "base_weight=16" in str(record[0].message)
+
+
+def test_weights_a_flush_and_a_callable_rule_do_not_warn():
+    """Calls that pass ``accum_weight`` (the unit of ``base_weight`` is
+    then theirs), ``oa.flush`` (it takes the window's weight as it is) and
+    a callable rule (it reads ``W`` itself) do not warn; a follower that
+    does not ask never sees the keyword that tells it."""
+    seen = []
+
+    def record(updates, state, params=None, **extra_args):
+        seen.append(sorted(extra_args))
+        return updates, state
+
+    spy = optax.GradientTransformationExtraArgs(
+        lambda p: optax.EmptyState(), record
+    )
+    params = jnp.zeros(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Four micro-batches of 16 against 16 examples: W / B0 = 4.
+        tx = oa.chain(
+            oa.accumulate(4),
+            optax.sgd(1.0),
+            spy,
+            oa.scale_by_window(16, rule="linear"),
+        )
+        state = tx.init(params)
+        for _ in range(4):
+            u, state = tx.update(jnp.ones(1), state, params, accum_weight=16)
+        np.testing.assert_allclose(u, [-4.0])
+        _, state = tx.update(jnp.ones(1), state, params, accum_weight=16)
+        u, state = oa.flush(tx, state, params)
+        np.testing.assert_allclose(u, [-1.0])
+        own = oa.chain(
+            oa.accumulate(2),
+            optax.sgd(1.0),
+            spy,
+            oa.scale_by_window(16, rule=lambda w, noise: w),
+        )
+        state = own.init(params)
+        for _ in range(2):
+            u, state = own.update(jnp.ones(1), state, params)
+        np.testing.assert_allclose(u, [-2.0])
+    assert seen and all(s == [] for s in seen), seen
 
 
 def test_bad_input_is_named():

@@ -49,7 +49,8 @@ class AccumulateState(NamedTuple):
         dtype of the widest accumulator leaf, at least float32 (token counts
         overflow float16); 0 between windows.
       updated: whether the most recent call that reached this transformation
-        closed a window and stepped the followers; ``shape=(), bool``.
+        closed a window and stepped the followers (false on a call it
+        dropped, or that an earlier gate refused); ``shape=(), bool``.
       noise_scale: the gradient noise scale's sums and averages
         (``noise_scale_decay``); ``None`` (no leaves) when off.
     """
@@ -299,10 +300,9 @@ def _gate_update(
         # mesh: an ordinary, checkpointable array).
         acc=sums.store(acc),
         weight=weight,
-        # A call that does not count leaves the state as it was.
-        updated=utils.select(
-            counted, jnp.zeros_like(state.updated), state.updated
-        ),
+        # Not stepped (a closing window's emit says otherwise), also where
+        # the call was dropped: the flag answers for the last call.
+        updated=jnp.zeros_like(state.updated),
         noise_scale=noise,
     )
     out_dtypes = jax.tree.map(jnp.result_type, updates)

@@ -84,10 +84,14 @@ def chain(
     gate_declared = utils.declared_extra_args(gate)
     plain = rest is not None and not gating.is_gate(rest)
     then = gating.rule_for(rest)  # how the gate composes with the rest
+    asks_units = gating.UNWEIGHTED_ARG in declared  # oa.scale_by_window's
 
     def gate_update_fn(updates, state, params, ctx, **extra_args):
         _check_chain_state(state, n)
         window, new_head = ctx.window_weight, ()
+        if asks_units and window is None and "accum_weight" not in extra_args:
+            # The call weighs its micro-batch 1: tell the followers that ask.
+            extra_args = {**extra_args, gating.UNWEIGHTED_ARG: True}
         if gate_at:
             # Before the gate, as optax.chain: on every call that counts
             # (not where an earlier gate refused it, nor for a window of

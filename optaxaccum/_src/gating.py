@@ -357,6 +357,12 @@ decision_of = Decision.of
 
 # ------------------------------------------------- keywords and plain runs
 
+# The keyword under which a plain follower that declares it by name learns
+# (at trace time) that the call passed no accum_weight: its window's weight
+# then counts micro-batches (oa.scale_by_window warns). The outermost chain
+# sets it; oa.flush does not (it passes no weight of its own).
+UNWEIGHTED_ARG = "window_unweighted"
+
 
 def args_for(
     declared: frozenset[str], extra_args: dict[str, Any], window: Any
@@ -371,7 +377,7 @@ def args_for(
     No other keyword reaches it: optax's linesearches hand unknown keywords
     to ``value_fn``."""
     args = extra_args
-    for k in ("accum_weight", base.WINDOW_NOISE_ARG):
+    for k in ("accum_weight", base.WINDOW_NOISE_ARG, UNWEIGHTED_ARG):
         if k in args and k not in declared:
             args = {n: v for n, v in args.items() if n != k}
     if window is None or "accum_weight" not in declared:

@@ -41,8 +41,8 @@ class MultiStepsState(NamedTuple):
       acc_weight: the window's running sum of ``accum_weight`` (its
         micro-batch count by default); ``shape=()``, float32 (or the wider
         ``accumulator_dtype``); 0 between windows.
-      updated: whether the most recent counted call closed a window and
-        stepped the inner optimizer; ``shape=(), bool``.
+      updated: whether the most recent call closed a window and stepped
+        the inner optimizer (false on a refused one); ``shape=(), bool``.
     """
 
     mini_step: jax.Array  # shape=(), int32
@@ -221,8 +221,10 @@ class MultiSteps(gating.GatedTransformation):
     def has_updated(
         self, state: MultiStepsState | optax.MultiStepsState
     ) -> jax.Array:
-        """Whether the last counted call closed a window and stepped the
-        optimizer: a boolean scalar array, as ``optax.MultiSteps``'s."""
+        """Whether the last call stepped the optimizer (closed a window): a
+        boolean scalar array, as ``optax.MultiSteps``'s, except on a call
+        that ``should_skip_update_fn`` refused right after a closing one:
+        false (optax's rule reads the counters and says true)."""
         # optax's rule for states without the flag (e.g. optax's own).
         return windows.window_updated(state)
 

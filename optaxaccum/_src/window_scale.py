@@ -18,6 +18,7 @@ estimates as ``window_noise_scale``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base, utils
+from optaxaccum._src import base, gating, utils
 
 __all__ = ["ScaleByWindowState", "scale_by_window", "window_progress"]
 
@@ -36,6 +37,15 @@ NEEDS_WEIGHT_MSG = (
     "oa.accumulate (after the optimizer) in an oa.chain, e.g. "
     "oa.chain(oa.accumulate(oa.every_weight(4096), noise_scale_decay=0.9), "
     "optax.sgd(0.1), oa.scale_by_window(256))"
+)
+
+UNWEIGHTED_MSG = (
+    "oa.scale_by_window(base_weight={base!r}): the call passed no "
+    "accum_weight, so each micro-batch weighs 1 and the window's weight W "
+    "counts micro-batches; base_weight is then read as {base!r} "
+    "micro-batches. If base_weight counts examples or tokens, pass each "
+    "micro-batch's count as accum_weight (tx.update(..., accum_weight=n)); "
+    "if it counts micro-batches, pass accum_weight=1 to say so"
 )
 
 NEEDS_NOISE_MSG = (
@@ -115,7 +125,10 @@ def scale_by_window(
     base_weight``; 1 while they are NaN); ``"linear"``, ``W /
     base_weight``; ``"sqrt"``, its square root; or a callable ``(W,
     noise_scale) -> r`` (``noise_scale`` an :class:`NoiseScale`, ``None``
-    without ``noise_scale_decay``). Meant for ``reduction="mean"``.
+    without ``noise_scale_decay``). Meant for ``reduction="mean"``. ``W``
+    and ``base_weight`` are in one unit: a call that passes no
+    ``accum_weight`` weighs its micro-batch 1 (``W`` counts micro-batches)
+    and, with a named rule, warns (pass ``accum_weight=1`` to mean it).
 
     Args:
       base_weight: the weight of the batch the learning rate was tuned for
@@ -135,10 +148,10 @@ def scale_by_window(
     Examples:
       >>> import jax.numpy as jnp, optax, optaxaccum as oa
       >>> tx = oa.chain(oa.accumulate(4), optax.sgd(1.0),
-      ...               oa.scale_by_window(2.0, rule="linear"))
+      ...               oa.scale_by_window(32, rule="linear"))
       >>> state = tx.init(jnp.zeros(1))
-      >>> for _ in range(4):   # W = 4: twice the base batch
-      ...   u, state = tx.update(jnp.ones(1), state)
+      >>> for _ in range(4):   # W = 4 * 16 examples: twice the base batch
+      ...   u, state = tx.update(jnp.ones(1), state, accum_weight=16)
       >>> u, float(oa.window_progress(state))
       (Array([-2.], dtype=float32), 2.0)
     """
@@ -164,6 +177,10 @@ def scale_by_window(
             raise ValueError(NEEDS_WEIGHT_MSG)
         noise = extra_args.get(base.WINDOW_NOISE_ARG)
         r = _factor(rule, accum_weight, noise, number)
+        # Static (the call passed no accum_weight), for the rules that
+        # divide W by base_weight.
+        if extra_args.get(gating.UNWEIGHTED_ARG, False):
+            warnings.warn(UNWEIGHTED_MSG.format(base=base_weight), stacklevel=2)
         scale = r if schedule is None else r * schedule(state.tau)
         updates = jax.tree.map(
             lambda u: (u * jnp.asarray(scale, u.dtype)).astype(u.dtype), updates
@@ -171,7 +188,9 @@ def scale_by_window(
         tau = state.tau + r
         return updates, ScaleByWindowState(tau=tau, factor=r)
 
-    names = frozenset({"accum_weight", base.WINDOW_NOISE_ARG})
+    names = {"accum_weight", base.WINDOW_NOISE_ARG}
+    if isinstance(rule, str):  # W / base_weight: both in the same unit
+        names.add(gating.UNWEIGHTED_ARG)
     return optax.GradientTransformationExtraArgs(
         init_fn, utils.with_signature(update_fn, names)
     )

@@ -9,11 +9,12 @@ not on a gate module.
 
 Whether a call counted (:func:`counted`) and whether it closed the
 optimizer's window (:func:`closed`) are derived from the states before and
-after the call, not stored in them: a gate that does not run leaves its
-followers' states bit-for-bit unchanged (the chain's contract), so a stored
-"counted" flag could not be cleared on a call that an earlier gate refused
-(a loss-scale overflow). Under that contract "the window state changed" is
-exactly "the call counted".
+after the call, not stored in them: a lazy gate (one of the user's) that
+does not run leaves its followers' states bit-for-bit unchanged (the
+chain's contract), so a stored "counted" flag could not be cleared on a
+call that it refused. "The window's position or count moved" is exactly
+"the call counted". The ``updated`` flag is the one field that every call
+reaching the window sets, a dropped one included (to false).
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def has_updated(state: optax.OptState) -> jax.Array:
     """Whether the last call that reached the accumulation stepped the
     optimizer (closed the whole window).
 
+    A micro-batch dropped right after a closing call (``skip_nonfinite``,
+    an overflow of the loss scale, ``oa.MultiSteps``' skip function) did
+    not step it: false there, so a loop that counts windows with it counts
+    each once. (A call that a lazy gate of your own refuses before the
+    accumulate does not reach it, and leaves the answer as it was.)
+
     With nested accumulates (``oa.chain(oa.accumulate(a),
     oa.accumulate(b), opt)``) it answers as one ``oa.accumulate(a * b)``
     would: true only where every window closed, not where an inner one did.
@@ -64,7 +71,8 @@ def has_updated(state: optax.OptState) -> jax.Array:
     Returns:
       A boolean scalar array (a plain ``jax.Array``): true if the most
       recent call that reached the :func:`accumulate` closed its window and
-      stepped the elements after the last accumulate.
+      stepped the elements after the last accumulate; false where it was
+      dropped.
 
     Raises:
       ValueError: if ``state`` holds no :class:`AccumulateState`.
@@ -121,8 +129,8 @@ def counted(old_state: optax.OptState, new_state: optax.OptState) -> Any:
 
     The core's one answer to "did this micro-batch count" (the Flax layers
     keep their BatchNorm windows aligned with it). :func:`has_updated` cannot
-    tell: a dropped call leaves its flag as it was, like a counted call that
-    does not close the window.
+    tell: it is false on a dropped call, as on a counted call that does not
+    close the window.
     """
     try:
         old = _find_window(old_state, "counted")
