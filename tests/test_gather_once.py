@@ -36,11 +36,14 @@ MESHES = {
 }
 # A mesh whose axes all have size 1: a run resumed on one device.
 ONE_DEVICE = {"one1x1": ((1, 1), ("data", "fsdp"), "fsdp")}
+# Data parallelism alone (fsdp=1), as a run resumed on data=8.
+NO_FSDP = {"data8xfsdp1": ((8, 1), ("data", "fsdp"), "fsdp")}
+ALL_MESHES = {**MESHES, **ONE_DEVICE, **NO_FSDP}
 W_BYTES = {"w1": 4 * D_IN * HIDDEN, "w2": 4 * HIDDEN * D_OUT}
 
 
 def _mesh(name):
-    shape, names, _ = {**MESHES, **ONE_DEVICE}[name]
+    shape, names, _ = ALL_MESHES[name]
     return jax.make_mesh(
         shape,
         names,
@@ -89,7 +92,7 @@ def _loss(axes):
 
 def _put(mesh_name, params, batch):
     mesh = _mesh(mesh_name)
-    entry = {**MESHES, **ONE_DEVICE}[mesh_name][2]
+    entry = ALL_MESHES[mesh_name][2]
     specs = {"w1": P(entry, None), "b1": P(), "w2": P(entry, None)}
     params = {
         k: jax.device_put(v, NamedSharding(mesh, specs[k]))
@@ -103,7 +106,7 @@ def _grad_fn(mesh_name, k, gather_once, unreduced=True):
     """The step's value_and_grad: on data x fsdp wrapped in
     oa.unreduced_value_and_grad(..., "data") (the window's deferred
     reduction), token-weighted, interleaved micro-batches."""
-    axes = {**MESHES, **ONE_DEVICE}[mesh_name][1]
+    axes = ALL_MESHES[mesh_name][1]
     micro = functools.partial(
         oa.microbatched_value_and_grad,
         num_microbatches=k,
@@ -172,8 +175,8 @@ def _of_weight(ops, name, op, *, loop):
     ]
 
 
-def _want():
-    x, y, mask = _data()
+def _want(batch=None):
+    x, y, mask = batch or _data()
     return jax.value_and_grad(_loss(None))(_params(), (x, y, mask))
 
 
@@ -189,7 +192,7 @@ def test_held_step_equals_per_micro_batch_and_big_batch(mesh_name):
     oa.unreduced_value_and_grad asked for it. Also on a mesh whose axes
     all have size 1 (the held gradient's scatter is then the identity)."""
     over = ("replica", "fsdp") if mesh_name == "replica2xfsdp4" else None
-    axes = {**MESHES, **ONE_DEVICE}[mesh_name][1]
+    axes = ALL_MESHES[mesh_name][1]
     held = oa.GatherOnce(axes, over=over)
     value, grads, types = _run(mesh_name, 4, held)
     value0, grads0, types0 = _run(mesh_name, 4, None)
@@ -199,6 +202,22 @@ def test_held_step_equals_per_micro_batch_and_big_batch(mesh_name):
     np.testing.assert_allclose(value, want_value, **TOL)
     np.testing.assert_allclose(value, value0, **TOL)
     assert types == types0, (types, types0)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("hold", [False, True])
+def test_data_parallel_mesh_one_row_per_device_per_micro_batch(rows, hold):
+    """data=8 x fsdp=1, interleaved micro-batches of ``rows`` row(s) per
+    device, with and without holding: the loss and gradients equal
+    jax.value_and_grad of the whole batch on one device. (Splitting the
+    batch must keep a micro-batch's rows sharded as the batch's were, not
+    hand the size-1 fsdp axis to the micro-batch index.)"""
+    batch = tuple(a[: 8 * 4 * rows] for a in _data())
+    held = oa.GatherOnce(("data", "fsdp")) if hold else None
+    value, grads, _ = _run("data8xfsdp1", 4, held, batch=batch)
+    want_value, want = _want(batch)
+    chex.assert_trees_all_close(grads, want, **TOL)
+    np.testing.assert_allclose(value, want_value, **TOL)
 
 
 def test_bf16_held_copy_within_bf16_rounding():
@@ -429,7 +448,7 @@ def test_bad_input_is_named():
         oa.GatherOnce(axes, memory_budget=-1)
     with pytest.raises(ValueError, match=r"over='model' names 'model'"):
         oa.GatherOnce(axes, over="model")
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(TypeError, match="dtype"):
         oa.GatherOnce(axes, dtype=jnp.int32)
     with pytest.raises(TypeError, match="leaves"):
         oa.GatherOnce(axes, leaves=3)
@@ -442,3 +461,36 @@ def test_bad_input_is_named():
     ):
         with pytest.raises(ValueError, match=match):
             _census("data2xfsdp4", 2, hold)
+
+
+def test_messages_name_the_field_once():
+    """Each message says "GatherOnce:" once and names the field as given
+    (no "got GatherOnce: dtype=..."); a non-floating dtype is a TypeError,
+    as documented."""
+    axes = ("data", "fsdp")
+    cases = [
+        (TypeError, dict(dtype=jnp.int32), r"dtype=<class"),
+        (TypeError, dict(dtype="nope"), r"dtype='nope'"),
+        (TypeError, dict(memory_budget="1"), r"memory_budget='1'"),
+        (ValueError, dict(memory_budget=-1), r"memory_budget=-1"),
+        (TypeError, dict(leaves=3), r"leaves=3"),
+    ]
+    for error, kwargs, match in cases:
+        with pytest.raises(error, match=match) as info:
+            oa.GatherOnce(axes, **kwargs)
+        message = str(info.value)
+        assert message.startswith("GatherOnce: "), message
+        assert message.count("GatherOnce") == 1, message
+
+
+def test_no_mesh_says_to_drop_gather_once():
+    """On one device with no mesh there is nothing to gather: the message
+    says to drop gather_once= (GatherOnce has no axis_name)."""
+    step = oa.microbatched_value_and_grad(
+        _loss(None), 2, gather_once=oa.GatherOnce(("data", "fsdp"))
+    )
+    with pytest.raises(ValueError, match=r"drop gather_once=") as info:
+        jax.jit(step)(_params(), _data())
+    message = str(info.value)
+    assert "axis_name" not in message, message
+    assert message.count("GatherOnce") == 1, message

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from optaxaccum._src import gather_once as gather_lib
 from optaxaccum._src import sharding, utils
@@ -137,6 +139,26 @@ def _check_divisible(batch_size: int, num_microbatches: int) -> None:
             f"the batch size {batch_size} is not divisible by "
             f"num_microbatches={num_microbatches}"
         )
+
+
+def _split(x: Any, n: int, interleave: bool) -> jax.Array:
+    """``x``'s leading axis split into ``n`` micro-batches: a reshape to
+    ``(m, n, ...)`` (interleaved: micro-batch ``i`` is ``x[i::n]``) or
+    ``(n, m, ...)``. Interleaved, the rows of each micro-batch keep the
+    sharding of ``x``'s rows (JAX's reshape rule may otherwise move a
+    size-1 mesh axis onto the micro-batch index), where that divides."""
+    m = np.shape(x)[0] // n
+    shape = ((m, n) if interleave else (n, m)) + np.shape(x)[1:]
+    named = sharding.sharding_of(x)
+    if not interleave or named is None:
+        return jnp.reshape(x, shape)
+    dims = sharding.padded_entries(named.spec, np.ndim(x))
+    axes = sharding.entry_axes(dims[0])
+    share = int(np.prod([named.mesh.shape[a] for a in axes]))
+    if not axes or m % share or not sharding.all_explicit(named.mesh, axes):
+        return jnp.reshape(x, shape)
+    spec = P(dims[0], None, *dims[1:])
+    return jnp.reshape(x, shape, out_sharding=NamedSharding(named.mesh, spec))
 
 
 def _strong(x: Any) -> jax.Array:
@@ -375,11 +397,7 @@ class _Stages(NamedTuple):
         batches = tuple(args[i] for i in b_idx)
         batch_size = _batch_size(self.named["batch_argnums"].pick(batches))
         _check_divisible(batch_size, self.n)
-        m = batch_size // self.n
-        split = (m, self.n) if self.interleave else (self.n, m)
-        xs = jax.tree.map(
-            lambda x: jnp.reshape(x, split + np.shape(x)[1:]), batches
-        )
+        xs = jax.tree.map(lambda x: _split(x, self.n, self.interleave), batches)
         diff_args = tuple(args[i] for i in d_idx)
         return _Call(tuple(args), d_idx, b_idx, s_idx, xs, diff_args)
 
