@@ -375,7 +375,8 @@ class _Stages(NamedTuple):
     """The in-step path of :func:`microbatched_value_and_grad`, in the
     order a step runs it: :meth:`plan` the call, :meth:`gather` the held
     leaves, :meth:`start` the sums, :meth:`scan` over the micro-batches
-    (each one :meth:`micro_batch`), :meth:`scatter` the held leaves'
+    (each one :meth:`micro_batch`; holding, the first and last one
+    :meth:`peeled` off the scan), :meth:`scatter` the held leaves'
     gradients, then the (weighted) mean (:meth:`result`)."""
 
     vg: Callable[..., Any]  # jax.value_and_grad of loss_fn
@@ -479,10 +480,30 @@ class _Stages(NamedTuple):
         return ((loss, auxs) if self.has_aux else loss), grads
 
     def run(self, call: _Call) -> Any:
-        """Every micro-batch, the scatter and the mean."""
-        carry, outs = self.scan(call, self.start(call), 0, self.n)
+        """Every micro-batch, the scatter and the mean. Holding, the first
+        and the last micro-batch run outside the scan (peeled): XLA can
+        then overlap each held leaf's gather with the first one's forward
+        and its reduce-scatter with the last one's backward."""
+        carry = self.start(call)
+        if call.holding is None or not call.holding.held:
+            carry, outs = self.scan(call, carry, 0, self.n)
+        else:
+            carry, outs = self.peeled(call, carry)
         carry = carry._replace(acc=self.scatter(call, carry.acc))
         return self.result(call, carry, outs)
+
+    def peeled(self, call: _Call, carry: _Carry) -> tuple[_Carry, _Out]:
+        """The first micro-batch, the middle ones in a scan, the last one;
+        their outputs stacked in order."""
+        carry, first = self.micro_batch(call, carry, 0)
+        parts = [jax.tree.map(lambda x: x[None], first)]
+        if self.n > 2:
+            carry, middle = self.scan(call, carry, 1, self.n - 1)
+            parts.append(middle)
+        if self.n > 1:
+            carry, last = self.micro_batch(call, carry, self.n - 1)
+            parts.append(jax.tree.map(lambda x: x[None], last))
+        return carry, jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
 
 
 # ---------------------------------------------------------------- public
