@@ -36,11 +36,14 @@ MESHES = {
 }
 # A mesh whose axes all have size 1: a run resumed on one device.
 ONE_DEVICE = {"one1x1": ((1, 1), ("data", "fsdp"), "fsdp")}
+# Data parallelism alone (fsdp=1), as a run resumed on data=8.
+NO_FSDP = {"data8xfsdp1": ((8, 1), ("data", "fsdp"), "fsdp")}
+ALL_MESHES = {**MESHES, **ONE_DEVICE, **NO_FSDP}
 W_BYTES = {"w1": 4 * D_IN * HIDDEN, "w2": 4 * HIDDEN * D_OUT}
 
 
 def _mesh(name):
-    shape, names, _ = {**MESHES, **ONE_DEVICE}[name]
+    shape, names, _ = ALL_MESHES[name]
     return jax.make_mesh(
         shape,
         names,
@@ -89,7 +92,7 @@ def _loss(axes):
 
 def _put(mesh_name, params, batch):
     mesh = _mesh(mesh_name)
-    entry = {**MESHES, **ONE_DEVICE}[mesh_name][2]
+    entry = ALL_MESHES[mesh_name][2]
     specs = {"w1": P(entry, None), "b1": P(), "w2": P(entry, None)}
     params = {
         k: jax.device_put(v, NamedSharding(mesh, specs[k]))
@@ -103,7 +106,7 @@ def _grad_fn(mesh_name, k, gather_once, unreduced=True):
     """The step's value_and_grad: on data x fsdp wrapped in
     oa.unreduced_value_and_grad(..., "data") (the window's deferred
     reduction), token-weighted, interleaved micro-batches."""
-    axes = {**MESHES, **ONE_DEVICE}[mesh_name][1]
+    axes = ALL_MESHES[mesh_name][1]
     micro = functools.partial(
         oa.microbatched_value_and_grad,
         num_microbatches=k,
@@ -172,8 +175,8 @@ def _of_weight(ops, name, op, *, loop):
     ]
 
 
-def _want():
-    x, y, mask = _data()
+def _want(batch=None):
+    x, y, mask = batch or _data()
     return jax.value_and_grad(_loss(None))(_params(), (x, y, mask))
 
 
@@ -189,7 +192,7 @@ def test_held_step_equals_per_micro_batch_and_big_batch(mesh_name):
     oa.unreduced_value_and_grad asked for it. Also on a mesh whose axes
     all have size 1 (the held gradient's scatter is then the identity)."""
     over = ("replica", "fsdp") if mesh_name == "replica2xfsdp4" else None
-    axes = {**MESHES, **ONE_DEVICE}[mesh_name][1]
+    axes = ALL_MESHES[mesh_name][1]
     held = oa.GatherOnce(axes, over=over)
     value, grads, types = _run(mesh_name, 4, held)
     value0, grads0, types0 = _run(mesh_name, 4, None)
@@ -199,6 +202,62 @@ def test_held_step_equals_per_micro_batch_and_big_batch(mesh_name):
     np.testing.assert_allclose(value, want_value, **TOL)
     np.testing.assert_allclose(value, value0, **TOL)
     assert types == types0, (types, types0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_peeled_step_keeps_order_of_losses_aux_and_state(k):
+    """Holding, the first and last micro-batch run outside the scan: for
+    every k (no scan at 1 and 2) the loss, the gradients, the stacked aux
+    (in micro-batch order) and the threaded state equal the per-micro-batch
+    path's."""
+    mesh = _mesh("data2xfsdp4")
+    loss = _loss(("data", "fsdp"))
+
+    def loss_aux(params, batch, count):
+        value = loss(params, batch)
+        return value, (count + 1, value + batch[2].sum())
+
+    def run(hold):
+        f = oa.microbatched_value_and_grad(
+            loss_aux,
+            k,
+            has_aux=True,
+            state_argnums=2,
+            interleave=True,
+            weight_fn=lambda batch: batch[2].sum(),
+            gather_once=hold,
+        )
+
+        def step(p, b):
+            (value, (count, aux)), grads = f(p, b, jnp.int32(0))
+            return value, count, aux, jax.tree.map(_reduced, grads)
+
+        rows = 16 * k if k < 4 else BATCH  # 2 rows per device
+        batch = tuple(a[:rows] for a in _data())
+        with jax.set_mesh(mesh):
+            p, b = _put("data2xfsdp4", _params(), batch)
+            return jax.tree.map(np.asarray, jax.jit(step)(p, b))
+
+    got = run(oa.GatherOnce(("data", "fsdp")))
+    want = run(None)
+    assert int(got[1]) == k and got[2].shape == (k,)
+    chex.assert_trees_all_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("hold", [False, True])
+def test_data_parallel_mesh_one_row_per_device_per_micro_batch(rows, hold):
+    """data=8 x fsdp=1, interleaved micro-batches of ``rows`` row(s) per
+    device, with and without holding: the loss and gradients equal
+    jax.value_and_grad of the whole batch on one device. (Splitting the
+    batch must keep a micro-batch's rows sharded as the batch's were, not
+    hand the size-1 fsdp axis to the micro-batch index.)"""
+    batch = tuple(a[: 8 * 4 * rows] for a in _data())
+    held = oa.GatherOnce(("data", "fsdp")) if hold else None
+    value, grads, _ = _run("data8xfsdp1", 4, held, batch=batch)
+    want_value, want = _want(batch)
+    chex.assert_trees_all_close(grads, want, **TOL)
+    np.testing.assert_allclose(value, want_value, **TOL)
 
 
 def test_bf16_held_copy_within_bf16_rounding():
@@ -240,10 +299,11 @@ def test_census_one_gather_one_scatter_per_held_leaf_whatever_k(k):
     weight's reduce-scatter over fsdp runs inside the scan's loop, k per
     step (XLA:CPU hoists the all-gathers out of the loop itself: 1 per
     step). Held: per weight 1 all-gather and 1 reduce-scatter per step,
-    none inside the loop; the unheld bias's all-reduce over fsdp stays in
-    the loop as before; no collective over 'data' carries more than a
-    few scalars, inside the loop or out (the gradients stay unreduced over
-    'data')."""
+    none inside the loop; the unheld bias's all-reduce over fsdp moves its
+    bytes once per micro-batch as before (the first and last micro-batch's
+    outside the loop, which XLA may combine into one); over 'data' only
+    the few scalars per micro-batch of the default path move, inside the
+    loop or out (the gradients stay unreduced over 'data')."""
     base, _ = _census("data2xfsdp4", k, None)
     held, _ = _census("data2xfsdp4", k, oa.GatherOnce(("data", "fsdp")))
     for name in W_BYTES:
@@ -256,12 +316,21 @@ def test_census_one_gather_one_scatter_per_held_leaf_whatever_k(k):
     scatters = [o for o in held if o["op"] == "reduce-scatter"]
     assert len(gathers) == len(scatters) == len(W_BYTES), held
     assert all(o["axes"] == {"fsdp"} for o in gathers + scatters), held
-    bias = lambda ops: [  # noqa: E731
-        (o["op"], o["loop"]) for o in ops if o["bytes"] == 4 * HIDDEN
-    ]
-    assert bias(held) == bias(base) == [("all-reduce", k > 1)], held
-    data = [o for o in held if "data" in o["axes"] and o["bytes"] > 16]
-    assert not data, held
+
+    def per_step(ops, keep, trips):  # bytes per step (XLA may combine)
+        return sum(
+            (trips if o["loop"] else 1) * o["bytes"] for o in ops if keep(o)
+        )
+
+    # Held, the first and last micro-batch run outside the loop (peeled).
+    both = ((held, max(k - 2, 0)), (base, k))
+    bias = lambda o: o["op"] == "all-reduce" and o["axes"] == {"fsdp"}  # noqa: E731
+    for ops, trips in both:
+        assert per_step(ops, bias, trips) == k * 4 * HIDDEN, ops
+    over_data = lambda o: "data" in o["axes"]  # noqa: E731
+    assert all(o["bytes"] <= 16 for o in base if over_data(o)), base
+    scalars = {per_step(ops, over_data, trips) for ops, trips in both}
+    assert len(scalars) == 1, held
 
 
 def test_without_deferral_data_is_reduced_once_per_step():
@@ -393,9 +462,7 @@ def test_memory_budget_zero_half_all():
         ops, memory = _census("data2xfsdp4", 2, hold)
         assert memory <= base_memory + budget, (label, memory, base_memory)
         held_names[label] = {
-            n
-            for n in W_BYTES
-            if not _of_weight(ops, n, "reduce-scatter", loop=True)
+            n for n in W_BYTES if _per_step(ops, n, "reduce-scatter", 2) == 1
         }
         if label == "0":
             assert ops == base
@@ -414,8 +481,8 @@ def test_leaves_predicate_chooses_the_held_leaves():
         leaves=lambda path, leaf: "w1" in jax.tree_util.keystr(path),
     )
     ops, _ = _census("data2xfsdp4", 2, hold)
-    assert not _of_weight(ops, "w1", "reduce-scatter", loop=True), ops
-    assert _of_weight(ops, "w2", "reduce-scatter", loop=True), ops
+    assert _per_step(ops, "w1", "reduce-scatter", 2) == 1, ops
+    assert _per_step(ops, "w2", "reduce-scatter", 2) == 2, ops
     _, grads, _ = _run("data2xfsdp4", 2, hold)
     chex.assert_trees_all_close(grads, _want()[1], **TOL)
 
@@ -429,7 +496,7 @@ def test_bad_input_is_named():
         oa.GatherOnce(axes, memory_budget=-1)
     with pytest.raises(ValueError, match=r"over='model' names 'model'"):
         oa.GatherOnce(axes, over="model")
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(TypeError, match="dtype"):
         oa.GatherOnce(axes, dtype=jnp.int32)
     with pytest.raises(TypeError, match="leaves"):
         oa.GatherOnce(axes, leaves=3)
@@ -442,3 +509,36 @@ def test_bad_input_is_named():
     ):
         with pytest.raises(ValueError, match=match):
             _census("data2xfsdp4", 2, hold)
+
+
+def test_messages_name_the_field_once():
+    """Each message says "GatherOnce:" once and names the field as given
+    (no "got GatherOnce: dtype=..."); a non-floating dtype is a TypeError,
+    as documented."""
+    axes = ("data", "fsdp")
+    cases = [
+        (TypeError, dict(dtype=jnp.int32), r"dtype=<class"),
+        (TypeError, dict(dtype="nope"), r"dtype='nope'"),
+        (TypeError, dict(memory_budget="1"), r"memory_budget='1'"),
+        (ValueError, dict(memory_budget=-1), r"memory_budget=-1"),
+        (TypeError, dict(leaves=3), r"leaves=3"),
+    ]
+    for error, kwargs, match in cases:
+        with pytest.raises(error, match=match) as info:
+            oa.GatherOnce(axes, **kwargs)
+        message = str(info.value)
+        assert message.startswith("GatherOnce: "), message
+        assert message.count("GatherOnce") == 1, message
+
+
+def test_no_mesh_says_to_drop_gather_once():
+    """On one device with no mesh there is nothing to gather: the message
+    says to drop gather_once= (GatherOnce has no axis_name)."""
+    step = oa.microbatched_value_and_grad(
+        _loss(None), 2, gather_once=oa.GatherOnce(("data", "fsdp"))
+    )
+    with pytest.raises(ValueError, match=r"drop gather_once=") as info:
+        jax.jit(step)(_params(), _data())
+    message = str(info.value)
+    assert "axis_name" not in message, message
+    assert message.count("GatherOnce") == 1, message

@@ -66,7 +66,8 @@ class GatherOnce:
         non-floating dtype or a non-callable ``leaves``.
       ValueError: for a negative budget or an ``over`` axis not in
         ``batch_axes``; when the step is traced, for an axis not on the mesh
-        or an ``over`` axis that shards the batch but no parameter.
+        (or no mesh at all: on one device, drop ``gather_once``) or an
+        ``over`` axis that shards the batch but no parameter.
 
     Examples:
       >>> import jax.numpy as jnp, optaxaccum as oa
@@ -98,11 +99,11 @@ class GatherOnce:
                 )
             object.__setattr__(self, "over", over)
         if self.dtype is not None:
-            dtype = utils.check_float_dtype("GatherOnce: dtype", self.dtype)
+            dtype = _field(utils.check_float_dtype, "dtype", self.dtype)
             object.__setattr__(self, "dtype", dtype)
         if self.memory_budget is not None:
-            budget = utils.check_real(
-                "GatherOnce: memory_budget", self.memory_budget
+            budget = _field(
+                utils.check_real, "memory_budget", self.memory_budget
             )
             if not (budget >= 0 and math.isfinite(budget)):
                 raise ValueError(
@@ -110,7 +111,18 @@ class GatherOnce:
                     "finite number of bytes per device, got "
                     f"memory_budget={self.memory_budget!r}"
                 )
-        utils.check_callable("GatherOnce: leaves", self.leaves, none_ok=True)
+        _field(utils.check_callable, "leaves", self.leaves, none_ok=True)
+
+
+def _field(check: Callable[..., Any], name: str, value: Any, **kw: Any) -> Any:
+    """``check(name, value)``, its message prefixed with ``GatherOnce:``
+    once; a dtype that is not floating is a ``TypeError``."""
+    try:
+        return check(name, value, **kw)
+    except (TypeError, ValueError) as err:
+        wrong_kind = "must be a floating" in str(err)
+        error = TypeError if wrong_kind else type(err)
+        raise error(f"GatherOnce: {err}") from None
 
 
 # ------------------------------------------------------------- per leaf
@@ -241,12 +253,42 @@ class Plan:
         )
 
 
+def _check_on_mesh(field: str, names: tuple, tree: Any) -> None:
+    """Every axis of ``names`` (the field ``field``) is an axis of the
+    current mesh or of a leaf's mesh, or a mapped axis."""
+    meshes = [jax.sharding.get_abstract_mesh()]
+    meshes += [
+        s.mesh for s in map(sharding.sharding_of, jax.tree.leaves(tree)) if s
+    ]
+    known = {a for m in meshes for a in m.axis_names}
+    for name in names:
+        try:
+            if name in known or lax.axis_size(name):
+                continue
+        except NameError:
+            pass
+        if not known:
+            raise ValueError(
+                f"GatherOnce: {field}={names!r} names {name!r}, but no mesh "
+                "is set and no parameter is on one: it gathers parameters "
+                "sharded on an explicit mesh. On one device there is "
+                "nothing to gather: drop gather_once= from "
+                "oa.microbatched_value_and_grad (or run the step under "
+                "jax.set_mesh(mesh) with the parameters placed on it)"
+            )
+        axes = next((m.axis_names for m in meshes if m.axis_names), ())
+        raise ValueError(
+            f"GatherOnce: {field}={names!r} names {name!r}, which is not an "
+            f"axis of the mesh (its axes: {axes!r})"
+        )
+
+
 def _check_axes(cfg: GatherOnce, hows: list[_Leaf | None], tree: Any) -> None:
     """Every named axis is on the mesh; every ``over`` axis shards a leaf."""
-    sharding.check_mesh_axes(cfg.batch_axes, "GatherOnce: batch_axes", tree)
+    _check_on_mesh("batch_axes", cfg.batch_axes, tree)
     if cfg.over is None:
         return
-    sharding.check_mesh_axes(cfg.over, "GatherOnce: over", tree)
+    _check_on_mesh("over", cfg.over, tree)
     sharded = frozenset().union(*(h.axes for h in hows if h is not None))
     for a in cfg.over:
         if a not in sharded:

@@ -241,3 +241,156 @@ def count(lines: list[str], op: str) -> int:
         if parsed is not None and parsed[1] in (op, f"{op}-start"):
             n += 1
     return n
+
+
+# -------------------------------------------------- the scheduled program
+
+_COLLECTIVES = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "all-to-all",
+    "collective-permute",
+)
+_GEMM_TARGET_RE = re.compile(r"custom_call_target=\"[^\"]*(gemm|matmul|triton)")
+_OPERAND_RE = re.compile(r"%([\w.\-]+)")
+
+
+def _collective_of(opcode: str, line: str, comps: dict) -> str | None:
+    """The collective an instruction starts or is (``all-gather`` ...):
+    ``X`` / ``X-start`` directly, or an ``async-start`` wrapping it."""
+    for op in _COLLECTIVES:
+        if opcode in (op, f"{op}-start"):
+            return op
+    if opcode == "async-start":
+        for callee, _ in callees(line):
+            for inner in comps.get(callee, ()):
+                parsed = split_instruction(inner)
+                if parsed is not None and parsed[1] in _COLLECTIVES:
+                    return parsed[1]
+    return None
+
+
+def _largest_array(shape: str) -> int:
+    """Bytes of the largest array of an HLO shape (the gathered result of
+    an all-gather, the full operand of a reduce-scatter)."""
+    return max(
+        (shape_bytes(f"{d}[{dims}]") for d, dims in _ARRAY_RE.findall(shape)),
+        default=0,
+    )
+
+
+def _computes(comps: dict, line: str, opcode: str, memo: dict) -> bool:
+    """Whether an instruction is compute worth hiding a collective under:
+    a GEMM (``dot``, ``convolution``, a GEMM custom call, or a fusion or
+    call holding one) or a loop (``while``)."""
+    if opcode in ("dot", "convolution", "while"):
+        return True
+    if opcode == "custom-call":
+        return bool(_GEMM_TARGET_RE.search(line))
+    if opcode in ("fusion", "call", "conditional", "async-start"):
+        return any(_holds_compute(comps, c, memo) for c, _ in callees(line))
+    return False
+
+
+def _holds_compute(comps: dict, name: str, memo: dict) -> bool:
+    if name not in memo:
+        memo[name] = False  # a cycle guard
+        memo[name] = any(
+            _computes(comps, line, p[1], memo)
+            for line in comps.get(name, ())
+            if (p := split_instruction(line)) is not None
+        )
+    return memo[name]
+
+
+def _operand_bytes(line: str, opcode: str, shapes: dict) -> int:
+    """Bytes of an instruction's operands defined in its computation."""
+    inside = line.split(f"{opcode}(", 1)[-1].split(")", 1)[0]
+    return sum(
+        shape_bytes(shapes.get(n, "")) for n in _OPERAND_RE.findall(inside)
+    )
+
+
+def overlaps(text: str) -> list[dict]:
+    """Every collective of a scheduled HLO module (``compile().as_text()``)
+    and the compute scheduled while it is in flight.
+
+    Returns:
+      One dict per collective, sync or async (a ``-start``/``-done`` pair,
+      or an ``async-start`` wrapping one): ``op`` (e.g. ``"all-gather"``),
+      ``bytes`` (the larger of its operands and its result: the gathered
+      result, the scattered operand; all of them for a combined one),
+      ``computation``, ``loop`` (inside a ``while`` loop's body), ``sync``
+      and ``compute``: the number of instructions between its start and its
+      done that are a GEMM (``dot``, ``convolution``, a GEMM custom call or
+      a fusion holding one) or a loop; 0 for a sync collective.
+    """
+    comps, _ = parse_hlo(text)
+    in_loop = loop_computations(text)
+    memo: dict = {}
+    wrapped = {
+        callee
+        for lines in comps.values()
+        for line in lines
+        if (p := split_instruction(line)) is not None and p[1] == "async-start"
+        for callee, _ in callees(line)
+    }
+    rows = []
+    for name, lines in comps.items():
+        if name in wrapped:  # counted at its async-start
+            continue
+        shapes: dict[str, str] = {}
+        started: dict[str, dict] = {}
+        for line in lines:
+            parsed = split_instruction(line)
+            if parsed is None:
+                continue
+            shape, opcode = parsed
+            lhs = line.split(" = ", 1)[0].split()[-1].lstrip("%")
+            shapes[lhs] = shape
+            op = _collective_of(opcode, line, comps)
+            if op is not None:
+                sync = not opcode.endswith("-start")
+                row = dict(
+                    op=op,
+                    bytes=_operand_bytes(line, opcode, shapes),
+                    computation=name,
+                    loop=name in in_loop,
+                    sync=sync,
+                    compute=0,
+                )
+                if sync:
+                    row["bytes"] = max(row["bytes"], shape_bytes(shape))
+                else:
+                    started[lhs] = row
+                rows.append(row)
+                continue
+            if opcode.endswith("-done"):
+                inside = line.split(f"{opcode}(", 1)[-1]
+                for operand in _OPERAND_RE.findall(inside):
+                    row = started.pop(operand, None)
+                    if row is not None:
+                        row["bytes"] = max(row["bytes"], shape_bytes(shape))
+                continue
+            if started and _computes(comps, line, opcode, memo):
+                for row in started.values():
+                    row["compute"] += 1
+    return rows
+
+
+def exposure(rows: list[dict], min_bytes: int = 0) -> dict:
+    """Of the collectives of at least ``min_bytes`` (rows of
+    :func:`overlaps`): how many there are, how many are exposed (no
+    compute between start and done), how many run inside a loop, and the
+    share of their bytes overlapped by compute."""
+    big = [r for r in rows if r["bytes"] >= min_bytes]
+    total = sum(r["bytes"] for r in big)
+    hidden = sum(r["bytes"] for r in big if r["compute"])
+    return dict(
+        collectives=len(big),
+        exposed=sum(not r["compute"] for r in big),
+        in_loop=sum(r["loop"] for r in big),
+        overlapped=hidden / total if total else 0.0,
+        bytes=total,
+    )

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from optaxaccum._src import gather_once as gather_lib
 from optaxaccum._src import sharding, utils
@@ -137,6 +139,26 @@ def _check_divisible(batch_size: int, num_microbatches: int) -> None:
             f"the batch size {batch_size} is not divisible by "
             f"num_microbatches={num_microbatches}"
         )
+
+
+def _split(x: Any, n: int, interleave: bool) -> jax.Array:
+    """``x``'s leading axis split into ``n`` micro-batches: a reshape to
+    ``(m, n, ...)`` (interleaved: micro-batch ``i`` is ``x[i::n]``) or
+    ``(n, m, ...)``. Interleaved, the rows of each micro-batch keep the
+    sharding of ``x``'s rows (JAX's reshape rule may otherwise move a
+    size-1 mesh axis onto the micro-batch index), where that divides."""
+    m = np.shape(x)[0] // n
+    shape = ((m, n) if interleave else (n, m)) + np.shape(x)[1:]
+    named = sharding.sharding_of(x)
+    if not interleave or named is None:
+        return jnp.reshape(x, shape)
+    dims = sharding.padded_entries(named.spec, np.ndim(x))
+    axes = sharding.entry_axes(dims[0])
+    share = int(np.prod([named.mesh.shape[a] for a in axes]))
+    if not axes or m % share or not sharding.all_explicit(named.mesh, axes):
+        return jnp.reshape(x, shape)
+    spec = P(dims[0], None, *dims[1:])
+    return jnp.reshape(x, shape, out_sharding=NamedSharding(named.mesh, spec))
 
 
 def _strong(x: Any) -> jax.Array:
@@ -314,6 +336,176 @@ def _holding(
     return gather_lib.plan(cfg, diff_args, measure)
 
 
+# ---------------------------------------------------------------- stages
+
+
+class _Call(NamedTuple):
+    """One call of the step, planned: its arguments (held copies in place
+    once gathered), the indices of the differentiated, batch and state
+    arguments, the batch arguments split into micro-batches (``xs``), the
+    differentiated arguments as given, and the holding (None: none)."""
+
+    args: tuple[Any, ...]
+    d_idx: tuple[int, ...]
+    b_idx: tuple[int, ...]
+    s_idx: tuple[int, ...]
+    xs: tuple[Any, ...]
+    diff_args: tuple[Any, ...]
+    holding: gather_lib.Plan | None = None
+
+
+class _Carry(NamedTuple):
+    """What passes from one micro-batch to the next: the gradient sums and
+    the threaded state."""
+
+    acc: tuple[Any, ...]
+    state: tuple[Any, ...]
+
+
+class _Out(NamedTuple):
+    """What each micro-batch returns: its loss, weight (None without
+    ``weight_fn``) and aux (None without ``has_aux``)."""
+
+    loss: jax.Array
+    weight: jax.Array | None
+    aux: Any
+
+
+class _Stages(NamedTuple):
+    """The in-step path of :func:`microbatched_value_and_grad`, in the
+    order a step runs it: :meth:`plan` the call, :meth:`gather` the held
+    leaves, :meth:`start` the sums, :meth:`scan` over the micro-batches
+    (each one :meth:`micro_batch`; holding, the first and last one
+    :meth:`peeled` off the scan), :meth:`scatter` the held leaves'
+    gradients, then the (weighted) mean (:meth:`result`)."""
+
+    vg: Callable[..., Any]  # jax.value_and_grad of loss_fn
+    n: int
+    interleave: bool
+    named: dict[str, _Argnums]
+    weight_fn: Callable[[Any], Any] | None
+    has_aux: bool
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.named["state_argnums"].indices)
+
+    def plan(self, args: tuple[Any, ...]) -> _Call:
+        """The argument indices and the batch split into micro-batches: a
+        reshape, no copy. Micro-batch ``i`` is ``xs[i]`` (consecutive) or
+        ``xs[:, i] = x[i::n]`` (interleaved, local to sharded rows)."""
+        d_idx, b_idx, s_idx = _argnum_indices(len(args), self.named)
+        batches = tuple(args[i] for i in b_idx)
+        batch_size = _batch_size(self.named["batch_argnums"].pick(batches))
+        _check_divisible(batch_size, self.n)
+        xs = jax.tree.map(lambda x: _split(x, self.n, self.interleave), batches)
+        diff_args = tuple(args[i] for i in d_idx)
+        return _Call(tuple(args), d_idx, b_idx, s_idx, xs, diff_args)
+
+    def gather(self, call: _Call, holding: gather_lib.Plan | None) -> _Call:
+        """The call with each held leaf replaced by its held copy, gathered
+        once (unchanged without holding)."""
+        if holding is None:
+            return call
+        args = list(call.args)
+        for k, x in zip(call.d_idx, holding.hold(call.diff_args), strict=True):
+            args[k] = x
+        return call._replace(args=tuple(args), holding=holding)
+
+    def micro_batch(
+        self, call: _Call, carry: _Carry, i: Any
+    ) -> tuple[_Carry, _Out]:
+        """Micro-batch ``i``'s loss and gradients, added to ``carry``."""
+        axis = 1 if self.interleave else 0
+        mb = jax.tree.map(
+            lambda x: lax.dynamic_index_in_dim(x, i, axis, keepdims=False),
+            call.xs,
+        )
+        args = list(call.args)
+        for k, x in zip(call.b_idx + call.s_idx, mb + carry.state, strict=True):
+            args[k] = x
+        loss, new_state, aux, grads = _unpack(
+            self.vg(*args), self.has_aux, self.has_state
+        )
+        grads = self.named["argnums"].wrap(grads)
+        w = None
+        if self.weight_fn is not None:
+            batch = self.named["batch_argnums"].pick(mb)
+            w = _microbatch_weight(self.weight_fn, batch, grads)
+        state = carry.state
+        if self.has_state:
+            state_nums = self.named["state_argnums"]
+            state = _check_carry(state_nums.wrap(new_state), state)
+        return _Carry(_add_grads(carry.acc, grads, w), state), _Out(
+            loss, w, aux
+        )
+
+    def start(self, call: _Call) -> _Carry:
+        """Zero gradient sums (float32 or wider), the state as given."""
+        acc0 = jax.tree.map(
+            lambda p: sharding.grad_zeros(p, utils.widen(jnp.result_type(p))),
+            tuple(call.args[i] for i in call.d_idx),
+        )
+        state0 = jax.tree.map(_strong, tuple(call.args[i] for i in call.s_idx))
+        return _Carry(acc0, state0)
+
+    def scan(
+        self, call: _Call, carry: _Carry, start: int, stop: int
+    ) -> tuple[_Carry, _Out]:
+        """Micro-batches ``start`` to ``stop - 1`` in one ``lax.scan``;
+        their outputs stacked."""
+        return lax.scan(
+            lambda c, i: self.micro_batch(call, c, i),
+            carry,
+            jnp.arange(start, stop),
+        )
+
+    def scatter(self, call: _Call, acc: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The gradient sums with each held leaf's back in its leaf's
+        sharding: one reduce-scatter per held leaf."""
+        return acc if call.holding is None else call.holding.release(acc)
+
+    def result(self, call: _Call, carry: _Carry, outs: _Out) -> Any:
+        """The (weighted) mean loss and gradients, in the shape
+        :func:`jax.value_and_grad` returns them."""
+        loss, grads = _weighted_mean(outs.loss, outs.weight, carry.acc, self.n)
+        grads = jax.tree.map(
+            lambda g, p: g.astype(jnp.result_type(p)), grads, call.diff_args
+        )
+        grads = self.named["argnums"].pick(grads)
+        auxs = outs.aux
+        if self.has_state:
+            state = self.named["state_argnums"].pick(carry.state)
+            return (loss, (state, auxs) if self.has_aux else state), grads
+        return ((loss, auxs) if self.has_aux else loss), grads
+
+    def run(self, call: _Call) -> Any:
+        """Every micro-batch, the scatter and the mean. Holding, the first
+        and the last micro-batch run outside the scan (peeled): XLA can
+        then overlap each held leaf's gather with the first one's forward
+        and its reduce-scatter with the last one's backward."""
+        carry = self.start(call)
+        if call.holding is None or not call.holding.held:
+            carry, outs = self.scan(call, carry, 0, self.n)
+        else:
+            carry, outs = self.peeled(call, carry)
+        carry = carry._replace(acc=self.scatter(call, carry.acc))
+        return self.result(call, carry, outs)
+
+    def peeled(self, call: _Call, carry: _Carry) -> tuple[_Carry, _Out]:
+        """The first micro-batch, the middle ones in a scan, the last one;
+        their outputs stacked in order."""
+        carry, first = self.micro_batch(call, carry, 0)
+        parts = [jax.tree.map(lambda x: x[None], first)]
+        if self.n > 2:
+            carry, middle = self.scan(call, carry, 1, self.n - 1)
+            parts.append(middle)
+        if self.n > 1:
+            carry, last = self.micro_batch(call, carry, self.n - 1)
+            parts.append(jax.tree.map(lambda x: x[None], last))
+        return carry, jax.tree.map(lambda *x: jnp.concatenate(x), *parts)
+
+
 # ---------------------------------------------------------------- public
 
 
@@ -376,8 +568,6 @@ def microbatched_value_and_grad(
     n = utils.check_positive_int("num_microbatches", num_microbatches)
     utils.check_bool("has_aux", has_aux)
     utils.check_bool("interleave", interleave)
-    split_shape = (lambda m: (m, n)) if interleave else (lambda m: (n, m))
-    split_axis = 1 if interleave else 0
     named = {
         "argnums": _check_argnums("argnums", argnums),
         "batch_argnums": _check_argnums("batch_argnums", batch_argnums),
@@ -385,7 +575,7 @@ def microbatched_value_and_grad(
             "state_argnums", state_argnums, allow_none=True
         ),
     }
-    diff, batch, state_nums = named.values()
+    diff = named["argnums"]
     utils.check_callable("weight_fn", weight_fn, none_ok=True)
     if gather_once is not None and not isinstance(gather_once, GatherOnce):
         raise TypeError(
@@ -395,76 +585,24 @@ def microbatched_value_and_grad(
     # Catches what can be seen before the number of arguments is known
     # (negative indices are checked again at call time).
     _check_disjoint({k: a.indices for k, a in named.items()})
-    has_state = state_argnums is not None
-    vg = jax.value_and_grad(
-        loss_fn, argnums=diff.pick(diff.indices), has_aux=has_aux or has_state
+    stages = _Stages(
+        vg=jax.value_and_grad(
+            loss_fn,
+            argnums=diff.pick(diff.indices),
+            has_aux=has_aux or state_argnums is not None,
+        ),
+        n=n,
+        interleave=interleave,
+        named=named,
+        weight_fn=weight_fn,
+        has_aux=has_aux,
     )
 
     def make(fixed: gather_lib.Plan | None) -> Callable[..., Any]:
         def f(*args):
-            d_idx, b_idx, s_idx = _argnum_indices(len(args), named)
-            batches = tuple(args[i] for i in b_idx)
-            batch_size = _batch_size(batch.pick(batches))
-            _check_divisible(batch_size, n)
-            m = batch_size // n
-            # A reshape, no copy: micro-batch i is reshaped[i] (consecutive) or
-            # reshaped[:, i] = x[i::n] (interleaved, local to sharded rows).
-            xs = jax.tree.map(
-                lambda x: jnp.reshape(x, split_shape(m) + np.shape(x)[1:]),
-                batches,
-            )
-            diff_args = tuple(args[i] for i in d_idx)
-            holding = _holding(gather_once, fixed, diff_args, make, args)
-            if holding is not None:  # the held copies, gathered once
-                args = list(args)
-                held = holding.hold(diff_args)
-                for k, x in zip(d_idx, held, strict=True):
-                    args[k] = x
-            acc0 = jax.tree.map(
-                lambda p: sharding.grad_zeros(
-                    p, utils.widen(jnp.result_type(p))
-                ),
-                tuple(args[i] for i in d_idx),
-            )
-            state0 = jax.tree.map(_strong, tuple(args[i] for i in s_idx))
-
-            def body(carry, i):
-                acc, state = carry
-                mb = jax.tree.map(
-                    lambda x: lax.dynamic_index_in_dim(
-                        x, i, axis=split_axis, keepdims=False
-                    ),
-                    xs,
-                )
-                call = list(args)
-                for k, x in zip(b_idx + s_idx, mb + state, strict=True):
-                    call[k] = x
-                loss, new_state, aux, grads = _unpack(
-                    vg(*call), has_aux, has_state
-                )
-                grads = diff.wrap(grads)
-                w = None
-                if weight_fn is not None:
-                    w = _microbatch_weight(weight_fn, batch.pick(mb), grads)
-                acc = _add_grads(acc, grads, w)
-                if has_state:
-                    state = _check_carry(state_nums.wrap(new_state), state)
-                return (acc, state), (loss, w, aux)
-
-            (acc, state), (losses, ws, auxs) = lax.scan(
-                body, (acc0, state0), jnp.arange(n)
-            )
-            if holding is not None:  # one reduce-scatter per held leaf
-                acc = holding.release(acc)
-            loss, grads = _weighted_mean(losses, ws, acc, n)
-            grads = jax.tree.map(
-                lambda g, p: g.astype(jnp.result_type(p)), grads, diff_args
-            )
-            grads = diff.pick(grads)
-            if has_state:
-                state = state_nums.pick(state)
-                return (loss, (state, auxs) if has_aux else state), grads
-            return ((loss, auxs) if has_aux else loss), grads
+            call = stages.plan(args)
+            holding = _holding(gather_once, fixed, call.diff_args, make, args)
+            return stages.run(stages.gather(call, holding))
 
         return f
 

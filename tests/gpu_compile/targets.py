@@ -110,3 +110,25 @@ def barriers_off():
         yield
     finally:
         utils._barrier = saved
+
+
+@functools.cache
+def gpu_devices8(target: str) -> list:
+    """The 8 GPUs of one host (topology ``1x1x8``) of ``target``."""
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(
+        platform="cuda",
+        topology_name="",
+        target_config=GPU_TARGETS[target].read_text(),
+        topology="1x1x8",
+    )
+    return list(topo.devices)
+
+
+@functools.cache
+def tpu_devices8() -> list:
+    """The 8 chips of a TPU v5e 2x4 slice (needs libtpu)."""
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(TPU_TOPOLOGY, "tpu").devices)
