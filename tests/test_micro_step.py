@@ -165,7 +165,9 @@ def test_summed_gradients_equal_weighted_means(reduction, jit):
     partial window closed by flush."""
     counts = [3.0, 1.0, 4.0, 2.0, 5.0]
     means = [_grads(i) for i in range(5)]
-    sums = [jax.tree.map(lambda g, n=n: n * g, m) for m, n in zip(means, counts)]
+    sums = [
+        jax.tree.map(lambda g, n=n: n * g, m) for m, n in zip(means, counts)
+    ]
     params = {"w": jnp.zeros((3, 4))}
 
     def make(summed):
@@ -236,7 +238,9 @@ def test_summed_gradients_skip_nonfinite_drops_an_empty_nan():
 def test_summed_gradients_noise_scale_equals_the_mean_form():
     counts = [3.0, 1.0, 4.0, 2.0, 2.0, 5.0]
     means = [_grads(i) for i in range(6)]
-    sums = [jax.tree.map(lambda g, n=n: n * g, m) for m, n in zip(means, counts)]
+    sums = [
+        jax.tree.map(lambda g, n=n: n * g, m) for m, n in zip(means, counts)
+    ]
     params = {"w": jnp.zeros((3, 4))}
 
     def make(summed):

@@ -481,9 +481,8 @@ def times(s: jax.Array | None, x: jax.Array, like: Any = None) -> jax.Array:
     if s is None:
         return x
     axes = unreduced_axes(x)
-    if axes:
-        s = jax.reshard(s, P(reduced=axes))
-    return s * x
+    scale: Any = jax.reshard(s, P(reduced=axes)) if axes else s
+    return scale * x
 
 
 def globally_finite(

@@ -297,7 +297,10 @@ TRAIN_OFF_FLOOR = {
         m, f, b, lambda: oa.chain(oa.accumulate(K), _adamw()), summed=False
     ),
     "skip_nonfinite": lambda m, f, b: _pure(
-        m, f, b, lambda: oa.chain(oa.accumulate(K, skip_nonfinite=True), _adamw())
+        m,
+        f,
+        b,
+        lambda: oa.chain(oa.accumulate(K, skip_nonfinite=True), _adamw()),
     ),
     "loss_scale": lambda m, f, b: _pure(
         m,
