@@ -470,3 +470,46 @@ def test_nnx_optimizer_batchnorm_windows_follow_a_budget():
     ref = _reference_stats(batches, windows, 0.8)
     np.testing.assert_allclose(model.bn.mean[...], ref["mean"], **TOL)
     np.testing.assert_allclose(model.bn.var[...], ref["var"], **TOL)
+
+
+# ------------------------------------------------ windows beyond 2**24
+
+
+def _long_window_counts():
+    """768 micro-batches of 8 sequences of about 4093 tokens: a window of
+    25,149,691 tokens, where a float32 running sum drifts by 35."""
+    return [8 * 4093 + (i % 7) for i in range(768)]
+
+
+def test_window_weight_stays_exact_beyond_2_to_the_24():
+    counts = _long_window_counts()
+    tx = oa.chain(oa.accumulate(10**6), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    step = jax.jit(
+        lambda s, w: tx.update(jnp.ones(2), s, params, accum_weight=w)[1]
+    )
+    state = tx.init(params)
+    for c in counts:
+        state = step(state, jnp.float32(c))
+    acc = state[0]
+    held = np.float64(acc.weight) + np.float64(acc.weight_low)
+    assert held == sum(counts), (held, sum(counts))
+
+
+def test_every_weight_closes_on_the_micro_batch_that_reaches_total():
+    """A budget 20 tokens under the window's exact total closes the window
+    on its last micro-batch (a float32 running sum, 35 short, would not)."""
+    counts = _long_window_counts()
+    tx = oa.chain(
+        oa.accumulate(oa.every_weight(sum(counts) - 20)), optax.sgd(1.0)
+    )
+    params = jnp.zeros(2)
+    step = jax.jit(
+        lambda s, w: tx.update(jnp.ones(2), s, params, accum_weight=w)[1]
+    )
+    state = tx.init(params)
+    closed = []
+    for c in counts:
+        state = step(state, jnp.float32(c))
+        closed.append(bool(oa.has_updated(state)))
+    assert closed.index(True) == len(counts) - 1, closed.index(True)

@@ -53,6 +53,10 @@ class AccumulateState(NamedTuple):
         dropped, or that an earlier gate refused); ``shape=(), bool``.
       noise_scale: the gradient noise scale's sums and averages
         (``noise_scale_decay``); ``None`` (no leaves) when off.
+      weight_low: what rounding left out of ``weight`` (a compensated sum:
+        ``weight + weight_low`` is the window's weight, integer counts exact
+        up to about ``2**48``); ``shape=()``, ``weight``'s dtype. ``None``
+        (a plain sum) in a state built without it.
     """
 
     mini_step: jax.Array  # shape=(), int32
@@ -61,6 +65,7 @@ class AccumulateState(NamedTuple):
     weight: jax.Array  # shape=(), widest accumulator precision, >= float32
     updated: jax.Array  # shape=(), bool
     noise_scale: Any = None  # noise_scale.NoiseScaleState, or None (off)
+    weight_low: Any = None  # shape=(), weight's dtype; None: a plain sum
 
     _holds_window = True  # found by oa.has_updated (windows.py); no field
 
@@ -68,8 +73,8 @@ class AccumulateState(NamedTuple):
 class _Config(NamedTuple):
     """The static configuration of one :func:`accumulate`."""
 
-    # (state, mini_step, weight, sums) -> whether the window closes, given
-    # its position and weight with the call counted (_window_fn).
+    # (state, mini_step, (weight, low), sums) -> whether the window closes,
+    # given its position and weight with the call counted (_window_fn).
     closes: Callable[..., Any]
     reduction: str
     accumulator_dtype: np.dtype | None  # None: at least float32 and the leaf's
@@ -193,13 +198,14 @@ def _check_shard_update(shard_update: Any, axis_name: Any) -> bool:
 def _window_fn(every_k: Any, decay: float | None) -> Callable[..., Any]:
     """``every_k`` as ``closes(state, mini_step, weight, sums)``: whether
     the window closes with the call counted (position ``mini_step``, total
-    ``weight`` on this device, ``sums`` the window sums' reducer), decided
+    ``weight`` on this device as ``(weight, low)``, ``sums`` the window
+    sums' reducer), decided
     from the state before the call."""
     if isinstance(every_k, every_weight.EveryWeight):
         # The global weight: one scalar psum under pmap/shard_map, nothing
         # where it is global already (jit meshes, one device).
         return lambda state, mini_step, weight, sums: every_k.closes(
-            mini_step, sums.global_weight(weight)
+            mini_step, *sums.global_weight(weight)
         )
     if isinstance(every_k, noise_scale.CriticalBatchEveryK):
         if decay is None:
@@ -257,6 +263,7 @@ def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
         noise_scale=noise_scale.init(
             cfg.noise_scale_decay, _weight_dtype(cfg, params), sums
         ),
+        weight_low=jnp.zeros([], _weight_dtype(cfg, params)),
     )
 
 
@@ -284,11 +291,12 @@ def _gate_update(
             raise ValueError(_NEEDS_WEIGHT_MSG)
         accum_weight = 1.0
     utils.check_weight("accum_weight", accum_weight)
-    acc, weight, noise, counted = _add(
+    acc, (weight, low), noise, counted = _add(
         cfg, sums, state, updates, accum_weight, ctx.passed, summed
     )
     mini_step = utils.select(counted, state.mini_step + 1, state.mini_step)
-    closing = utils.both(counted, cfg.closes(state, mini_step, weight, sums))
+    closes = cfg.closes(state, mini_step, (weight, low), sums)
+    closing = utils.both(counted, closes)
     new_state = AccumulateState(
         mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
         gradient_step=jnp.where(
@@ -300,6 +308,7 @@ def _gate_update(
         # mesh: an ordinary, checkpointable array).
         acc=sums.store(acc),
         weight=weight,
+        weight_low=low,
         # Not stepped (a closing window's emit says otherwise), also where
         # the call was dropped: the flag answers for the last call.
         updated=jnp.zeros_like(state.updated),
@@ -390,7 +399,7 @@ def _add(
         return utils.select(counted, a + wg, a)
 
     acc = jax.tree.map(add, state.acc, updates)
-    total = state.weight + w
+    total = _add_weight(state.weight, state.weight_low, w)
     noise = state.noise_scale  # None: the estimate is off (no work)
     if noise is not None:
         noise = noise_scale.micro_step(
@@ -402,7 +411,28 @@ def _add(
             state.mini_step == 0,
             counted,
         )
-    return acc, utils.select(counted, total, state.weight), noise, counted
+    total = utils.select(counted, total, (state.weight, state.weight_low))
+    return acc, total, noise, counted
+
+
+def _add_weight(hi: jax.Array, low: Any, w: Any) -> tuple[jax.Array, Any]:
+    """``hi + w`` with what its rounding drops added to ``low`` (Knuth's
+    error-free two-sum; ``low`` ``None``: a plain sum). A window of
+    integer token counts then keeps its exact total far beyond ``2**24``
+    in float32."""
+    total = hi + w
+    if low is None:
+        return total, None
+    w = jnp.asarray(w, hi.dtype)
+    back = total - hi
+    return total, low + ((hi - (total - back)) + (w - back))
+
+
+def window_weight(state: AccumulateState) -> jax.Array:
+    """The window's weight so far: ``weight``, plus ``weight_low``."""
+    if state.weight_low is None:
+        return state.weight
+    return state.weight + state.weight_low
 
 
 def _weight(weight: Any, dtype: Any) -> tuple[Any, Any, Any]:
@@ -457,7 +487,9 @@ def _emitter(
 
     def emit():
         # Over the devices, once per window (reducer.py).
-        acc, weight = sums.reduce(state.acc, state.weight, cfg.reduction)
+        acc, weight = sums.reduce(
+            state.acc, window_weight(state), cfg.reduction
+        )
         noise = state.noise_scale  # None: the estimate is off (no work)
         if cfg.noise_scale_decay is not None:
             noise = noise_scale.close(
@@ -485,6 +517,7 @@ def _emitter(
             state=state._replace(
                 acc=zeroed(state.acc),
                 weight=jnp.zeros_like(state.weight),
+                weight_low=jax.tree.map(jnp.zeros_like, state.weight_low),
                 updated=updated,
                 noise_scale=noise,
             ),
@@ -586,6 +619,7 @@ def map_accumulators(state: Any, fn: Callable[[Any], Any]) -> Any:
             return s._replace(
                 acc=jax.tree.map(fn, s.acc),
                 weight=fn(s.weight),
+                weight_low=jax.tree.map(fn, s.weight_low),
                 noise_scale=noise_scale.map_window(s.noise_scale, fn),
             )
         return s

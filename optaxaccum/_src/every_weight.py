@@ -12,10 +12,11 @@ follow it as they follow any window.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optaxaccum._src import utils
 
@@ -33,12 +34,23 @@ class EveryWeight(NamedTuple):
     total: float
     max_k: int | None = None
 
-    def closes(self, mini_step: jax.Array, weight: jax.Array) -> jax.Array:
+    def closes(
+        self, mini_step: jax.Array, weight: jax.Array, low: Any = None
+    ) -> jax.Array:
         """Whether a window holding ``mini_step`` counted micro-batches of
-        total (global) ``weight`` closes: the weight reached ``total``, or
-        is not a number (a traced invalid weight: the window closes and
-        passes it on rather than never closing), or ``max_k`` is reached."""
-        reached = ~(weight < jnp.asarray(self.total, weight.dtype))
+        total (global) ``weight`` (plus ``low``, what its rounding left out)
+        closes: the weight reached ``total``, or is not a number (a traced
+        invalid weight: the window closes and passes it on rather than
+        never closing), or ``max_k`` is reached. ``total`` is split the same
+        way, so the comparison is exact beyond ``2**24``."""
+        head = np.asarray(self.total, weight.dtype)
+        tail = np.asarray(self.total - float(head), weight.dtype)
+        gap = weight - head  # exact where it matters: weight near total
+        if low is not None:
+            gap = gap + (low - tail)
+        else:
+            gap = gap - tail
+        reached = ~(gap < 0)
         if self.max_k is None:
             return reached
         return reached | (mini_step >= self.max_k)
@@ -60,7 +72,8 @@ def every_weight(total: float, *, max_k: int | None = None) -> EveryWeight:
     mesh the weight is global already (no collective); under ``pmap`` and
     ``shard_map`` each device holds its own, and deciding costs one scalar
     ``psum`` per micro-batch. The sum is kept in the window weight's dtype
-    (float32 by default): integer weights are exact up to ``2**24``.
+    (float32 by default) with its rounding error beside it: integer weights
+    stay exact far beyond ``2**24``.
 
     Args:
       total: the window's weight budget, a finite real > 0.

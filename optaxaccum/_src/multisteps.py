@@ -43,6 +43,9 @@ class MultiStepsState(NamedTuple):
         ``accumulator_dtype``); 0 between windows.
       updated: whether the most recent call closed a window and stepped
         the inner optimizer (false on a refused one); ``shape=(), bool``.
+      acc_weight_low: what rounding left out of ``acc_weight`` (a
+        compensated sum, as :class:`AccumulateState`'s ``weight_low``);
+        ``shape=()``; ``None`` in a state built without it (a plain sum).
     """
 
     mini_step: jax.Array  # shape=(), int32
@@ -52,6 +55,7 @@ class MultiStepsState(NamedTuple):
     skip_state: Any = ()
     acc_weight: jax.Array | None = None  # shape=(), float32 or wider
     updated: jax.Array | None = None  # shape=(), bool
+    acc_weight_low: jax.Array | None = None  # shape=(), acc_weight's dtype
 
     _holds_window = True  # found by oa.has_updated (windows.py); no field
 
@@ -265,6 +269,7 @@ class MultiSteps(gating.GatedTransformation):
             skip_state=state.skip_state,
             acc_weight=n.astype(like.acc_weight.dtype),
             updated=jnp.logical_and(n == 0, gradient_step > 0),
+            acc_weight_low=jnp.zeros_like(like.acc_weight),
         )
 
 
@@ -295,6 +300,7 @@ class _Views:
             acc=state.acc_grads,
             weight=state.acc_weight,
             updated=state.updated,
+            weight_low=state.acc_weight_low,
         )
         if not self.skip:
             return (acc, state.inner_opt_state)
@@ -315,6 +321,7 @@ class _Views:
             skip_state=skip_state,
             acc_weight=acc.weight,
             updated=acc.updated,
+            acc_weight_low=acc.weight_low,
         )
 
     def result(self, res: Any) -> gating.Decision:

@@ -118,9 +118,11 @@ class Reducer:
         """The noise scale's two sums over the devices."""
         return sq_sum, count
 
-    def global_weight(self, weight: jax.Array) -> jax.Array:
-        """The window's running ``weight`` over the devices, on every
-        micro-batch (:func:`optaxaccum.every_weight`): here as it is."""
+    def global_weight(self, weight: tuple[jax.Array, Any]) -> tuple[Any, Any]:
+        """The window's running weight over the devices, on every
+        micro-batch (:func:`optaxaccum.every_weight`), as ``(weight,
+        low)`` (``low`` what rounding left out of it, or ``None``): here as
+        it is."""
         return weight
 
     def sum_scale(self, reduction: str) -> Any:
@@ -218,9 +220,12 @@ class Mapped(Reducer):
         both = lax.psum(jnp.stack([sq_sum, count]), self.axis_name)
         return both[0], both[1]
 
-    def global_weight(self, weight: jax.Array) -> jax.Array:
-        """One scalar ``psum``: each device holds its own weight."""
-        return lax.psum(weight, self.axis_name)
+    def global_weight(self, weight: tuple[jax.Array, Any]) -> tuple[Any, Any]:
+        """One scalar ``psum`` of each device's weight (its two parts added
+        first): each device holds its own."""
+        hi, low = weight
+        local = hi if low is None else hi + low
+        return lax.psum(local, self.axis_name), None
 
     def agree(self, flag: jax.Array) -> jax.Array:
         """``lax.pmin`` of ``flag`` (one global value already when it lies
