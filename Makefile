@@ -6,7 +6,19 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # The installed legs (test-floors, test-newest) leave out the benchmarks'
 # own runs, which test the benchmark scripts and the source tree.
-INSTALLED_PYTEST_ARGS ?= -m "not bench_smoke"
+INSTALLED_MARKS ?= not bench_smoke
+# What the floors leg runs where make test already ran the whole suite on
+# the same Python and packages (FLOORS_SUITE=auto, below): the tests whose
+# outcome depends on how the package is installed, and the docstring
+# examples of the installed modules (tests/conftest.py marks them).
+FLOORS_AUTO_MARKS ?= installed
+# After the whole suite passed (no PYTEST_ARGS), make test writes here the
+# Python and the packages it ran on; test-floors reads it.
+SUITE_RAN ?= build/suite-ran-on.txt
+# The Python and the packages of a virtual environment as the suite sees
+# them: all but optaxaccum itself (editable or installed) and pip.
+versions = { $(1) -c 'import sys; print("Python", sys.version.split()[0])' \
+	&& $(1) -m pip list --format=freeze --exclude optaxaccum --exclude pip; }
 
 .PHONY: demo test test-floors test-newest test-gpu-compile dist docs bench \
 	bench-gpu bench-gpu-compile lint clean
@@ -24,9 +36,12 @@ demo: $(VENV)/.installed-examples
 	$(PY) examples/quickstart.py
 
 test: $(VENV)/.installed-dev
+	rm -f $(SUITE_RAN)
 	$(MAKE) lint
 	$(MAKE) dist
 	OPTAXACCUM_DIST=$(abspath $(DIST)) $(PY) -m pytest -n 2 $(PYTEST_ARGS)
+	$(if $(strip $(PYTEST_ARGS)),,mkdir -p $(dir $(SUITE_RAN)) \
+		&& $(call versions,$(PY)) > $(SUITE_RAN))
 	$(MAKE) docs
 
 # The sdist, and the wheel built from it, in $(DIST); twine checks both.
@@ -38,7 +53,8 @@ dist: $(VENV)/.installed-dev
 
 # The suite from a copy of tests/ (with the examples and benchmarks some
 # tests run) in $(1)/run, where no source tree can be imported, run by the
-# python $(2) of the leg named $(3) (tests/test_packaging.py reads it).
+# python $(2) of the leg named $(3) (tests/test_packaging.py reads it), the
+# tests the marker expression in the file $(1)/marks selects.
 define suite-from-copy
 	mkdir -p $(1)/run/.ci $(1)/run/docs
 	cp -R tests examples benchmarks pyproject.toml CHANGELOG.md LICENSE \
@@ -46,10 +62,11 @@ define suite-from-copy
 	cp -R docs README.md Makefile $(1)/run/
 	rm -rf $(1)/run/docs/_build
 	cp .ci/floors.txt $(1)/run/.ci/
-	cd $(1)/run && OPTAXACCUM_TEST_INSTALLED=$(3) \
+	marks="$$(cat $(1)/marks)" && cd $(1)/run \
+		&& OPTAXACCUM_TEST_INSTALLED=$(3) \
 		OPTAXACCUM_DIST=$(abspath $(DIST)) $(abspath $(2)) \
 		-m pytest -n 2 -p no:cacheprovider -c pyproject.toml --rootdir . \
-		$(INSTALLED_PYTEST_ARGS) $(PYTEST_ARGS) tests --pyargs optaxaccum
+		-m "$$marks" $(PYTEST_ARGS) tests --pyargs optaxaccum
 endef
 
 # The suite against the wheel as users install it: not editable, in a fresh
@@ -57,15 +74,42 @@ endef
 # pyproject declares (.ci/floors.txt; tests/test_packaging.py keeps the two
 # equal), run from a copy of tests/ (with the examples and benchmarks some
 # tests run) where no source tree can be imported.
+# FLOORS_SUITE=whole (the default) runs the whole suite. With
+# FLOORS_SUITE=auto (.ci/run, right after make test) it runs only the tests
+# marked installed where make test's whole suite ran on exactly this
+# Python and these packages ($(SUITE_RAN)): then the two legs differ only in
+# how optaxaccum is installed. It says which it runs, and why.
 FLOORS_DIR ?= build/floors
 FLOORS_PY := $(FLOORS_DIR)/venv/bin/python
+FLOORS_SUITE ?= whole
 test-floors: $(VENV)/.installed-dev
+	@case "$(FLOORS_SUITE)" in whole|auto) ;; *) echo "FLOORS_SUITE is \
+	whole or auto, got '$(FLOORS_SUITE)'" >&2; exit 1;; esac
 	$(MAKE) dist
 	rm -rf $(FLOORS_DIR)
 	$(PYTHON) -m venv $(FLOORS_DIR)/venv
 	$(FLOORS_PY) -m pip install -q --upgrade pip
 	$(FLOORS_PY) -m pip install -q -c .ci/floors.txt \
 		"$$(ls $(DIST)/optaxaccum-*.whl)[test]"
+	$(call versions,$(FLOORS_PY)) > $(FLOORS_DIR)/versions.txt
+	grep -iE '^(python|jax|jaxlib|flax|optax|numpy)[ =]' \
+		$(FLOORS_DIR)/versions.txt
+	@if [ "$(FLOORS_SUITE)" = whole ]; then why="FLOORS_SUITE=whole"; \
+	elif [ ! -f $(SUITE_RAN) ]; then \
+	why="no whole run of make test recorded in $(SUITE_RAN)"; \
+	elif ! grep -q '^jax==' $(FLOORS_DIR)/versions.txt; then \
+	why="pip list named no jax"; \
+	elif grep -vxFf $(SUITE_RAN) $(FLOORS_DIR)/versions.txt \
+	> $(FLOORS_DIR)/not-run.txt; then why="make test's whole suite did \
+	not run on $$(tr '\n' ' ' < $(FLOORS_DIR)/not-run.txt)"; \
+	else why=; fi; \
+	if [ -z "$$why" ]; then echo "$(FLOORS_AUTO_MARKS)" \
+	> $(FLOORS_DIR)/marks; echo "test-floors: make test ran the whole \
+	suite on this Python and these packages ($(SUITE_RAN)): this leg \
+	runs what depends on the install, -m '$(FLOORS_AUTO_MARKS)'"; \
+	else echo "$(INSTALLED_MARKS)" > $(FLOORS_DIR)/marks; \
+	echo "test-floors: the whole suite, -m '$(INSTALLED_MARKS)' ($$why)"; \
+	fi
 	$(call suite-from-copy,$(FLOORS_DIR),$(FLOORS_PY),floors)
 
 # The suite against the wheel on the newest releases: as test-floors, but in
@@ -91,6 +135,7 @@ test-newest: $(VENV)/.installed-dev
 	$(NEWEST_PY) -c 'import sys; print("Python", sys.version.split()[0])'
 	$(NEWEST_PY) -m pip list --format=freeze \
 		| grep -iE '^(jax|jaxlib|flax|optax|numpy)=='
+	echo "$(INSTALLED_MARKS)" > $(NEWEST_DIR)/marks
 	$(call suite-from-copy,$(NEWEST_DIR),$(NEWEST_PY),newest)
 
 # The HTML build, a check of the built pages as a reader sees them (code
@@ -115,7 +160,7 @@ lint: $(VENV)/.installed-dev
 
 clean:
 	rm -rf $(VENV) docs/_build .pytest_cache $(DIST) $(FLOORS_DIR) \
-		$(NEWEST_DIR) $(GPU_COMPILE_CACHE)
+		$(NEWEST_DIR) $(GPU_COMPILE_CACHE) $(SUITE_RAN)
 
 # On a machine with a GPU: per gated step, the conditionals left in the
 # compiled HLO and the pipelined cost vs the floor, Adam alone and

@@ -31,6 +31,16 @@ def pytest_configure(config):
     )
 
 
+def pytest_collection_modifyitems(items):
+    """Marks the package's docstring examples ``installed``: they run the
+    modules as installed (collecting them imports every module)."""
+    import pytest
+
+    for item in items:
+        if isinstance(item, pytest.DoctestItem):
+            item.add_marker(pytest.mark.installed)
+
+
 def pytest_runtest_setup(item):
     import pytest
 

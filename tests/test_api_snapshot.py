@@ -30,6 +30,7 @@ FLAX = ("optaxaccum.flax", "optaxaccum.flax.nnx")
 # whatever pip resolves: only the core is compared against the installed
 # wheel.
 INSTALLED = os.environ.get("OPTAXACCUM_TEST_INSTALLED") in ("floors", "newest")
+pytestmark = pytest.mark.installed
 # How inspect prints jax.Array: jax.jaxlib._jax.Array on jax 0.10,
 # jax.Array from jax 0.12 (its __qualname__ changed).
 ARRAY_SPELLED = f"{jax.Array.__module__}.{jax.Array.__qualname__}"

@@ -20,7 +20,7 @@ import pytest
 import optaxaccum as oa
 
 # The benchmarks' own runs (minutes on 2 cores): the development leg runs
-# them; the installed legs leave them out (Makefile, INSTALLED_PYTEST_ARGS).
+# them; the installed legs leave them out (Makefile, INSTALLED_MARKS).
 bench_smoke = pytest.mark.bench_smoke
 
 BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"

@@ -3,13 +3,14 @@
 The checks on the built distributions read the ones ``make test``,
 ``make test-floors`` and ``make test-newest`` build (the folder in
 ``OPTAXACCUM_DIST``) and build their own otherwise. Under ``make
-test-floors`` and ``make test-newest`` the whole suite runs from a copy of
+test-floors`` and ``make test-newest`` the suite runs from a copy of
 ``tests/`` against the wheel installed (not editable) in a fresh virtual
 environment (``OPTAXACCUM_TEST_INSTALLED`` is ``floors`` or ``newest``),
 with the floors of ``.ci/floors.txt`` or with the newest releases on the
 newest Python the package declares; more checks run there: optaxaccum is
 imported from site-packages, the installed versions are the floors, the
-Python is the newest declared one.
+Python is the newest declared one. The module is marked ``installed``: the
+floors leg runs it even where it runs only what depends on the install.
 """
 
 import importlib.metadata
@@ -41,6 +42,8 @@ INSTALLED = LEG in ("floors", "newest")
 # versions of (numpy follows jax's own floor).
 PINNED = ("jax", "jaxlib", "optax", "flax")
 
+# The whole module reads the install: every installed leg runs it.
+pytestmark = pytest.mark.installed
 only_installed = pytest.mark.skipif(
     not INSTALLED,
     reason="runs under make test-floors and make test-newest",
