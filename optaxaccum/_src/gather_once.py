@@ -166,8 +166,12 @@ def _leaf_plan(leaf: Any, cfg: GatherOnce) -> _Leaf | None:
 
 def _gather(leaf: Any, how: _Leaf) -> jax.Array:
     """The held copy: ``leaf`` (cast first: fewer bytes move) gathered over
-    ``how.axes`` once."""
-    return jax.reshard(leaf.astype(how.dtype), how.held)
+    ``how.axes`` once. The barrier pins the copy: XLA:TPU would otherwise
+    repeat the gather for each of its users (the peeled micro-batches and
+    the scan)."""
+    return lax.optimization_barrier(
+        jax.reshard(leaf.astype(how.dtype), how.held)
+    )
 
 
 def _scatter(acc: jax.Array, how: _Leaf) -> jax.Array:
