@@ -6,9 +6,15 @@ Compiles one jitted step of ``k`` in-step micro-batches
 3-leaf MLP whose weights are sharded over ``fsdp`` and gathered with
 ``oa.fsdp_gather``, with and without ``gather_once``, and counts its
 weight-sized collectives per step (an op inside the scan's ``while`` loop
-runs ``k`` times) and its per-device memory (argument + output - alias +
-temp bytes of ``memory_analysis()``). Nothing is run: the step is only
-compiled, so the same script compiles for GPUs or TPUs that are not there:
+runs once per micro-batch it holds: ``k``, or ``k - 2`` held, where the first
+and last micro-batch run outside it), how many of them have no compute (a
+GEMM or a loop) scheduled between their start and their done (*exposed*)
+and the share of their bytes overlapped by compute (``hlo.overlaps``), and
+its per-device memory (argument + output - alias + temp bytes of
+``memory_analysis()``). ``--options k=v,...``: per-jit compiler options
+(e.g. ``xla_gpu_reduce_scatter_combine_threshold_bytes=0``). Nothing is
+run: the step is only compiled, so the same script compiles for GPUs or
+TPUs that are not there:
 
     python benchmarks/gather_once_census.py            # 8 CPU devices
     python benchmarks/gather_once_census.py --backend gpu --target T.txtpb
@@ -42,6 +48,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optaxaccum as oa  # noqa: E402
+from optaxaccum._src import hlo  # noqa: E402
 
 D_IN, HIDDEN, D_OUT, BATCH = 256, 512, 128, 256
 MESHES = {
@@ -80,7 +87,7 @@ def loss_fn(axes):
     return loss
 
 
-def compile_step(mesh, mesh_name, k, hold, dtype=None):
+def compile_step(mesh, mesh_name, k, hold, dtype=None, options=None):
     names, entry, over = MESHES[mesh_name]
     gather_once = oa.GatherOnce(names, over=over, dtype=dtype) if hold else None
     micro = functools.partial(
@@ -114,13 +121,17 @@ def compile_step(mesh, mesh_name, k, hold, dtype=None):
         sds((BATCH,), rows),
     )
     with jax.set_mesh(mesh):
-        return jax.jit(f).lower(params, batch).compile()
+        return (
+            jax.jit(f, compiler_options=options).lower(params, batch).compile()
+        )
 
 
-def census(compiled, mesh, k):
+def census(compiled, mesh, k, hold=False):
     """Weight-sized collectives per step: ``{op: {"loop": n, "out": n,
-    "per_step": n}}`` and the per-device memory."""
+    "per_step": n}}``, their exposure (``hlo.exposure``) and the per-device
+    memory."""
     smallest = 4 * HIDDEN * D_OUT // 8  # a weight's smallest shard
+    trips = max(k - 2, 0) if hold else k  # held: first and last peeled
     out: dict = {}
     for o in oa.collective_census(compiled, mesh):
         if o["bytes"] < smallest:
@@ -129,7 +140,9 @@ def census(compiled, mesh, k):
         row = out.setdefault(f"{o['op']} over {axes}", dict(loop=0, out=0))
         row["loop" if o["loop"] else "out"] += 1
     for row in out.values():
-        row["per_step"] = k * row["loop"] + row["out"]
+        row["per_step"] = trips * row["loop"] + row["out"]
+    text = compiled.as_text()
+    exposure = hlo.exposure(hlo.overlaps(text), 4 * HIDDEN * D_OUT)
     m = compiled.memory_analysis()
     memory = None
     if m is not None:
@@ -139,7 +152,17 @@ def census(compiled, mesh, k):
             - m.alias_size_in_bytes
             + m.temp_size_in_bytes
         )
-    return out, memory
+    return out, exposure, memory
+
+
+def _options(text):
+    """``k=v,...`` as a dict of compiler options (ints and bools parsed)."""
+    out = {}
+    for kv in filter(None, (text or "").split(",")):
+        key, value = kv.split("=", 1)
+        parsed = {"true": True, "false": False}.get(value, value)
+        out[key] = int(value) if value.lstrip("-").isdigit() else parsed
+    return out or None
 
 
 def main(argv=None):
@@ -149,6 +172,7 @@ def main(argv=None):
     )
     parser.add_argument("--target", help="XLA:GPU target config (txtpb)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--options", help="compiler options, k=v,...")
     args = parser.parse_args(argv)
     devs = devices(args.backend, args.target)
     results = []
@@ -160,11 +184,19 @@ def main(argv=None):
         )
         for k in (1, 2, 4, 8):
             for hold in (False, True):
-                ops, memory = census(
-                    compile_step(mesh, mesh_name, k, hold), mesh, k
+                compiled = compile_step(
+                    mesh, mesh_name, k, hold, options=_options(args.options)
                 )
+                ops, exposure, memory = census(compiled, mesh, k, hold)
                 results.append(
-                    dict(mesh=mesh_name, k=k, hold=hold, ops=ops, memory=memory)
+                    dict(
+                        mesh=mesh_name,
+                        k=k,
+                        hold=hold,
+                        ops=ops,
+                        exposure=exposure,
+                        memory=memory,
+                    )
                 )
                 cells = ", ".join(
                     f"{name}: {r['per_step']} ({r['loop']} in loop)"
@@ -173,7 +205,10 @@ def main(argv=None):
                 print(
                     f"{args.backend} {mesh_name} k={k} "
                     f"{'held' if hold else 'default'}: {cells}; "
-                    f"memory {memory} B",
+                    f"exposed {exposure['exposed']} of "
+                    f"{exposure['collectives']}, "
+                    f"{100 * exposure['overlapped']:.0f}% of bytes "
+                    f"overlapped; memory {memory} B",
                     flush=True,
                 )
     if args.json:

@@ -601,6 +601,37 @@ MUTANTS = {
         "for i in sorted(costs, key=lambda i: costs[i]):",
         ["tests/test_gather_once.py", "-k", "budget"],
     ),
+    # Gather once, hidden: the first and last micro-batch peeled.
+    "peel_never": (
+        "microbatch.py",
+        "if call.holding is None or not call.holding.held:",
+        "if True:",
+        ["tests/test_gather_once.py", "-k", "census_one"],
+    ),
+    "peel_last_stacked_first": (
+        "microbatch.py",
+        "parts.append(jax.tree.map(lambda x: x[None], last))",
+        "parts.insert(0, jax.tree.map(lambda x: x[None], last))",
+        ["tests/test_gather_once.py", "-k", "peeled_step"],
+    ),
+    "interleave_split_by_jax_rule": (  # a size-1 axis on the index
+        "microbatch.py",
+        "    if not interleave or named is None:",
+        "    if True:",
+        ["tests/test_gather_once.py", "-k", "one_row_per_device"],
+    ),
+    "gather_once_dtype_value_error": (
+        "gather_once.py",
+        "error = TypeError if wrong_kind else type(err)",
+        "error = type(err)",
+        ["tests/test_gather_once.py", "-k", "field_once"],
+    ),
+    "gather_once_no_mesh_names_axis_name": (
+        "gather_once.py",
+        "nothing to gather: drop gather_once= from ",
+        "nothing to gather: drop axis_name from ",
+        ["tests/test_gather_once.py", "-k", "no_mesh"],
+    ),
     # Hardening 4, items 1-9: crashes and traps.
     "one_device_mesh_inlines_unreduced": (  # JAX rejects the inlined body
         "sharding.py",

@@ -234,7 +234,9 @@ def _held_census(sizes, mode):
     total = Counter()
     for o in oa.collective_census(compiled, mesh):
         if o["op"] != "all-reduce" or o["bytes"] > SCALAR_BYTES:
-            total[o["op"], o["axes"]] += o["bytes"] * (K if o["loop"] else 1)
+            total[o["op"], o["axes"]] += o["bytes"] * (
+                K - 2 if o["loop"] else 1  # the first and last: peeled
+            )
     return total
 
 
@@ -252,13 +254,40 @@ def test_held_model_equals_hlo_census(mesh, mode):
     all-gather and one reduce-scatter over fsdp, one all-reduce of the
     shard over the data axes. ``fsdp_all_held_dcn``: once per step over
     dcn; the per-micro-batch gathers inside the slice are hoisted out of
-    the loop by XLA:CPU (1 where the model, for GPU and TPU, counts K),
-    every other op equal."""
+    the loop by XLA:CPU (at most 3, the peeled micro-batches' and the
+    loop's, where the model, for GPU and TPU, counts K), every other op
+    equal."""
     sizes = MESHES[mesh]
     census, model = _held_census(sizes, mode), _model(sizes, mode)
     inner = frozenset({"data", "fsdp"})
     if mode == "fsdp_all_held_dcn" and jax.default_backend() == "cpu":
-        assert census.pop(("all-gather", inner)) * K == model.pop(
-            ("all-gather", inner)
-        )
+        one = model.pop(("all-gather", inner)) / K
+        gathers = census.pop(("all-gather", inner)) / one
+        # The first and last micro-batch's, and the loop's hoisted: XLA:CPU
+        # may merge identical ones (gathers of the same parameters).
+        assert gathers in (1, 2, 3), gathers
     assert census == model
+
+
+def test_exposed_time_orders_the_schedules():
+    """The exposed-time model: gather once, hidden exposes what one
+    micro-batch of the per-micro-batch path does (the same overlap, once
+    per step instead of k times); gather once today exposes every layer's
+    gather and reduce-scatter; more than hidden, for every decoder,
+    setting and k."""
+    for size in cm.DECODERS:
+        for _, per_node, nodes in cm.EXPOSED_SETTINGS:
+            for k in cm.EXPOSED_WINDOWS:
+                e = cm.exposed(size, per_node, nodes, k)
+                assert e["per-micro-batch"] == pytest.approx(
+                    k * e["once, hidden"]
+                )
+                assert e["once, today"] > e["once, hidden"] > 0
+                assert e["compute"] > 0
+
+
+def test_exposed_pass_hides_what_compute_covers():
+    """One pass: the first collective is exposed, the others only by what
+    they take beyond their neighbour's compute."""
+    assert cm._hidden_pass(compute=2.0, comm=1.0, layers=4) == 1.0
+    assert cm._hidden_pass(compute=1.0, comm=3.0, layers=4) == 3.0 + 3 * 2.0

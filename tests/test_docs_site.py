@@ -239,6 +239,10 @@ def test_comm_model_tables_are_current():
     assert page.read_text() == comm_model.markdown()
     widths = {line.count("|") - 1 for line in page.read_text().splitlines()}
     assert max(widths) <= MAX_TABLE_COLUMNS
+    exposed = root / "docs" / "comm_exposed_table.md"
+    assert exposed.read_text() == comm_model.exposed_markdown()
+    widths = {line.count("|") - 1 for line in exposed.read_text().splitlines()}
+    assert max(widths) <= MAX_TABLE_COLUMNS
 
 
 def _params(signature: str) -> list[tuple[str, bool]]:

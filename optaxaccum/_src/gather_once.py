@@ -1,13 +1,16 @@
 """Gather once per step: FSDP-sharded parameters held, gathered, for the
 micro-batches of one :func:`~optaxaccum.microbatched_value_and_grad` step.
 
-A *held* leaf is gathered over the mesh axes ``over`` once, before the scan
-over the micro-batches (:meth:`Plan.hold`); its held copy is *reduced* over
-every axis that shards the batch, so :func:`~optaxaccum.fsdp_gather` of it
-moves nothing over those axes and its gradient stays *unreduced* through the
-scan: the micro-batches' gradients are summed locally, unsharded over
-``over``, and returned to the parameter's sharding by one reduce-scatter
-after the scan (:meth:`Plan.release`). See ``docs/scaling.md``.
+A *held* leaf is gathered over the mesh axes ``over`` once per step
+(:meth:`Plan.hold`); its held copy is *reduced* over every axis that shards
+the batch, so :func:`~optaxaccum.fsdp_gather` of it moves nothing over those
+axes and its gradient stays *unreduced* through the micro-batches: their
+gradients are summed locally, unsharded over ``over``, and returned to the
+parameter's sharding by one reduce-scatter after the last one
+(:meth:`Plan.release`). The first and last micro-batch run outside the scan
+(``microbatch.py``), so XLA can overlap the gathers with the first one's
+forward and the reduce-scatters with the last one's backward. See
+``docs/scaling.md``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class GatherOnce:
     the accumulator dtype), is reduce-scattered once after them, still
     unreduced over the axes :func:`unreduced_value_and_grad` defers. Axes
     that shard a leaf but are not in ``over`` keep the per-micro-batch gather.
+    The first and last micro-batch run outside the scan, so that XLA can
+    overlap the gathers with the first one's forward and the reduce-scatters
+    with the last one's backward (see docs/scaling.md).
 
     Args:
       batch_axes: every mesh axis that shards the batch (a name or a tuple),
@@ -166,8 +172,12 @@ def _leaf_plan(leaf: Any, cfg: GatherOnce) -> _Leaf | None:
 
 def _gather(leaf: Any, how: _Leaf) -> jax.Array:
     """The held copy: ``leaf`` (cast first: fewer bytes move) gathered over
-    ``how.axes`` once."""
-    return jax.reshard(leaf.astype(how.dtype), how.held)
+    ``how.axes`` once. The barrier pins the copy: XLA:TPU would otherwise
+    repeat the gather for each of its users (the peeled micro-batches and
+    the scan)."""
+    return lax.optimization_barrier(
+        jax.reshard(leaf.astype(how.dtype), how.held)
+    )
 
 
 def _scatter(acc: jax.Array, how: _Leaf) -> jax.Array:

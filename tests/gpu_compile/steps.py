@@ -376,9 +376,10 @@ GPU_OVERLAP_OPTIONS = {
 }
 
 
-def fsdp_step(devices, hold: bool):
+def fsdp_step(devices, hold: bool, hidden: int = 128, rows: int = FSDP_ROWS):
     """``(fn, args, mesh)``: the step and its arguments as shapes placed on
-    a ``data=2 x fsdp=4`` mesh of ``devices`` (8 of them)."""
+    a ``data=2 x fsdp=4`` mesh of ``devices`` (8 of them); ``hidden``
+    units, ``rows`` rows per micro-batch."""
     import functools
 
     import numpy as np
@@ -400,9 +401,10 @@ def fsdp_step(devices, hold: bool):
     def leaf(shape):
         return sds(shape, P("fsdp") if shape[0] % 4 == 0 else P())
 
-    pairs = zip(FSDP_SIZES[:-1], FSDP_SIZES[1:])
+    sizes = (FSDP_SIZES[0], hidden, FSDP_SIZES[-1])
+    pairs = zip(sizes[:-1], sizes[1:])
     params = [{"w": leaf((a, b)), "b": leaf((b,))} for a, b in pairs]
-    n = FSDP_ROWS * FSDP_K
+    n = rows * FSDP_K
     rows = P(ex.BATCH_AXES)
     batch = (
         sds((n, FSDP_SIZES[0]), rows),

@@ -44,8 +44,8 @@ def _devices(target):
 
 
 @functools.cache
-def _exposure(target, hold, options=True):
-    fn, args, mesh = steps.fsdp_step(_devices(target), hold)
+def _exposure(target, hold, options=True, hidden=128, rows=steps.FSDP_ROWS):
+    fn, args, mesh = steps.fsdp_step(_devices(target), hold, hidden, rows)
     opts = steps.GPU_OVERLAP_OPTIONS if options and target != "tpu" else {}
     try:
         with jax.set_mesh(mesh):
@@ -77,3 +77,14 @@ def test_gather_once_tpu_v5e_nothing_in_the_loop():
     exposure figures are reported in benchmarks/GPU_COMPILE.md."""
     got, rows = _exposure("tpu", True)
     assert got["in_loop"] == 0, rows
+
+
+def test_gather_once_tpu_v5e_one_gather_per_held_weight_at_scale():
+    """A wider model (64 -> 8192 -> 10, 1024 rows per micro-batch): XLA:TPU
+    runs one all-gather per held weight per step, not one per peeled
+    micro-batch and one for the loop (it repeats the gather of a held copy
+    into each of its users unless the copy is pinned)."""
+    _, rows = _exposure("tpu", True, hidden=8192, rows=1024)
+    weights = [r for r in rows if r["bytes"] >= 64 * 1024]
+    gathers = [r for r in weights if r["op"] == "all-gather"]
+    assert len(gathers) == 2 and not any(r["loop"] for r in weights), rows
