@@ -14,7 +14,13 @@ donated, this prints
 * the pipelined time per call (30 calls back to back, fed their own
   outputs, one sync) as ratios to the floor (a donated tree add), to Adam
   alone and to ``optax.MultiSteps``;
-* the targets of the GPU (H100/H200 class).
+* the targets of the GPU (H100/H200 class);
+* the end-to-end micro-step (``_e2e.py``) at 512 and 4096 rows: the
+  gradient alone, with a donated ``acc + g`` (the floor), the non-closing
+  ``oa.apply_gradients`` unweighted and summed-gradient weighted, and the
+  closing call, as ratios to the gradient alone, with which backend each
+  GEMM got (cuBLAS custom call or Triton fusion) and how many take their
+  accumulator.
 
 It exits 1 when a gated step lost its conditional, 0 otherwise (timing
 targets are reported, not enforced: a shared or throttled card misses
@@ -130,12 +136,13 @@ def _print_e2e(width: int, layers: int, rows: int, calls: int) -> dict:
     """Measures and prints the end-to-end micro-step (``_e2e.py``)."""
     res = _e2e.measure(width, layers, rows, calls=calls)
     alone = res["gradient alone"]["seconds"]
-    ideal = res["gradient + donated add"]["seconds"]
+    floor = res["gradient + donated add"]["seconds"]
     print(
         f"\nEnd to end: gradient + accumulation in one jit, {layers} tanh "
-        f"layers {width} wide (float32), micro-batch {rows} rows"
+        f"layers {width} wide (float32), micro-batch {rows} rows; "
+        "oa.fold_compiler_options(), weights and state donated"
     )
-    keys = [k for k in res["oa fused non-closing"] if k != "seconds"]
+    keys = [k for k in res["oa non-closing"] if k != "seconds"]
     print(
         "| step | ms/call | vs gradient alone | vs gradient + donated add | "
         + " | ".join(keys)
@@ -146,14 +153,15 @@ def _print_e2e(width: int, layers: int, rows: int, calls: int) -> dict:
         s = v["seconds"]
         counts = " | ".join(str(v.get(k, "")) for k in keys)
         print(
-            f"| {name} | {1e3 * s:.3f} | {s / alone:.2f}x | {s / ideal:.2f}x "
+            f"| {name} | {1e3 * s:.3f} | {s / alone:.2f}x | {s / floor:.2f}x "
             f"| {counts} |"
         )
-    fused = res["oa fused non-closing"]["seconds"]
-    print(
-        "| target: oa fused non-closing <= 1.02x gradient alone "
-        f"| {fused / alone:.2f}x | {'yes' if fused <= 1.02 * alone else 'NO'} |"
-    )
+    for name in ("oa non-closing", "oa non-closing, summed weighted"):
+        r = res[name]["seconds"] / alone
+        print(
+            f"| target: {name} <= 1.10x gradient alone | {r:.2f}x "
+            f"| {'yes' if r <= 1.10 else 'NO'} |"
+        )
     return {"width": width, "layers": layers, "rows": rows, "rows_out": res}
 
 

@@ -13,6 +13,11 @@ target configs) and a TPU v5e chip by the jax CUDA plugin and libtpu
   a split-K GEMM's partials; ``merged``: sliced from a GEMM XLA shares
   between weights; ``loop``: a pass over the gradient of its own), for
   float32 and bfloat16 products;
+* per train step and compiler setting (``targets.SETTINGS``: Triton or
+  cuBLAS-LT GEMMs, with or without ``oa.fold_compiler_options()``), on the
+  newest GPU this jaxlib reads: the GEMMs that take their accumulator,
+  the weight-sized copies and passes of the non-closing path
+  (``hlo.non_closing``) and the temporaries;
 * the temporaries of the suite's memory premises (``memory_analysis()``).
 
 It writes ``GPU_COMPILE.md`` next to this script (``--out``).
@@ -95,7 +100,6 @@ def _fold_rows(targets_, steps, hlo, models):
 # 768) into a float32 accumulator, donated.
 BARE = {
     "float32: acc + x.T @ dy": "f32",
-    "float32, lazy reset: where(fresh, g, acc + g)": "overwrite",
     "bfloat16 GEMM, output cast to float32": "bf16",
     "bfloat16 GEMM, float32 output (preferred_element_type)": "bf16->f32",
 }
@@ -105,7 +109,7 @@ def _bare_step(form):
     import jax
     import jax.numpy as jnp
 
-    def step(acc, x, dy, fresh):
+    def step(acc, x, dy):
         a = acc["acc"]["kernel"]
         if form.startswith("bf16"):
             x, dy = x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16)
@@ -113,15 +117,13 @@ def _bare_step(form):
         g = jax.lax.dot_general(
             x, dy, (((0,), (0,)), ((), ())), preferred_element_type=out
         ).astype(jnp.float32)
-        new = jnp.where(fresh, g, a + g) if form == "overwrite" else a + g
-        return {"acc": {"kernel": new}}
+        return {"acc": {"kernel": a + g}}
 
     sds = jax.ShapeDtypeStruct
     args = (
         {"acc": {"kernel": sds((512, 768), jnp.float32)}},
         sds((256, 512), jnp.float32),
         sds((256, 768), jnp.float32),
-        sds((), jnp.bool_),
     )
     return step, args
 
@@ -141,76 +143,38 @@ def _bare_rows(targets_, hlo):
     return rows
 
 
-# Ways to zero the accumulator as its window closes, so that a micro-step
-# is ``acc + g`` (the form the GEMM folds): one weight, Adam-like momentum
-# behind a gate of k=4, params, momentum and accumulator donated.
-RESETS = {
-    "lazy reset (today): where(fresh, g, acc + g)": "lazy",
-    "zeros in the closing branch": "fresh",
-    "zeros from the old value in the closing branch": "old",
-    "the same, after an optimization barrier": "barrier",
-    "select(closing, 0, acc) after the gate": "after",
-}
+# The train steps of the floor table: every step of ``steps.TRAIN`` (the
+# micro-step is ``acc + g``), those of ``steps.TRAIN_OFF_FLOOR`` (a select
+# or a multiply in front of the add), and the bfloat16 MLP's chain.
+def _floor_configs(steps):
+    out = [("mlp", api) for api in (*steps.TRAIN, *steps.TRAIN_OFF_FLOOR)]
+    return [*out, ("mlp_bf16", "chain")]
 
 
-def _reset_step(design):
-    import jax
-    import jax.numpy as jnp
-
-    def zero(a):
-        return jnp.where(jnp.isfinite(a), a * 0, 0.0)
-
-    def step(p, mu, acc, n, x, dy):
-        g = x.T @ dy
-        acc = jnp.where(n == 0, g, acc + g) if design == "lazy" else acc + g
-        close = n == 3
-
-        def closing():
-            mu2 = 0.9 * mu + 0.1 * acc
-            out = (p - 0.01 * mu2, mu2, acc)
-            if design == "barrier":
-                out = jax.lax.optimization_barrier(out)
-            if design in ("fresh", "old", "barrier"):
-                reset = jnp.zeros_like if design == "fresh" else zero
-                out = (*out[:2], reset(out[2]))
-            return out
-
-        p, mu, acc = jax.lax.cond(close, closing, lambda: (p, mu, acc))
-        acc = jnp.where(close, 0.0, acc) if design == "after" else acc
-        return p, mu, acc, jnp.where(close, 0, n + 1)
-
-    sds = jax.ShapeDtypeStruct
-    w = sds((512, 512), jnp.float32)
-    args = (w, w, w, sds((), jnp.int32))
-    return step, (*args, sds((256, 512), jnp.float32), sds((256, 512), w.dtype))
+def _floor_cell(compiled, hlo, steps, counts, shapes) -> str:
+    module = hlo.Module.parse(compiled.as_text())
+    where = hlo.fold(module, hlo.is_kernel_accumulator)
+    path = hlo.non_closing(module, shapes, steps.FOLLOWER_OPS)
+    mem = compiled.memory_analysis()
+    temp = "n/a" if mem is None else f"{mem.temp_size_in_bytes:,}"
+    gemm = sum(v == "gemm" for v in where.values())
+    return (
+        f"{gemm}/{len(counts)}; {path['copies']} copies, "
+        f"{path['passes']} passes; {temp} B"
+    )
 
 
-def _reset_rows(targets_, hlo):
-    import re
-
+def _floor_rows(device, steps, hlo, targets):
     rows = []
-    for label, design in RESETS.items():
-        step, args = _reset_step(design)
-        row = [label]
-        for target in targets_:
-            if target == "tpu":
-                continue
-            compiled = targets_[target](step, args, (0, 1, 2))
-            text = compiled.as_text()
-            entry = text[text.index("\nENTRY") :]
-            folded = re.search(
-                r"fusion\(%acc\.\d+, [^)]*\), kind=kCustom", text
+    for model, api in _floor_configs(steps):
+        fn, args, counts, shapes = steps.train_step(api, model)
+        donate = (0,) if api in ("TrainState", "nnx Optimizer") else (0, 1)
+        row = [model, api]
+        for setting in targets.SETTINGS:
+            compiled = targets.compile_for(
+                fn, args, device, donate, targets.options(setting)
             )
-            passes = len(
-                re.findall(r"f32\[512,512\]\S* fusion\([^\n]*kLoop", entry)
-            )
-            copies = len(re.findall(r"f32\[512,512\]\S* copy\(", text))
-            temp = compiled.memory_analysis()
-            temp = "n/a" if temp is None else f"{temp.temp_size_in_bytes:,}"
-            row.append(
-                f"{'gemm' if folded else 'loop'}; {passes} pass, "
-                f"{copies} copy; {temp} B"
-            )
+            row.append(_floor_cell(compiled, hlo, steps, counts, shapes))
         rows.append(row)
     return rows
 
@@ -246,7 +210,8 @@ def measure(quick: bool) -> str:
 
     devices = {"h100": targets.gpu_device("h100")}
     if not quick:
-        devices["h200"] = targets.gpu_device("h200")
+        with contextlib.suppress(Exception):  # jaxlib 0.10 lacks its fields
+            devices["h200"] = targets.gpu_device("h200")
     devices["tpu"] = targets.tpu_device()
     compile_ = {
         t: (
@@ -265,8 +230,9 @@ def measure(quick: bool) -> str:
     fold = _fold_rows(compile_, steps, hlo, models)
     memory = _memory_rows(compile_, steps)
     bare = _bare_rows(compile_, hlo)
-    resets = _reset_rows(compile_, hlo)
     gpus = [t for t in devices if t != "tpu"]
+    newest = devices[gpus[-1]]
+    floor = _floor_rows(newest, steps, hlo, targets)
     out = [
         "# Compiled XLA:GPU and XLA:TPU programs (deviceless)",
         "",
@@ -291,7 +257,8 @@ def measure(quick: bool) -> str:
         "## Train steps: where each dense weight's accumulation runs",
         "",
         "Gradients and `oa.apply_gradients` (or the wrapper's update) in one "
-        "jit, adamw, k=4. `gemm`: the epilogue of the GEMM making the "
+        "jit, adamw, k=4, no compiler options (Triton GEMMs; the next table "
+        "has the other settings). `gemm`: the epilogue of the GEMM making the "
         "weight's gradient; `split-k`: in the sum of a split-K GEMM's "
         "partials; `merged`: sliced from one GEMM XLA shares between weights"
         " (the query, key and value projections); `loop`: a separate pass "
@@ -307,17 +274,22 @@ def measure(quick: bool) -> str:
         "",
         _table(["accumulation", *gpus], bare),
         "",
-        "## Zeroing the accumulator as a window closes",
+        "## The non-closing path, per compiler setting",
         "",
-        "For the GEMM to fold a micro-step, the step must be `acc + g`: the "
-        "accumulator zeroed when its window closes. One 512 x 512 weight, a "
-        "momentum update behind a gate of k=4, all state donated: where the "
-        "accumulation runs; the weight-sized passes outside the gate and "
-        "copies in it, which every micro-step makes; the temporaries (one "
-        "weight is 1,048,576 B). A pass or a copy moves as many "
-        "bytes as the fold saves (benchmarks/GPU_FOLD.md).",
+        f"Compiled for {targets.describe(newest)}, params and state "
+        "donated, adamw, k=4; per setting of `tests/gpu_compile/targets.py` "
+        "(`triton`: XLA's Triton GEMMs, what a compile without a GPU picks; "
+        "`cublas`: `xla_gpu_enable_triton_gemm=False`, cuBLAS-LT calls; "
+        "`+options`: with `oa.fold_compiler_options()`): the GEMMs that take "
+        "their weight's accumulator (the micro-step is their epilogue) of the"
+        " dense weights; the weight-sized copies and passes outside the GEMMs"
+        " on the non-closing path (`hlo.non_closing`), which every micro-step"
+        " makes; the temporaries (`memory_analysis()`). The steps above "
+        "`mean weighted` write the micro-step as `acc + g`; `mean weighted`, "
+        "`skip_nonfinite` and `loss_scale` put a multiply or a select in "
+        "front of the add (docs/gpu.md).",
         "",
-        _table(["design", *gpus], resets),
+        _table(["model", "api", *targets.SETTINGS], floor),
         "",
         "## Temporaries of the suite's memory premises (bytes)",
         "",
