@@ -825,6 +825,37 @@ MUTANTS = {
         "jnp.zeros_like(state.updated), state.updated\n        ),",
         ["tests/test_accumulate.py", "-k", "dropped_call_after_a_close"],
     ),
+    # The micro-step at the floor: acc + g, zeroed at the close.
+    "zero_not_nan_safe": (
+        "accumulate.py",
+        "lambda a: jnp.where(jnp.isfinite(a), a * 0, jnp.zeros((), a.dtype)),",
+        "lambda a: a * 0,",
+        ["tests/test_micro_step.py"],
+    ),
+    "close_keeps_the_sum": (
+        "accumulate.py",
+        "acc=zeroed(state.acc),",
+        "acc=state.acc,",
+        ["tests/test_micro_step.py"],
+    ),
+    "summed_gradients_weighted_again": (
+        "accumulate.py",
+        "if summed or (isinstance(w, float) and w == 1.0):",
+        "if isinstance(w, float) and w == 1.0:",
+        ["tests/test_micro_step.py"],
+    ),
+    "known_weight_selected": (
+        "accumulate.py",
+        "if weightless is not False:",
+        "if True:",
+        ["tests/test_micro_step.py"],
+    ),
+    "weight_plain_float32_sum": (
+        "accumulate.py",
+        "return total, low + ((hi - (total - back)) + (w - back))",
+        "return total, low",
+        ["tests/test_every_weight.py", "-k", "2_to_the_24 or reaches_total"],
+    ),
 }
 
 
