@@ -157,6 +157,16 @@ def _run(tx, grads, weights, params, flush=False, jit=False):
     return outs, state
 
 
+def _means_and_sums(counts):
+    """Per-micro-batch mean gradients and the sums they stand for (each
+    mean times its micro-batch's count)."""
+    means = [_grads(i) for i in range(len(counts))]
+    sums = [
+        jax.tree.map(lambda g, n=n: n * g, m) for m, n in zip(means, counts)
+    ]
+    return means, sums
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("jit", [False, True])
 def test_summed_gradients_equal_weighted_means(reduction, jit):
@@ -164,10 +174,7 @@ def test_summed_gradients_equal_weighted_means(reduction, jit):
     per-micro-batch means with the same ``accum_weight`` give, including a
     partial window closed by flush."""
     counts = [3.0, 1.0, 4.0, 2.0, 5.0]
-    means = [_grads(i) for i in range(5)]
-    sums = [
-        jax.tree.map(lambda g, n=n: n * g, m) for m, n in zip(means, counts)
-    ]
+    means, sums = _means_and_sums(counts)
     params = {"w": jnp.zeros((3, 4))}
 
     def make(summed):
@@ -237,10 +244,7 @@ def test_summed_gradients_skip_nonfinite_drops_an_empty_nan():
 
 def test_summed_gradients_noise_scale_equals_the_mean_form():
     counts = [3.0, 1.0, 4.0, 2.0, 2.0, 5.0]
-    means = [_grads(i) for i in range(6)]
-    sums = [
-        jax.tree.map(lambda g, n=n: n * g, m) for m, n in zip(means, counts)
-    ]
+    means, sums = _means_and_sums(counts)
     params = {"w": jnp.zeros((3, 4))}
 
     def make(summed):
