@@ -15,7 +15,6 @@ import math
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from optaxaccum._src import utils
