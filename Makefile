@@ -40,7 +40,7 @@ test: $(VENV)/.installed-dev
 	$(MAKE) lint
 	$(MAKE) dist
 	OPTAXACCUM_DIST=$(abspath $(DIST)) $(PY) -m pytest -n 2 $(PYTEST_ARGS)
-	$(if $(strip $(PYTEST_ARGS)),,mkdir -p $(dir $(SUITE_RAN)) \
+	$(if $(strip $(PYTEST_ARGS) $(PYTEST_ADDOPTS)),,mkdir -p $(dir $(SUITE_RAN)) \
 		&& $(call versions,$(PY)) > $(SUITE_RAN))
 	$(MAKE) docs
 
@@ -100,8 +100,9 @@ test-floors: $(VENV)/.installed-dev
 	elif ! grep -q '^jax==' $(FLOORS_DIR)/versions.txt; then \
 	why="pip list named no jax"; \
 	elif grep -vxFf $(SUITE_RAN) $(FLOORS_DIR)/versions.txt \
-	> $(FLOORS_DIR)/not-run.txt; then why="make test's whole suite did \
-	not run on $$(tr '\n' ' ' < $(FLOORS_DIR)/not-run.txt)"; \
+	> $(FLOORS_DIR)/not-run.txt; [ $$? -ne 1 ]; then why="make test's \
+	whole suite did not run on (or grep failed on) $$(tr '\n' ' ' \
+	< $(FLOORS_DIR)/not-run.txt)"; \
 	else why=; fi; \
 	if [ -z "$$why" ]; then echo "$(FLOORS_AUTO_MARKS)" \
 	> $(FLOORS_DIR)/marks; echo "test-floors: make test ran the whole \

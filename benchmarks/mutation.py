@@ -850,6 +850,12 @@ MUTANTS = {
         "if True:",
         ["tests/test_micro_step.py"],
     ),
+    "earlier_state_not_converted": (
+        "accumulate.py",
+        "    fresh = state.mini_step == 0\n\n    def zero(a):",
+        "    fresh = state.mini_step < 0\n\n    def zero(a):",
+        ["tests/test_micro_step.py", "-k", "earlier_version"],
+    ),
     "weight_plain_float32_sum": (
         "accumulate.py",
         "return total, low + ((hi - (total - back)) + (w - back))",

@@ -290,3 +290,37 @@ def test_fold_compiler_options_change_no_result():
     plain = run()
     folded = run(compiler_options=oa.fold_compiler_options())
     jax.tree.map(np.testing.assert_array_equal, plain, folded)
+
+
+# ------------------------------------------------ states of earlier versions
+
+
+def test_a_state_of_an_earlier_version_is_converted():
+    """Earlier versions kept the last window's sum in the accumulator at a
+    window's end and had no weight_low; the first update zeroes it there,
+    so the next window equals a fresh one (chain and MultiSteps)."""
+    params = {"w": jnp.zeros((3, 4))}
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    fresh = tx.init(params)
+    old = (
+        fresh[0]._replace(
+            acc={"w": jnp.full((3, 4), 10.0)},
+            weight=jnp.float32(2.0),
+            weight_low=None,
+        ),
+        fresh[1],
+    )
+    ms = oa.MultiSteps(optax.sgd(1.0), 2)
+    old_ms = ms.init(params)._replace(
+        acc_grads={"w": jnp.full((3, 4), 10.0)},
+        acc_weight=jnp.float32(2.0),
+        acc_weight_low=None,
+    )
+    want = -(_grads(0)["w"] + _grads(1)["w"]) / 2
+    for t, state in ((tx, old), (ms, old_ms)):
+        step = jax.jit(lambda g, s, t=t: t.update(g, s, params))
+        _, state = step(_grads(0), state)
+        u, state = step(_grads(1), state)
+        np.testing.assert_allclose(u["w"], want, rtol=1e-6)
+    _, flushed = oa.flush(tx, old, params)
+    assert flushed[0].weight_low is not None

@@ -55,8 +55,9 @@ class AccumulateState(NamedTuple):
         (``noise_scale_decay``); ``None`` (no leaves) when off.
       weight_low: what rounding left out of ``weight`` (a compensated sum:
         ``weight + weight_low`` is the window's weight, integer counts exact
-        up to about ``2**48``); ``shape=()``, ``weight``'s dtype. ``None``
-        (a plain sum) in a state built without it.
+        up to about ``2**48``; under ``pmap``/``shard_map`` each device's);
+        ``shape=()``, ``weight``'s dtype. ``None`` in a state of an earlier
+        version, which its first update or flush converts.
     """
 
     mini_step: jax.Array  # shape=(), int32
@@ -346,6 +347,7 @@ def _checked_input(
     state's type, the mesh mistakes, ``shard_update``'s mesh, the
     gradients' structure."""
     utils.check_state_type(state, AccumulateState, "oa.accumulate")
+    state = _upgraded(state)
     # The stored accumulator decides, as for a flush (the gradients where
     # it has no leaf): eager gradients off the mesh still add to its rows.
     sums = reducer.of(cfg.axis_name, (state.acc, updates), cfg.shard_update)
@@ -365,7 +367,7 @@ def _add(
     weight: Any,
     passed: Any,
     summed: bool,
-) -> tuple[optax.Updates, jax.Array, Any, Any]:
+) -> tuple[optax.Updates, tuple[jax.Array, jax.Array], Any, Any]:
     """The accumulator, total weight and noise-scale sums with this
     micro-batch, and whether it counted (a flag): not where an earlier gate
     refused it (``passed``) or ``skip_nonfinite`` drops it, and then all
@@ -415,14 +417,13 @@ def _add(
     return acc, total, noise, counted
 
 
-def _add_weight(hi: jax.Array, low: Any, w: Any) -> tuple[jax.Array, Any]:
+def _add_weight(
+    hi: jax.Array, low: jax.Array, w: Any
+) -> tuple[jax.Array, jax.Array]:
     """``hi + w`` with what its rounding drops added to ``low`` (Knuth's
-    error-free two-sum; ``low`` ``None``: a plain sum). A window of
-    integer token counts then keeps its exact total far beyond ``2**24``
-    in float32."""
+    error-free two-sum). A window of integer token counts then keeps its
+    exact total far beyond ``2**24`` in float32."""
     total = hi + w
-    if low is None:
-        return total, None
     w = jnp.asarray(w, hi.dtype)
     back = total - hi
     return total, low + ((hi - (total - back)) + (w - back))
@@ -430,8 +431,6 @@ def _add_weight(hi: jax.Array, low: Any, w: Any) -> tuple[jax.Array, Any]:
 
 def window_weight(state: AccumulateState) -> jax.Array:
     """The window's weight so far: ``weight``, plus ``weight_low``."""
-    if state.weight_low is None:
-        return state.weight
     return state.weight + state.weight_low
 
 
@@ -535,6 +534,7 @@ def _gate_flush(
     """Closes the current window now, if it holds any micro-batch."""
     del extra_args  # the caller checks extra args (near-misses)
     params = _gradient_params(params)
+    state = _upgraded(state)
     sums = reducer.of(cfg.axis_name, state.acc, cfg.shard_update)
     sums.check_axes("oa.flush", state.acc)
     utils.check_same_structure(
@@ -549,6 +549,26 @@ def _gate_flush(
         state=state,
         may_open=state.mini_step > 0,
         emit=_emitter(cfg, sums, closed_state, out_dtypes),
+    )
+
+
+def _upgraded(state: AccumulateState) -> AccumulateState:
+    """A state of an earlier version (no ``weight_low``) as this version
+    keeps it: there the accumulator and weight still held the last
+    window's sums while ``mini_step`` was 0 (they were reset lazily); here
+    they are zero between windows. States of this version pass as they
+    are (no work)."""
+    if state.weight_low is not None:
+        return state
+    fresh = state.mini_step == 0
+
+    def zero(a):
+        return jnp.where(fresh, jnp.zeros_like(a), a)
+
+    return state._replace(
+        acc=jax.tree.map(zero, state.acc),
+        weight=zero(state.weight),
+        weight_low=jnp.zeros_like(state.weight),
     )
 
 
@@ -587,7 +607,7 @@ def map_accumulators(state: Any, fn: Callable[[Any], Any]) -> Any:
     """Applies ``fn`` to the leaves of ``state`` that differ by device.
 
     Inside ``pmap``/``shard_map`` with ``oa.accumulate(k, axis_name=...)``,
-    each device's accumulator (``acc`` and ``weight`` of every
+    each device's accumulator (``acc``, ``weight`` and ``weight_low`` of every
     :class:`optaxaccum.AccumulateState`, and the window sums of its
     ``noise_scale``) holds its own running sum; every
     other leaf is the same on all devices. With ``shard_map`` store those

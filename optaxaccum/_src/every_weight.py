@@ -72,7 +72,9 @@ def every_weight(total: float, *, max_k: int | None = None) -> EveryWeight:
     ``shard_map`` each device holds its own, and deciding costs one scalar
     ``psum`` per micro-batch. The sum is kept in the window weight's dtype
     (float32 by default) with its rounding error beside it: integer weights
-    stay exact far beyond ``2**24``.
+    stay exact far beyond ``2**24`` on one device and on ``jax.jit`` meshes;
+    under ``pmap``/``shard_map`` the one scalar sum over the devices rounds
+    as float32 does (exact up to ``2**24`` in all).
 
     Args:
       total: the window's weight budget, a finite real > 0.

@@ -322,6 +322,7 @@ def non_closing(
         paths += [
             n for e, n in cond.called if e == "branch" and not holds_closing(n)
         ]
+    paths = [c for name in paths for c in _called_as_code(module, name)]
     by_name = {i.name: i for c in module.computations.values() for i in c}
     out = {"copies": 0, "passes": 0}
     for name in paths:
@@ -341,4 +342,20 @@ def non_closing(
                 i.opcode == "fusion" and fused <= {"copy", "parameter"}
             )
             out["copies" if copy else "passes"] += 1
+    return out
+
+
+def _called_as_code(module: Module, name: str) -> list[str]:
+    """``name`` and the computations its ``call`` and async instructions
+    run as code (a command buffer, an async wrapper), transitively; not
+    fused computations, nor a conditional's branches or a loop's body."""
+    out, todo = [name], [name]
+    while todo:
+        for i in module.computations.get(todo.pop(), []):
+            if i.opcode not in ("call", "async-start"):
+                continue
+            for edge, called in i.called:
+                if edge in ("to_apply", "calls") and called not in out:
+                    out.append(called)
+                    todo.append(called)
     return out

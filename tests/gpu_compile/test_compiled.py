@@ -193,6 +193,7 @@ def _at_the_floor(api, setting, target=None, model="mlp"):
 # jaxlib 0.10's XLA:GPU copies there too). Strict: a compiler that stops
 # copying fails here, to be noticed.
 _COPIES_ON_TRITON = pytest.mark.xfail(
+    raises=AssertionError,
     strict=True,
     reason="Triton GEMMs: without oa.fold_compiler_options() XLA:GPU copies "
     "each accumulator on the non-closing branch",
@@ -200,6 +201,7 @@ _COPIES_ON_TRITON = pytest.mark.xfail(
 _OLD_JAXLIB = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) < (0, 11)
 _COPIES_ON_OLD_CUBLAS = pytest.mark.xfail(
     _OLD_JAXLIB,
+    raises=AssertionError,
     strict=True,
     reason="jaxlib 0.10's XLA:GPU copies cuBLAS-LT's accumulators without "
     "oa.fold_compiler_options()",
@@ -248,13 +250,19 @@ def test_transformer_reads_no_gradient_twice(api, target):
 # and select on it; with bfloat16 products the GEMM writes a bfloat16
 # gradient that a loop fusion converts and adds to the float32 accumulator.
 _TRACED_WEIGHT = pytest.mark.xfail(
-    strict=True, reason="a traced weight multiplies the gradient"
+    raises=AssertionError,
+    strict=True,
+    reason="a traced weight multiplies the gradient",
 )
 _READS_GRADIENT = pytest.mark.xfail(
-    strict=True, reason="the finiteness check reads every gradient"
+    raises=AssertionError,
+    strict=True,
+    reason="the finiteness check reads every gradient",
 )
 _BF16 = pytest.mark.xfail(
-    strict=True, reason="bfloat16 gradients are converted in a pass"
+    raises=AssertionError,
+    strict=True,
+    reason="bfloat16 gradients are converted in a pass",
 )
 
 
