@@ -105,7 +105,12 @@ class GatherOnce:
                 )
             object.__setattr__(self, "over", over)
         if self.dtype is not None:
-            dtype = _field(utils.check_float_dtype, "dtype", self.dtype)
+            dtype = _field(
+                utils.check_float_dtype,
+                "dtype",
+                self.dtype,
+                wrong_kind=TypeError,
+            )
             object.__setattr__(self, "dtype", dtype)
         if self.memory_budget is not None:
             budget = _field(
@@ -121,14 +126,12 @@ class GatherOnce:
 
 
 def _field(check: Callable[..., Any], name: str, value: Any, **kw: Any) -> Any:
-    """``check(name, value)``, its message prefixed with ``GatherOnce:``
-    once; a dtype that is not floating is a ``TypeError``."""
+    """``check(name, value, **kw)``, its message prefixed with
+    ``GatherOnce:`` once."""
     try:
         return check(name, value, **kw)
     except (TypeError, ValueError) as err:
-        wrong_kind = "must be a floating" in str(err)
-        error = TypeError if wrong_kind else type(err)
-        raise error(f"GatherOnce: {err}") from None
+        raise type(err)(f"GatherOnce: {err}") from None
 
 
 # ------------------------------------------------------------- per leaf

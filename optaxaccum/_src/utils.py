@@ -278,10 +278,15 @@ def check_real(name: str, value: Any) -> float:
 
 
 def check_float_dtype(
-    name: str, value: Any, *, complex_ok: bool = False
+    name: str,
+    value: Any,
+    *,
+    complex_ok: bool = False,
+    wrong_kind: type[Exception] = ValueError,
 ) -> jnp.dtype:
     """Returns ``jnp.dtype(value)`` if it is a floating dtype (or a complex
-    one, with ``complex_ok``)."""
+    one, with ``complex_ok``); a dtype of another kind raises
+    ``wrong_kind``."""
     kind = "floating or complex" if complex_ok else "floating"
     try:
         dtype = jnp.dtype(value)
@@ -293,7 +298,7 @@ def check_float_dtype(
         complex_ok and jnp.issubdtype(dtype, jnp.complexfloating)
     )
     if not ok:
-        raise ValueError(
+        raise wrong_kind(
             f"{name} must be a {kind} dtype (e.g. jnp.float32), "
             f"got {name}={value!r}"
         )
