@@ -269,31 +269,17 @@ class Plan:
 def _check_on_mesh(field: str, names: tuple, tree: Any) -> None:
     """Every axis of ``names`` (the field ``field``) is an axis of the
     current mesh or of a leaf's mesh, or a mapped axis."""
-    meshes = [jax.sharding.get_abstract_mesh()]
-    meshes += [
-        s.mesh for s in map(sharding.sharding_of, jax.tree.leaves(tree)) if s
-    ]
-    known = {a for m in meshes for a in m.axis_names}
-    for name in names:
-        try:
-            if name in known or lax.axis_size(name):
-                continue
-        except NameError:
-            pass
-        if not known:
-            raise ValueError(
-                f"GatherOnce: {field}={names!r} names {name!r}, but no mesh "
-                "is set and no parameter is on one: it gathers parameters "
-                "sharded on an explicit mesh. On one device there is "
-                "nothing to gather: drop gather_once= from "
-                "oa.microbatched_value_and_grad (or run the step under "
-                "jax.set_mesh(mesh) with the parameters placed on it)"
-            )
-        axes = next((m.axis_names for m in meshes if m.axis_names), ())
-        raise ValueError(
-            f"GatherOnce: {field}={names!r} names {name!r}, which is not an "
-            f"axis of the mesh (its axes: {axes!r})"
-        )
+    sharding.check_mesh_axes(
+        names,
+        "GatherOnce",
+        tree,
+        field=field,
+        no_mesh="no mesh is set and no parameter is on one: it gathers "
+        "parameters sharded on an explicit mesh. On one device there is "
+        "nothing to gather: drop gather_once= from "
+        "oa.microbatched_value_and_grad (or run the step under "
+        "jax.set_mesh(mesh) with the parameters placed on it)",
+    )
 
 
 def _check_axes(cfg: GatherOnce, hows: list[_Leaf | None], tree: Any) -> None:

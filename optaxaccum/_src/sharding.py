@@ -96,13 +96,21 @@ def unreduced_axes(x: Any) -> frozenset:
     return frozenset() if sharding is None else sharding.spec.unreduced
 
 
-def check_mesh_axes(axis_name: Any, caller: str, tree: Any = ()) -> None:
-    """Raises ``ValueError`` naming ``axis_name`` and the mesh's axes when
-    one of its names is neither an axis of the current mesh (or of the
-    mesh of a leaf of ``tree``) nor a bound mapped axis (``pmap``,
-    ``shard_map``, ``vmap``): before JAX's own ``NameError``, which points
-    to ``shard_map``. Without any mesh the message says what a run on one
-    device (e.g. one resumed there) changes."""
+def check_mesh_axes(
+    axis_name: Any,
+    caller: str,
+    tree: Any = (),
+    *,
+    field: str = "axis_name",
+    no_mesh: str | None = None,
+) -> None:
+    """Raises ``ValueError`` naming ``axis_name`` (the argument ``field`` of
+    ``caller``) and the mesh's axes when one of its names is neither an
+    axis of the current mesh (or of the mesh of a leaf of ``tree``) nor a
+    bound mapped axis (``pmap``, ``shard_map``, ``vmap``): before JAX's own
+    ``NameError``, which points to ``shard_map``. Without any mesh the
+    message says what a run on one device (e.g. one resumed there)
+    changes, or ``no_mesh`` if given."""
     if axis_name is None:
         return
     meshes = [jax.sharding.get_abstract_mesh()]
@@ -114,14 +122,16 @@ def check_mesh_axes(axis_name: Any, caller: str, tree: Any = ()) -> None:
         try:
             lax.axis_size(name)
         except NameError:
+            named = f"{caller}: {field}={axis_name!r} names {name!r}"
             if not known:
+                if no_mesh:
+                    raise ValueError(f"{named}, but {no_mesh}") from None
                 msg = _unbound_message(caller, axis_name, name)
                 raise ValueError(msg) from None
             axes = next((m.axis_names for m in meshes if m.axis_names), ())
             raise ValueError(
-                f"{caller}: axis_name={axis_name!r} names {name!r}, which is "
-                f"not an axis of the mesh (its axes: {axes!r}) nor a mapped "
-                "axis (pmap, shard_map, vmap)"
+                f"{named}, which is not an axis of the mesh (its axes: "
+                f"{axes!r}) nor a mapped axis (pmap, shard_map, vmap)"
             ) from None
 
 
