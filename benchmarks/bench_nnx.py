@@ -50,6 +50,10 @@ from optaxaccum.flax import nnx as oa_nnx  # noqa: E402
 
 K = 4
 LEARNING_RATE = 1e-3
+# nnx.jit takes no compiler options: the memory figures come from compiling
+# the lowered step with the options of an in-place micro-step (XLA:CPU
+# copies a passed-through accumulator without them; docs/gpu.md).
+_OPTIONS = oa.fold_compiler_options()
 # 4 x 1024 x 4096 = 16,777,216 float32 parameters (64 MiB per tree): half of
 # B1's tree, so that three models with their Adam states fit a shared host.
 FULL_SHAPES = {f"w{i}": (1024, 4096) for i in range(4)}
@@ -101,7 +105,7 @@ def _scalar_temp(shapes, make) -> int:
     model = Weights(ones, 0)
     grads = nnx.as_pure(nnx.state(Weights(ones, 1), nnx.Param))
     step = nnx.jit(_update, donate_argnums=(0, 1))
-    compiled = step.lower(model, make(model), grads).compile()
+    compiled = step.lower(model, make(model), grads).compile(_OPTIONS)
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -175,7 +179,7 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
         opt = make(model)
         step = nnx.jit(_update, donate_argnums=(0, 1))
         mem[name] = _common.memory_stats(
-            step.lower(model, opt, grads).compile()
+            step.lower(model, opt, grads).compile(_OPTIONS)
         )
         for phase, m in (("non-closing", 1), ("closing", K - 1)):
             # One model per optimizer: the phases share it (each call
@@ -187,7 +191,7 @@ def main(tiny: bool = False, rounds: int | None = None) -> dict:
     # overhead of the call itself (graph traversal, buffers in and out).
     noop = nnx.jit(_noop, donate_argnums=(0, 1))
     mem["nnx.jit no-op"] = _common.memory_stats(
-        noop.lower(noop_model, noop_opt, grads).compile()
+        noop.lower(noop_model, noop_opt, grads).compile(_OPTIONS)
     )
     variants["nnx.jit no-op"] = _loop(noop, noop_model, noop_opt, grads, 1)
     seconds = _common.time_interleaved(

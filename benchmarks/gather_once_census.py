@@ -9,10 +9,11 @@ weight-sized collectives per step (an op inside the scan's ``while`` loop
 runs once per micro-batch it holds: ``k``, or ``k - 2`` held, where the first
 and last micro-batch run outside it), how many of them have no compute (a
 GEMM or a loop) scheduled between their start and their done (*exposed*)
-and the share of their bytes overlapped by compute (``hlo.overlaps``), and
-its per-device memory (argument + output - alias + temp bytes of
-``memory_analysis()``). ``--options k=v,...``: per-jit compiler options
-(e.g. ``xla_gpu_reduce_scatter_combine_threshold_bytes=0``). Nothing is
+and the share of their bytes overlapped by compute
+(``oa.collective_exposure``), and its per-device memory (argument +
+output - alias + temp bytes of ``memory_analysis()``).
+``--options k=v,...``: per-jit compiler options (e.g.
+``xla_gpu_reduce_scatter_combine_threshold_bytes=0``). Nothing is
 run: the step is only compiled, so the same script compiles for GPUs or
 TPUs that are not there:
 
@@ -48,7 +49,6 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optaxaccum as oa  # noqa: E402
-from optaxaccum._src import hlo  # noqa: E402
 
 D_IN, HIDDEN, D_OUT, BATCH = 256, 512, 128, 256
 MESHES = {
@@ -87,9 +87,13 @@ def loss_fn(axes):
     return loss
 
 
-def compile_step(mesh, mesh_name, k, hold, dtype=None, options=None):
+def compile_step(mesh, mesh_name, k, hold, dtype=None, options=None, peel=True):
     names, entry, over = MESHES[mesh_name]
-    gather_once = oa.GatherOnce(names, over=over, dtype=dtype) if hold else None
+    gather_once = (
+        oa.GatherOnce(names, over=over, dtype=dtype, peel=peel)
+        if hold
+        else None
+    )
     micro = functools.partial(
         oa.microbatched_value_and_grad,
         num_microbatches=k,
@@ -128,8 +132,8 @@ def compile_step(mesh, mesh_name, k, hold, dtype=None, options=None):
 
 def census(compiled, mesh, k, hold=False):
     """Weight-sized collectives per step: ``{op: {"loop": n, "out": n,
-    "per_step": n}}``, their exposure (``hlo.exposure``) and the per-device
-    memory."""
+    "per_step": n}}``, their exposure (``oa.collective_exposure``) and the
+    per-device memory."""
     smallest = 4 * HIDDEN * D_OUT // 8  # a weight's smallest shard
     trips = max(k - 2, 0) if hold else k  # held: first and last peeled
     out: dict = {}
@@ -142,7 +146,7 @@ def census(compiled, mesh, k, hold=False):
     for row in out.values():
         row["per_step"] = trips * row["loop"] + row["out"]
     text = compiled.as_text()
-    exposure = hlo.exposure(hlo.overlaps(text), 4 * HIDDEN * D_OUT)
+    exposure = oa.collective_exposure(text, min_bytes=4 * HIDDEN * D_OUT)
     m = compiled.memory_analysis()
     memory = None
     if m is not None:

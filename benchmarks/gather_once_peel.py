@@ -4,8 +4,8 @@ scan costs in memory and compile time.
 Compiles the step of ``gather_once_census.py`` (a 3-leaf MLP on ``data=2 x
 fsdp=4``, ``k`` interleaved micro-batches, every fsdp-sharded weight held)
 twice: as the library builds it (the first and last micro-batch outside
-the scan) and with every micro-batch in the scan (the structure before
-peeling, rebuilt here by replacing the private stage), and prints the
+the scan) and with every micro-batch in the scan (``peel=False``), and
+prints the
 per-device memory (argument + output - alias + temp bytes of
 ``memory_analysis()``), the temp bytes alone and the compile time (lower +
 compile, the best of 3; a timing, not an assertion). Nothing is run:
@@ -17,7 +17,6 @@ compile, the best of 3; a timing, not an assertion). Nothing is run:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -34,30 +33,14 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-from optaxaccum._src import microbatch  # noqa: E402
-
-
-@contextlib.contextmanager
-def unpeeled():
-    """Every micro-batch in the scan, as before peeling."""
-    saved = microbatch._Stages.peeled
-    microbatch._Stages.peeled = lambda self, call, carry: self.scan(
-        call, carry, 0, self.n
-    )
-    try:
-        yield
-    finally:
-        microbatch._Stages.peeled = saved
-
 
 def measure(mesh, k, peel):
     """(memory bytes, temp bytes, best compile seconds of 3)."""
     times = []
     for _ in range(3):
-        with contextlib.nullcontext() if peel else unpeeled():
-            start = time.perf_counter()
-            compiled = census.compile_step(mesh, "data2xfsdp4", k, True)
-            times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        compiled = census.compile_step(mesh, "data2xfsdp4", k, True, peel=peel)
+        times.append(time.perf_counter() - start)
     m = compiled.memory_analysis()
     total = (
         m.argument_size_in_bytes

@@ -19,7 +19,10 @@ from optaxaccum._src.base import (
     GateUpdateFn,
 )
 from optaxaccum._src.chain import apply_gradients, chain, flush
-from optaxaccum._src.collectives import collective_census
+from optaxaccum._src.collectives import (
+    collective_census,
+    collective_exposure,
+)
 from optaxaccum._src.compiler import fold_compiler_options
 from optaxaccum._src.every_weight import every_weight
 from optaxaccum._src.gather_once import GatherOnce
@@ -78,6 +81,7 @@ __all__ = [
     "apply_gradients",
     "chain",
     "collective_census",
+    "collective_exposure",
     "critical_batch_every_k",
     "fold_compiler_options",
     "dynamic_loss_scale",

@@ -11,6 +11,7 @@ the loop on its own (loop-invariant code motion); its reduce-scatters stay
 inside, and those are what holding moves out.
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -198,6 +199,9 @@ def test_held_step_equals_per_micro_batch_and_big_batch(mesh_name):
     value0, grads0, types0 = _run(mesh_name, 4, None)
     want_value, want = _want()
     chex.assert_trees_all_close(grads, want, **TOL)
+    # Every micro-batch in the scan (peel=False): the same numbers.
+    _, unpeeled, _ = _run(mesh_name, 4, dataclasses.replace(held, peel=False))
+    chex.assert_trees_all_close(unpeeled, want, **TOL)
     chex.assert_trees_all_close(grads, grads0, **TOL)
     np.testing.assert_allclose(value, want_value, **TOL)
     np.testing.assert_allclose(value, value0, **TOL)
@@ -500,6 +504,8 @@ def test_bad_input_is_named():
         oa.GatherOnce(axes, dtype=jnp.int32)
     with pytest.raises(TypeError, match="leaves"):
         oa.GatherOnce(axes, leaves=3)
+    with pytest.raises(TypeError, match="peel"):
+        oa.GatherOnce(axes, peel="yes")
     with pytest.raises(TypeError, match="gather_once"):
         oa.microbatched_value_and_grad(lambda w, x: 0.0, 2, gather_once=axes)
     # At trace time: an axis not on the mesh; 'data' shards the batch only.

@@ -113,9 +113,8 @@ def accumulate(
         window on every call), or :func:`critical_batch_every_k`.
       reduction: ``"mean"`` (weighted mean) or ``"sum"`` (weighted sum).
       accumulator_dtype: the precision of the running sum (float or
-        complex; complex leaves use the complex dtype of it, real ones the
-        real); default float32, or the leaf's dtype if wider. Updates are
-        emitted in the gradients' dtypes.
+        complex, matched to each leaf's kind); default float32, or the
+        leaf's dtype if wider. Updates come in the gradients' dtypes.
       axis_name: the device axis (or axes) over which the window is
         reduced once, when it closes: the mapped axis of ``pmap`` /
         ``shard_map``, or the mesh axes over which
@@ -128,19 +127,13 @@ def accumulate(
         with it (:func:`noise_scale`, docs/noise_scale.md).
       shard_update: reduce-scatter the window over ``axis_name`` (``jit``,
         explicit mesh), the followers' state sharded over it (ZeRO-1).
-      summed_gradients: each call's gradient is already a *sum* over its
-        micro-batch (the loss summed, not averaged) and ``accum_weight``
-        (required) its count: the gradient is added as it is, and the mean
-        divides the window's sum by its total weight. The form whose
-        weighted micro-step XLA:GPU folds into the gradient's GEMM
-        (docs/gpu.md).
+      summed_gradients: each gradient is a *sum* over its micro-batch (the
+        loss summed) and ``accum_weight`` (required) its count; added as it
+        is, the form XLA:GPU folds into the GEMM (docs/gpu.md).
 
     Returns:
-      A :class:`GatedTransformation` with an :class:`AccumulateState`.
-
-    Raises:
-      TypeError, ValueError: for a bad argument, naming it (also a
-        :func:`critical_batch_every_k` without ``noise_scale_decay``).
+      A :class:`GatedTransformation` with an :class:`AccumulateState`;
+      a bad argument raises ``TypeError``/``ValueError`` naming it.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optaxaccum as oa
@@ -282,16 +275,7 @@ def _gate_update(
     window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
     state, sums = _checked_input(cfg, updates, state)
-    # An earlier window's total reaches a nested accumulate with that
-    # window's mean (or sum): weighed as usual, whatever this one's form.
-    summed = cfg.summed_gradients and ctx.window_weight is None
-    if ctx.window_weight is not None:
-        accum_weight = ctx.window_weight
-    elif accum_weight is None:
-        if summed:
-            raise ValueError(_NEEDS_WEIGHT_MSG)
-        accum_weight = 1.0
-    utils.check_weight("accum_weight", accum_weight)
+    accum_weight, summed = _call_weight(cfg, ctx, accum_weight)
     acc, (weight, low), noise, counted = _add(
         cfg, sums, state, updates, accum_weight, ctx.passed, summed
     )
@@ -338,6 +322,23 @@ def _gate_update(
     )
 
 
+def _call_weight(
+    cfg: _Config, ctx: base.GateContext, accum_weight: Any
+) -> tuple[Any, bool]:
+    """The call's checked weight, and whether its gradient is a sum: an
+    earlier window's total reaches a nested accumulate with that window's
+    mean (or sum), weighed as usual whatever this one's form."""
+    summed = cfg.summed_gradients and ctx.window_weight is None
+    if ctx.window_weight is not None:
+        accum_weight = ctx.window_weight
+    elif accum_weight is None:
+        if summed:
+            raise ValueError(_NEEDS_WEIGHT_MSG)
+        accum_weight = 1.0
+    utils.check_weight("accum_weight", accum_weight)
+    return accum_weight, summed
+
+
 def _checked_input(
     cfg: _Config, updates: optax.Updates, state: Any
 ) -> tuple[AccumulateState, reducer.Reducer]:
@@ -347,7 +348,8 @@ def _checked_input(
     state's type, the mesh mistakes, ``shard_update``'s mesh, the
     gradients' structure."""
     utils.check_state_type(state, AccumulateState, "oa.accumulate")
-    state = _upgraded(state)
+    if state.weight_low is None:  # a state of an earlier version
+        state = _upgraded(state)
     # The stored accumulator decides, as for a flush (the gradients where
     # it has no leaf): eager gradients off the mesh still add to its rows.
     sums = reducer.of(cfg.axis_name, (state.acc, updates), cfg.shard_update)
@@ -394,13 +396,14 @@ def _add(
         if weightless is True and not summed:
             return a  # a weight of 0 known now: nothing to add
         if summed or (isinstance(w, float) and w == 1.0):
-            return utils.select(counted, a + sums.scale(None, g, a), a)
+            return a + sums.scale(None, g, a)
         wg = sums.scale(jnp.asarray(w, a.dtype), g, a)
         if weightless is not False:  # traced: 0 * NaN must add nothing
             wg = jnp.where(weightless, jnp.zeros_like(wg), wg)
-        return utils.select(counted, a + wg, a)
+        return a + wg
 
     acc = jax.tree.map(add, state.acc, updates)
+    acc = utils.select(counted, acc, state.acc)
     total = _add_weight(state.weight, state.weight_low, w)
     noise = state.noise_scale  # None: the estimate is off (no work)
     if noise is not None:
@@ -429,11 +432,6 @@ def _add_weight(
     return total, low + ((hi - (total - back)) + (w - back))
 
 
-def window_weight(state: AccumulateState) -> jax.Array:
-    """The window's weight so far: ``weight``, plus ``weight_low``."""
-    return state.weight + state.weight_low
-
-
 def _weight(weight: Any, dtype: Any) -> tuple[Any, Any, Any]:
     """A checked ``accum_weight`` as ``(w, valid, weightless)``: for a
     weight known now (a Python or NumPy number, a concrete array), a Python
@@ -459,15 +457,13 @@ def _per_unit(sums: reducer.Reducer, updates: Any, w: Any) -> Any:
 
 def zeroed(tree: Any) -> Any:
     """Zeros computed from ``tree``'s own values,
-    ``where(isfinite(a), a * 0, 0)`` (NaN-safe): written where a closing
+    ``nan_to_num(a * 0)`` (NaN-safe): written where a closing
     window's work reads the accumulator, XLA reuses its buffer in place,
     and the branch of a call that does not close passes the donated buffer
     through without a copy (``zeros_like`` would make XLA:GPU copy it on
     every such call)."""
-    return jax.tree.map(
-        lambda a: jnp.where(jnp.isfinite(a), a * 0, jnp.zeros((), a.dtype)),
-        tree,
-    )
+    # nan_to_num(a * 0): 0 where a is finite, NaN (then 0) where it is not.
+    return jax.tree.map(jnp.nan_to_num, optax.tree.scale(0, tree))
 
 
 def _emitter(
@@ -486,21 +482,23 @@ def _emitter(
 
     def emit():
         # Over the devices, once per window (reducer.py).
-        acc, weight = sums.reduce(
-            state.acc, window_weight(state), cfg.reduction
-        )
+        # The window's weight so far: weight, plus what rounding left out.
+        weight = state.weight + state.weight_low
+        acc, weight = sums.reduce(state.acc, weight, cfg.reduction)
         noise = state.noise_scale  # None: the estimate is off (no work)
         if cfg.noise_scale_decay is not None:
             noise = noise_scale.close(
                 cfg.noise_scale_decay, sums, noise, acc, weight, cfg.reduction
             )
         opened = True if weight_checked else weight != 0
-        if cfg.reduction == "mean":
-            # 0 for a flushed window of weight 0.
-            scale = utils.divide_or(1, weight)
-            # In each leaf's own precision (the weight's is the widest).
-            acc = jax.tree.map(lambda a: scale.astype(a.dtype) * a, acc)
-        updates = jax.tree.map(lambda a, d: a.astype(d), acc, out_dtypes)
+        # The mean's factor (0 for a flushed window of weight 0), applied in
+        # each leaf's own precision (the weight's is the widest).
+        scale = utils.divide_or(1, weight) if cfg.reduction == "mean" else 1
+        updates = jax.tree.map(
+            lambda a, d: (jnp.asarray(scale, a.dtype) * a).astype(d),
+            acc,
+            out_dtypes,
+        )
         # Same type (e.g. device-varying) as the flag of the closed branch.
         updated = utils.flag_like(opened, state.updated)
         # Followers (a nested accumulate) weigh this window by its total
@@ -534,7 +532,8 @@ def _gate_flush(
     """Closes the current window now, if it holds any micro-batch."""
     del extra_args  # the caller checks extra args (near-misses)
     params = _gradient_params(params)
-    state = _upgraded(state)
+    if state.weight_low is None:  # a state of an earlier version
+        state = _upgraded(state)
     sums = reducer.of(cfg.axis_name, state.acc, cfg.shard_update)
     sums.check_axes("oa.flush", state.acc)
     utils.check_same_structure(
@@ -556,10 +555,7 @@ def _upgraded(state: AccumulateState) -> AccumulateState:
     """A state of an earlier version (no ``weight_low``) as this version
     keeps it: there the accumulator and weight still held the last
     window's sums while ``mini_step`` was 0 (they were reset lazily); here
-    they are zero between windows. States of this version pass as they
-    are (no work)."""
-    if state.weight_low is not None:
-        return state
+    they are zero between windows."""
     fresh = state.mini_step == 0
 
     def zero(a):

@@ -95,8 +95,8 @@ def every_weight(total: float, *, max_k: int | None = None) -> EveryWeight:
       >>> for tokens in (40, 50, 30):   # 40 + 50 < 100 <= 40 + 50 + 30
       ...   _, state = tx.update(jnp.ones(1), state, accum_weight=tokens)
       ...   closed.append(bool(oa.has_updated(state)))
-      >>> closed, float(state[0].weight)
-      ([False, False, True], 120.0)
+      >>> closed, int(state[0].gradient_step)
+      ([False, False, True], 1)
     """
     number = utils.check_real("total", total)
     if not (math.isfinite(number) and number > 0):

@@ -38,15 +38,10 @@ class GatherOnce:
     Given as ``gather_once`` to :func:`microbatched_value_and_grad` under
     :func:`jax.jit` on an explicit mesh, with the model gathering its weights
     with :func:`fsdp_gather`: each *held* leaf is gathered over the mesh axes
-    ``over`` once before the micro-batches (in ``dtype`` if given); they run
-    on the held copy (``fsdp_gather`` of it moves nothing over ``over``) and
-    its gradient, summed over the micro-batches unsharded over ``over`` (in
-    the accumulator dtype), is reduce-scattered once after them, still
-    unreduced over the axes :func:`unreduced_value_and_grad` defers. Axes
-    that shard a leaf but are not in ``over`` keep the per-micro-batch gather.
-    The first and last micro-batch run outside the scan, so that XLA can
-    overlap the gathers with the first one's forward and the reduce-scatters
-    with the last one's backward (see docs/scaling.md).
+    ``over`` once, the micro-batches run on the held copy, and its summed
+    gradient is reduce-scattered once after them, still unreduced over the
+    axes :func:`unreduced_value_and_grad` defers (docs/scaling.md, "Gather
+    once per step").
 
     Args:
       batch_axes: every mesh axis that shards the batch (a name or a tuple),
@@ -66,14 +61,15 @@ class GatherOnce:
       leaves: optional ``leaves(path, leaf) -> bool`` choosing the leaves
         that may be held (default: every floating leaf sharded over
         ``over``).
+      peel: run the first and last micro-batch outside the scan, so XLA
+        can hide the gathers and reduce-scatters under their layers;
+        ``False``: all in the scan (less memory on XLA:CPU).
 
     Raises:
-      TypeError: for a malformed axis name, a non-real budget, a
-        non-floating dtype or a non-callable ``leaves``.
+      TypeError: for an argument of the wrong type, naming it.
       ValueError: for a negative budget or an ``over`` axis not in
         ``batch_axes``; when the step is traced, for an axis not on the mesh
-        (or no mesh at all: on one device, drop ``gather_once``) or an
-        ``over`` axis that shards the batch but no parameter.
+        (or no mesh at all) or an ``over`` axis that shards no parameter.
 
     Examples:
       >>> import jax.numpy as jnp, optaxaccum as oa
@@ -89,6 +85,7 @@ class GatherOnce:
     dtype: Any = None
     memory_budget: float | None = None
     leaves: Callable[[Any, Any], bool] | None = None
+    peel: bool = True
 
     def __post_init__(self):
         names = utils.axis_names(self.batch_axes)
@@ -123,6 +120,7 @@ class GatherOnce:
                     f"memory_budget={self.memory_budget!r}"
                 )
         _field(utils.check_callable, "leaves", self.leaves, none_ok=True)
+        _field(utils.check_bool, "peel", self.peel)
 
 
 def _field(check: Callable[..., Any], name: str, value: Any, **kw: Any) -> Any:

@@ -385,6 +385,7 @@ class _Stages(NamedTuple):
     named: dict[str, _Argnums]
     weight_fn: Callable[[Any], Any] | None
     has_aux: bool
+    peel: bool = True  # GatherOnce.peel
 
     @property
     def has_state(self) -> bool:
@@ -485,7 +486,8 @@ class _Stages(NamedTuple):
         then overlap each held leaf's gather with the first one's forward
         and its reduce-scatter with the last one's backward."""
         carry = self.start(call)
-        if call.holding is None or not call.holding.held:
+        holds = call.holding is not None and call.holding.held
+        if not (holds and self.peel):
             carry, outs = self.scan(call, carry, 0, self.n)
         else:
             carry, outs = self.peeled(call, carry)
@@ -596,6 +598,7 @@ def microbatched_value_and_grad(
         named=named,
         weight_fn=weight_fn,
         has_aux=has_aux,
+        peel=gather_once is None or gather_once.peel,
     )
 
     def make(fixed: gather_lib.Plan | None) -> Callable[..., Any]:
