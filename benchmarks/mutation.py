@@ -828,8 +828,8 @@ MUTANTS = {
     # The micro-step at the floor: acc + g, zeroed at the close.
     "zero_not_nan_safe": (
         "accumulate.py",
-        "return jax.tree.map(jnp.nan_to_num, optax.tree.scale(0, tree))",
-        "return optax.tree.scale(0, tree)",
+        "jnp.where, finite, optax.tree.scale(0, tree), zeros)",
+        "lambda f, a, z: a, finite, optax.tree.scale(0, tree), zeros)",
         ["tests/test_micro_step.py"],
     ),
     "close_keeps_the_sum": (

@@ -457,13 +457,14 @@ def _per_unit(sums: reducer.Reducer, updates: Any, w: Any) -> Any:
 
 def zeroed(tree: Any) -> Any:
     """Zeros computed from ``tree``'s own values,
-    ``nan_to_num(a * 0)`` (NaN-safe): written where a closing
+    ``where(isfinite(a), a * 0, 0)`` (NaN-safe): written where a closing
     window's work reads the accumulator, XLA reuses its buffer in place,
     and the branch of a call that does not close passes the donated buffer
     through without a copy (``zeros_like`` would make XLA:GPU copy it on
     every such call)."""
-    # nan_to_num(a * 0): 0 where a is finite, NaN (then 0) where it is not.
-    return jax.tree.map(jnp.nan_to_num, optax.tree.scale(0, tree))
+    finite = jax.tree.map(jnp.isfinite, tree)
+    zeros = optax.tree.zeros_like(tree)
+    return jax.tree.map(jnp.where, finite, optax.tree.scale(0, tree), zeros)
 
 
 def _emitter(
