@@ -84,11 +84,12 @@ def test_nonfinite_window_does_not_poison_the_next(bad):
 
 
 def _outside_cond(jaxpr):
-    """The equations of a jaxpr outside every conditional (recursing into
-    pjit/custom calls but not into cond branches)."""
+    """The equations of a jaxpr outside the gate's branch (recursing into
+    pjit/custom calls but not into a cond's branches, nor into the body of
+    the loop of 0 or 1 trips the fused step branches with)."""
     out = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
+        if eqn.primitive.name in ("cond", "while"):
             continue
         out.append(eqn)
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):

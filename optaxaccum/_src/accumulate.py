@@ -69,6 +69,8 @@ class AccumulateState(NamedTuple):
     weight_low: Any = None  # shape=(), weight's dtype; None: a plain sum
 
     _holds_window = True  # found by oa.has_updated (windows.py); no field
+    # Zeroed in place where a window closes (utils.ordered_after); no field
+    _param_sums = ("acc",)
 
 
 class _Config(NamedTuple):

@@ -376,14 +376,15 @@ def _apply(res: Any, params, with_updates: bool):
     def opened():
         updates, state, flag, *_ = res.emission()
         new_params = optax.apply_updates(params, updates)
+        new_params = utils.select(flag, new_params, params)
         updates = utils.mask(flag, updates) if with_updates else None
-        return utils.select(flag, new_params, params), state, updates
+        return new_params, utils.ordered_after(state, new_params), updates
 
     def closed():
         shapes = jax.eval_shape(opened)[2]  # None without with_updates
         return params, res.state, utils.zeros_of(shapes)
 
-    return utils.cond_or_call(res.may_open, opened, closed)
+    return utils.loop_or_call(res.may_open, opened, closed())
 
 
 def flush(

@@ -58,6 +58,8 @@ class MultiStepsState(NamedTuple):
     acc_weight_low: jax.Array | None = None  # shape=(), acc_weight's dtype
 
     _holds_window = True  # found by oa.has_updated (windows.py); no field
+    # Zeroed in place where a window closes (utils.ordered_after); no field
+    _param_sums = ("acc_grads",)
 
 
 class _SkipGateState(NamedTuple):

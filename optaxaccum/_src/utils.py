@@ -32,6 +32,8 @@ __all__ = [
     "check_weight",
     "concrete",
     "cond_or_call",
+    "loop_or_call",
+    "ordered_after",
     "declared_extra_args",
     "divide_or",
     "either",
@@ -582,3 +584,89 @@ def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
     except jax.errors.ConcretizationTypeError:  # traced: decide at run time
         return lax.cond(pred, _kept(true_fn), _kept(false_fn))
     return true_fn() if concrete else false_fn()
+
+
+def loop_or_call(pred: Any, true_fn: Callable, carry: Any) -> Any:
+    """``true_fn()`` where ``pred``, else ``carry`` (a tree of
+    ``true_fn``'s structure and types): a ``lax.while_loop`` of 0 or 1
+    trips whose body reads ``carry`` in place, or a plain call (or
+    ``carry``) when ``pred`` is known now.
+
+    The fused step branches here. A conditional whose untaken branch
+    passes through a value made before it (the accumulator after its add)
+    makes XLA:CPU and XLA:GPU copy that value on every call unless the
+    user passes compiler options; the carry of a loop is updated in place
+    with no copy on XLA:CPU, XLA:GPU and XLA:TPU. ``true_fn`` closes over
+    the leaves of ``carry``: its body reads them from the loop's carry
+    instead (the loop runs at most once, so they are the same values).
+    XLA:GPU keeps the loop (its ``simplify-conditional`` pass turns only
+    conditionals into selects). Where ``pred`` varies by device (inside
+    ``shard_map``) this is :func:`cond_or_call`.
+    """
+    if pred is True:
+        return true_fn()
+    try:
+        concrete = bool(pred)
+    except jax.errors.ConcretizationTypeError:  # traced: decide at run time
+        if getattr(jax.typeof(pred), "vma", None):
+            return cond_or_call(pred, true_fn, lambda: carry)
+        return _loop(pred, true_fn, carry)
+    return true_fn() if concrete else carry
+
+
+def _loop(pred: Any, true_fn: Callable, carry: Any) -> Any:
+    """:func:`loop_or_call` of a traced ``pred``."""
+    body_fn, hoisted = jax.closure_convert(true_fn)
+    leaves, treedef = jax.tree.flatten(carry)
+    slot = {id(x): i for i, x in enumerate(leaves)}
+
+    def body(state):
+        values, _ = state
+        args = [values[slot[id(h)]] if id(h) in slot else h for h in hoisted]
+        out = jax.tree.leaves(body_fn(*args))
+        return out, jnp.zeros_like(pred)
+
+    out, _ = lax.while_loop(
+        lambda state: state[1], body, (leaves, jnp.asarray(pred, bool))
+    )
+    return jax.tree.unflatten(treedef, out)
+
+
+def ordered_after(state: Any, params: Any) -> Any:
+    """``state`` with each window's param-like sums (their fields named by
+    the state class's ``_param_sums``) ordered after ``params``: plus the
+    NaN-safe zero of the matching leaf of ``params``, an identity.
+
+    XLA:CPU's copy insertion orders an in-place write after the reads of
+    the same buffer only where data flows from them: a window's zeroed
+    accumulator, written over the one the optimizer reads, then needs no
+    copy. ``params`` (the new params) is what the optimizer made of that
+    read. Leaves whose structure does not match ``params`` stay as they
+    are."""
+
+    def one(s):
+        if not hasattr(type(s), "_param_sums"):
+            return s
+        fields = {}
+        for name in type(s)._param_sums:
+            sums = getattr(s, name)
+            if jax.tree.structure(sums) == jax.tree.structure(params):
+                sums = jax.tree.map(_after, sums, params)
+            fields[name] = sums
+        return s._replace(**fields)
+
+    return jax.tree.map(
+        one, state, is_leaf=lambda s: hasattr(type(s), "_param_sums")
+    )
+
+
+def _after(a: Any, p: Any) -> Any:
+    """``a`` plus the zero of ``p`` (``where(isfinite(p), p * 0, 0)``),
+    broadcast to ``a``'s shape, in ``a``'s dtype."""
+    p = jnp.asarray(p)
+    if not jnp.issubdtype(p.dtype, jnp.inexact) or p.ndim > a.ndim:
+        return a
+    zero = jnp.where(jnp.isfinite(p), p * 0, 0)
+    if not jnp.issubdtype(a.dtype, jnp.complexfloating):
+        zero = jnp.real(zero)
+    return a + zero.astype(a.dtype)
