@@ -122,8 +122,12 @@ def pipelined(compiled, args, feed, *, calls: int, rounds: int) -> float:
 
 
 def conditionals(compiled) -> int:
-    """How many ``conditional`` instructions the optimized HLO holds."""
-    return compiled.as_text().count(" conditional(")
+    """How many branches the optimized HLO holds: ``conditional``
+    instructions and the fused step's loop of 0 or 1 trips."""
+    text = compiled.as_text()
+    loops = [ln for ln in text.splitlines() if " while(" in ln]
+    gate_loops = sum("optaxaccum_gate/while" in ln for ln in loops)
+    return text.count(" conditional(") + gate_loops
 
 
 def _feed_step(out, args):

@@ -36,6 +36,8 @@ _CALLEE_RE = re.compile(
     r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
     r"=%?([\w.\-]+)"
 )
+# The name scope of the fused step's loop (utils.GATE_LOOP), in its metadata.
+_GATE_LOOP = 'optaxaccum_gate/while"'
 _BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRUE_FALSE_RE = re.compile(
     r"\btrue_computation=%?([\w.\-]+).*?\bfalse_computation=%?([\w.\-]+)"
@@ -113,8 +115,12 @@ def callees(line: str) -> Iterator[tuple[str, int | None]]:
         for i, name in enumerate(m.group(1).split(",")):
             yield name.strip().lstrip("%"), i
         return
+    gate_loop = " while(" in line and _GATE_LOOP in line
     for name in _CALLEE_RE.findall(line):
-        yield name, None
+        # The fused step's loop of 0 or 1 trips: its body is the gate's
+        # open branch (1, as lax.cond's true branch).
+        body = gate_loop and re.search(rf"\bbody=%?{re.escape(name)}\b", line)
+        yield name, 1 if body else None
 
 
 def instructions(

@@ -26,6 +26,7 @@ _CALLED = re.compile(
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _KIND = re.compile(r"\bkind=(k\w+)")
 _FOLLOW = frozenset({"bitcast", "copy", "get-tuple-element", "reshape"})
+_GATE_LOOP = 'optaxaccum_gate/while"'
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__triton")
 
 
@@ -61,13 +62,22 @@ class Instr:
         return m.group(1) if m else None
 
     @property
+    def is_gate_loop(self) -> bool:
+        """The fused step's loop of 0 or 1 trips (``utils.loop_or_call``,
+        found by its name scope): a branch, like a conditional's."""
+        return self.opcode == "while" and _GATE_LOOP in self.attrs
+
+    @property
     def called(self) -> list[tuple[str, str]]:
         """``(edge, computation)``: ``edge`` is ``"branch"`` for the
-        branches of a conditional, the attribute's name otherwise."""
+        branches of a conditional and the body of the gate's loop, the
+        attribute's name otherwise."""
         out = []
         for key, name in _CALLED.findall(self.attrs):
-            edge = "branch" if key.endswith("_computation") else key
-            out.append((edge, name))
+            branch = key.endswith("_computation") or (
+                key == "body" and self.is_gate_loop
+            )
+            out.append(("branch" if branch else key, name))
         for group in _BRANCHES.findall(self.attrs):
             out += [("branch", n) for n in _NAME.findall(group)]
         return out
@@ -152,7 +162,7 @@ class Module:
             i
             for name in self.every_call()
             for i in self.computations[name]
-            if i.opcode == "conditional"
+            if i.opcode == "conditional" or i.is_gate_loop
         ]
 
     def branch_bodies(self) -> set[str]:
