@@ -668,7 +668,6 @@ def test_fused_zero_weight_step_adds_no_tree_temporary():
     step = jax.jit(
         lambda p, s, g, w: oa.apply_gradients(tx, g, s, p, accum_weight=w),
         donate_argnums=(0, 1),
-        compiler_options=oa.fold_compiler_options(),
     )
     mem = step.lower(params, state, params, 1.0).compile().memory_analysis()
     assert mem.temp_size_in_bytes < 256 * 256 * 4 // 64, mem.temp_size_in_bytes

@@ -142,15 +142,13 @@ def test_hlo_non_closing_step_skips_follower():
 def _compiled_fused_step():
     """``oa.apply_gradients`` with params and state donated, compiled for a
     256x256 float32 tree and ``oa.chain(oa.accumulate(4), optax.adam)``,
-    with :func:`optaxaccum.fold_compiler_options` (XLA:CPU copies the
-    accumulator the non-closing branch passes through without them)."""
+    with no compiler option (the premise holds by default)."""
     params = {"w": jnp.zeros((256, 256))}
     tx = oa.chain(oa.accumulate(4), optax.adam(1e-3))
     state = tx.init(params)
     step = jax.jit(
         lambda p, s, g: oa.apply_gradients(tx, g, s, p),
         donate_argnums=(0, 1),
-        compiler_options=oa.fold_compiler_options(),
     )
     return step.lower(params, state, params).compile()
 
@@ -355,8 +353,7 @@ def test_fused_fast_path_with_a_loss_scale_in_front():
                 u, s = tx.update(g, s, p)
                 return optax.apply_updates(p, u), s
 
-        options = oa.fold_compiler_options()
-        step = jax.jit(fn, donate_argnums=(0, 1), compiler_options=options)
+        step = jax.jit(fn, donate_argnums=(0, 1))
         return step, state, step.lower(params, state, params).compile()
 
     step, state, comp = compiled(
@@ -429,7 +426,6 @@ def test_eager_gate_in_its_own_chain_keeps_the_fast_path():
     step = jax.jit(
         lambda p, s, g: oa.apply_gradients(tx, g, s, p),
         donate_argnums=(0, 1),
-        compiler_options=oa.fold_compiler_options(),
     )
     mem = step.lower(params, state, params).compile().memory_analysis()
     assert mem.temp_size_in_bytes < 256 * 256 * 4 // 64

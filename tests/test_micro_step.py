@@ -325,3 +325,27 @@ def test_a_state_of_an_earlier_version_is_converted():
         np.testing.assert_allclose(u["w"], want, rtol=1e-6)
     _, flushed = oa.flush(tx, old, params)
     assert flushed[0].weight_low is not None
+
+
+@pytest.mark.parametrize("options", [False, True])
+@pytest.mark.parametrize("form", ["chain", "MultiSteps", "weighted"])
+def test_fused_step_holds_no_tree_without_and_with_options(form, options):
+    """The fused donated step of the default path allocates no tree-sized
+    temporary with no compiler option, and none with
+    ``oa.fold_compiler_options()`` either (XLA:CPU, gradients passed in)."""
+    params = {"w": jnp.zeros((256, 256)), "v": jnp.zeros((128, 256))}
+    tx = (
+        oa.MultiSteps(optax.adam(1e-3), 4)
+        if form == "MultiSteps"
+        else oa.chain(oa.accumulate(4), optax.adam(1e-3))
+    )
+    extra = {"accum_weight": jnp.float32(2.0)} if form == "weighted" else {}
+    step = jax.jit(
+        lambda p, s, g, kw: oa.apply_gradients(tx, g, s, p, **kw),
+        donate_argnums=(0, 1),
+        compiler_options=oa.fold_compiler_options() if options else None,
+    )
+    compiled = step.lower(params, tx.init(params), params, extra).compile()
+    tree = sum(x.size * 4 for x in jax.tree.leaves(params))
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < tree // 64, (temp, tree)

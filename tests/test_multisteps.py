@@ -437,7 +437,6 @@ def test_fused_step_needs_no_tree_sized_temporary():
         step = jax.jit(
             lambda p, s, g, ms=ms: oa.apply_gradients(ms, g, s, p),
             donate_argnums=(0, 1),
-            compiler_options=oa.fold_compiler_options(),
         )
         compiled = step.lower(params, ms.init(params), params).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes

@@ -248,11 +248,7 @@ def test_non_closing_update_writes_no_params_and_builds_no_update_tree():
     for cls in (nnx.Optimizer, oa_nnx.Optimizer):
         opt = cls(model, tx, wrt=nnx.Param)
         f = nnx.jit(step, donate_argnums=(0, 1))
-        # nnx.jit takes no compiler options; the lowered step compiles with
-        # those of an in-place micro-step (docs/gpu.md).
-        compiled = f.lower(model, opt, grads).compile(
-            oa.fold_compiler_options()
-        )
+        compiled = f.lower(model, opt, grads).compile()
         mem = compiled.memory_analysis()
         temps[cls] = mem.temp_size_in_bytes
     # The stock path builds a tree of zero updates (param-sized) on XLA:CPU;
