@@ -9,6 +9,8 @@ import pathlib
 import re
 import runpy
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GALLERY = ROOT / "docs" / "gallery"
 
@@ -185,12 +187,11 @@ QUICKSTART_RUNS = {
 RERECORD = "python docs/gallery/make_gallery.py --run quickstart"
 
 
+@pytest.mark.slow
 def test_quickstart_page_memory_is_what_the_code_compiles_to():
     # The page said 485.8 / 325.6 KiB for run (b) after the micro-step had
     # changed and the step compiled to 506.0 / 345.9 KiB: figures on a page
     # come from the current code. Compiled here, not run.
-    import pytest
-
     pytest.importorskip("sklearn", reason="needs the examples extra")
     import importlib.metadata
 
