@@ -6,7 +6,9 @@ by ``make docs``: an HTML build and a doctest build, both with ``-W``. The
 local extension ``_ext/coverage_check.py`` fails the build when a name in a
 public ``__all__`` is left out of the API reference; ``_ext/doc_links.py``
 turns the ``docs/<page>.md`` pointers in docstrings into links to the
-pages. ``tests/docs_site_check.py`` checks the built HTML (code lines, table
+pages; ``_ext/site_layout.py`` shows the README's peer comparison, fits
+wide figures to the column and titles the source listings by their public
+modules. ``tests/docs_site_check.py`` checks the built HTML (code lines, table
 widths, no remote assets, no work-log words).
 """
 
@@ -41,6 +43,7 @@ extensions = [
     "myst_parser",
     "coverage_check",
     "doc_links",
+    "site_layout",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
@@ -152,8 +155,10 @@ repository_url = _urls.get("Repository", "")
 # The landing page's one-line install, from the same address.
 myst_substitutions["repository"] = f"[the repository]({repository_url})"
 myst_substitutions["issues"] = f"[issue tracker]({repository_url}/issues)"
+# The one-line install is a code block (on a line of its own in a page):
+# it has a copy button and never wraps mid-address.
 myst_substitutions["install"] = (
-    f'`pip install "optaxaccum[flax] @ git+{repository_url}"`'
+    f'```bash\npip install "optaxaccum[flax] @ git+{repository_url}"\n```'
 )
 
 html_theme = "sphinx_book_theme"
