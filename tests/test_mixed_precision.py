@@ -195,8 +195,12 @@ def _nnx_grads(params, x, y, **linear):
     def loss(model):
         return jnp.mean((model(x).astype(jnp.float32) - y) ** 2)
 
-    grads = nnx.grad(loss)(_NnxMLP(params, **linear))
-    return {"w1": grads.l1.kernel[...], "w2": grads.l2.kernel[...]}
+    @jax.jit
+    def grads_of(params):
+        grads = nnx.grad(loss)(_NnxMLP(params, **linear))
+        return {"w1": grads.l1.kernel[...], "w2": grads.l2.kernel[...]}
+
+    return grads_of(params)
 
 
 def _relative_error(got, want):
@@ -368,8 +372,9 @@ def test_vmap_per_example_gradients():
     loss = _mlp_loss(dot)
     one = lambda p, x, y: loss(p, x[None], y[None])  # noqa: E731
     got = jax.jit(jax.vmap(jax.grad(one), (None, 0, 0)))(params, x[:8], y[:8])
+    grad_of_one = jax.jit(jax.grad(one))
     for i in range(8):
-        want = jax.grad(one)(params, x[i], y[i])
+        want = grad_of_one(params, x[i], y[i])
         mine = jax.tree.map(lambda g, i=i: g[i], got)
         chex.assert_trees_all_close(mine, want, rtol=2e-5, atol=1e-7)
 
@@ -438,3 +443,33 @@ def test_explicit_mesh_keeps_the_shardings(layout):
         if layout == "unreduced":
             assert seen[k].sharding.spec.unreduced == {"data"}, seen[k]
     chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-7)
+
+
+@pytest.mark.devices(8)
+def test_shard_map_and_pmap_sum_a_replicated_weights_gradient():
+    """Inside ``shard_map`` (vma checked) a replicated weight's gradient
+    comes out summed over the devices, as through ``jax.lax.dot_general``;
+    under ``pmap`` the per-device gradients are the local ones."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(16, 4)), jnp.float32)
+    results = {}
+    for name, dot in [
+        ("lax", jax.lax.dot_general),
+        ("mixed", oa.mixed_precision_dot_general(jnp.float32)),
+    ]:
+
+        def grad(w, x, dot=dot):
+            return jax.grad(lambda w: (dot(x, w, MATMUL) ** 2).sum())(w)
+
+        mapped = jax.shard_map(
+            grad, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+        )
+        local = jax.pmap(grad, in_axes=(None, 0))(w, x.reshape(8, 2, 4))
+        results[name] = (jax.jit(mapped)(w, x), local)
+    chex.assert_trees_all_close(
+        results["mixed"], results["lax"], rtol=1e-6, atol=1e-6
+    )
+    chex.assert_trees_all_close(
+        results["lax"][0], results["lax"][1].sum(0), rtol=1e-5, atol=1e-5
+    )

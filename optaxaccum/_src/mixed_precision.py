@@ -75,6 +75,28 @@ def _operand(name: str, x: jax.Array) -> _Operand:
     return _Operand(jnp.dtype(x.dtype), x.ndim, sharding)
 
 
+def _vma(x: jax.Array) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (else empty;
+    ``manual_axis_type.varying`` on jax 0.10 to 0.12)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
+
+
+def _same_variance(lhs: jax.Array, rhs: jax.Array) -> tuple:
+    """Both operands varying over the mesh axes either varies over (inside
+    ``shard_map``), as ``jax.lax.dot_general`` casts them itself: the cast's
+    transpose sums the invariant operand's cotangent over those axes,
+    outside the custom VJP, whose cotangents then have their operands'
+    types."""
+    axes = _vma(lhs) | _vma(rhs)
+
+    def vary(x):
+        missing = tuple(sorted(axes - _vma(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return vary(lhs), vary(rhs)
+
+
 def _kept(ndim: int, contract: Sequence[int], batch: Sequence[int]):
     """An operand's axes that are neither contracted nor batched, in
     order: in the product they follow the batch axes, the lhs's first."""
@@ -197,8 +219,8 @@ def mixed_precision_dot_general(
     ``flax.nnx.Linear``/``LinearGeneral`` with their ``dtype`` left
     ``None``, so that float32 master weights reach it uncast (docs/gpu.md,
     "Mixed precision"). It works under ``jit``, ``vmap``, ``grad``,
-    :func:`microbatched_value_and_grad` and on explicit meshes (each
-    cotangent keeps its operand's sharding).
+    :func:`microbatched_value_and_grad`, ``shard_map``, ``pmap`` and on
+    explicit meshes (each cotangent keeps its operand's sharding).
 
     Args:
       compute_dtype: the floating dtype of both operands in the GEMMs.
@@ -236,7 +258,7 @@ def mixed_precision_dot_general(
         *,
         out_sharding: Any = None,
     ) -> jax.Array:
-        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        lhs, rhs = _same_variance(jnp.asarray(lhs), jnp.asarray(rhs))
         ops = _operand("lhs", lhs), _operand("rhs", rhs)
         if preferred_element_type is None:
             out = _wider(ops[0].dtype, ops[1].dtype)
