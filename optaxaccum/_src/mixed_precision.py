@@ -258,8 +258,8 @@ def mixed_precision_dot_general(
         *,
         out_sharding: Any = None,
     ) -> jax.Array:
-        lhs, rhs = _same_variance(jnp.asarray(lhs), jnp.asarray(rhs))
-        ops = _operand("lhs", lhs), _operand("rhs", rhs)
+        a, b = _same_variance(jnp.asarray(lhs), jnp.asarray(rhs))
+        ops = _operand("lhs", a), _operand("rhs", b)
         if preferred_element_type is None:
             out = _wider(ops[0].dtype, ops[1].dtype)
         else:
@@ -277,6 +277,6 @@ def mixed_precision_dot_general(
             out_sharding,
             *ops,
         )
-        return _mixed_dot(static, lhs, rhs)
+        return _mixed_dot(static, a, b)
 
     return dot_general
