@@ -40,6 +40,7 @@ from optaxaccum._src.microbatch import (
     microbatched_value_and_grad,
     plan_microbatches,
 )
+from optaxaccum._src.mixed_precision import mixed_precision_dot_general
 from optaxaccum._src.multisteps import MultiSteps, MultiStepsState
 from optaxaccum._src.noise_scale import (
     NoiseScale,
@@ -108,6 +109,8 @@ __all__ = [
     "ScaleByWindowState",
     # Gather once per step.
     "GatherOnce",
+    # Mixed precision at the floor.
+    "mixed_precision_dot_general",
 ]
 
 # Whole-matrix followers under shard_update (ZeRO-1 by ownership).
