@@ -6,6 +6,11 @@ they were made: tests/fixtures/hlo/make.py)."""
 
 import pathlib
 
+import jax
+import jax.numpy as jnp
+import pytest
+
+import optaxaccum as oa
 from optaxaccum._src import hlo
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hlo"
@@ -170,3 +175,39 @@ def test_tpu_gather_once_step_sync_reduce_scatter_counts_its_operand():
         ("all-reduce", True, 5752),  # the other gradients, combined
     ]
     assert not any(r["loop"] for r in rows)
+
+
+# ------------------------------------------------- oa.overlap_compiler_options
+
+
+def test_overlap_compiler_options_per_platform():
+    gpu = oa.overlap_compiler_options("gpu")
+    assert gpu == {
+        "xla_gpu_all_gather_combine_threshold_bytes": 0,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+        "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+    }
+    tpu = oa.overlap_compiler_options("tpu")
+    assert tpu["xla_tpu_enable_async_collective_fusion"] is True
+    assert all(k.startswith(("xla_tpu_", "xla_enable_")) for k in tpu)
+    assert oa.overlap_compiler_options("cpu") == {}
+    assert oa.overlap_compiler_options() == oa.overlap_compiler_options(
+        jax.default_backend()
+    )
+    gpu["xla_gpu_all_gather_combine_threshold_bytes"] = 1  # a new dict
+    assert oa.overlap_compiler_options("gpu") != gpu
+
+
+@pytest.mark.parametrize("platform", ["cuda", "GPU", "", 3])
+def test_overlap_compiler_options_bad_platform(platform):
+    with pytest.raises(ValueError, match=f"platform={platform!r}"):
+        oa.overlap_compiler_options(platform)
+
+
+def test_overlap_compiler_options_compile_on_this_backend():
+    f = jax.jit(
+        lambda x: jnp.tanh(x @ x).sum(),
+        compiler_options=oa.overlap_compiler_options(),
+    )
+    x = jnp.arange(16.0).reshape(4, 4) / 16
+    assert f(x) == jax.jit(lambda x: jnp.tanh(x @ x).sum())(x)

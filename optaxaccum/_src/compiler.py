@@ -1,5 +1,6 @@
-"""``oa.fold_compiler_options``: the per-jit XLA options of an in-place
-micro-step."""
+"""``oa.fold_compiler_options`` and ``oa.overlap_compiler_options``: the
+per-jit XLA options of an in-place micro-step, and of a gather-once step
+whose collectives run under compute."""
 
 from __future__ import annotations
 
@@ -46,3 +47,80 @@ def fold_compiler_options() -> dict[str, bool]:
       True
     """
     return dict.fromkeys(_REGION_ANALYSIS, True)
+
+
+# Per platform, the per-jit options under which a gather-once step's
+# collectives are scheduled under compute (docs/scaling.md, "Hidden under
+# the first and last micro-batch", says what each does and what the
+# compiled programs show).
+_OVERLAP = {
+    # XLA:GPU combines the step's all-gathers into one collective (and its
+    # reduce-scatters), which then waits for the last leaf; a threshold of
+    # 0 bytes combines none. Its latency-hiding scheduler then keeps up to
+    # two collectives in flight at once.
+    "gpu": {
+        "xla_gpu_all_gather_combine_threshold_bytes": 0,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+        "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+    },
+    # XLA:TPU's async collective fusion (continuation fusion) for
+    # all-gathers: an asynchronous all-gather runs inside the convolution
+    # fusions scheduled while it is in flight, over several of them. Its
+    # defaults (libtpu 0.0.42.1), set so that an override does not remove
+    # them: each one False leaves every all-gather synchronous.
+    "tpu": {
+        "xla_tpu_enable_async_collective_fusion": True,
+        "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+        "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+        "xla_tpu_overlap_compute_collective_tc": True,
+        "xla_enable_async_all_gather": True,
+    },
+    "cpu": {},
+}
+
+
+def overlap_compiler_options(
+    platform: str | None = None,
+) -> dict[str, bool | int]:
+    """XLA options for ``jax.jit(..., compiler_options=...)`` under which a
+    gather-once step's collectives are scheduled under compute.
+
+    With :class:`GatherOnce`, each held leaf's gather is issued where the
+    first micro-batch's forward needs it and each summed gradient is
+    reduce-scattered where the last micro-batch's backward makes it; these
+    options let the compiler overlap them with the neighbouring layers'
+    matrix products (read the result with :func:`collective_exposure`).
+    XLA:GPU: no combining of all-gathers or reduce-scatters, two
+    collectives in flight. XLA:TPU: async collective fusion for all-gathers
+    (its defaults, pinned). XLA:CPU: none. They change the schedule, not
+    what is computed. docs/scaling.md says what each option does and what
+    the compiled programs show per platform.
+
+    Args:
+      platform: ``"gpu"``, ``"tpu"`` or ``"cpu"``; ``None`` (default):
+        ``jax.default_backend()``.
+
+    Returns:
+      A new dict of option names and values.
+
+    Raises:
+      ValueError: ``platform`` is none of those.
+
+    Examples:
+      >>> import optaxaccum as oa
+      >>> oa.overlap_compiler_options("gpu")[
+      ...     "xla_gpu_experimental_parallel_collective_overlap_limit"]
+      2
+      >>> oa.overlap_compiler_options("cpu")
+      {}
+    """
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    if not isinstance(platform, str) or platform not in _OVERLAP:
+        raise ValueError(
+            "platform must be None, 'gpu', 'tpu' or 'cpu', got "
+            f"platform={platform!r}"
+        )
+    return dict(_OVERLAP[platform])
