@@ -50,30 +50,49 @@ def fold_compiler_options() -> dict[str, bool]:
 
 
 # Per platform, the per-jit options under which a gather-once step's
-# collectives are scheduled under compute (docs/scaling.md, "Hidden under
-# the first and last micro-batch", says what each does and what the
-# compiled programs show).
-_OVERLAP = {
-    # XLA:GPU combines the step's all-gathers into one collective (and its
-    # reduce-scatters), which then waits for the last leaf; a threshold of
-    # 0 bytes combines none. Its latency-hiding scheduler then keeps up to
-    # two collectives in flight at once.
+# collectives are scheduled under compute, each with what it does
+# (docs/scaling.md's table of them is generated from this).
+OVERLAP_OPTIONS: dict[str, dict[str, tuple[bool | int, str]]] = {
     "gpu": {
-        "xla_gpu_all_gather_combine_threshold_bytes": 0,
-        "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
-        "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+        "xla_gpu_all_gather_combine_threshold_bytes": (
+            0,
+            "combine no all-gathers: each held leaf's gather starts as soon "
+            "as its leaf is ready instead of waiting in one combined "
+            "collective for the last",
+        ),
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": (
+            0,
+            "combine no reduce-scatters: each summed gradient is scattered "
+            "as soon as the last micro-batch's backward has made it",
+        ),
+        "xla_gpu_experimental_parallel_collective_overlap_limit": (
+            2,
+            "let the latency-hiding scheduler keep two collectives in "
+            "flight at once (a gather and a reduce-scatter)",
+        ),
     },
-    # XLA:TPU's async collective fusion (continuation fusion) for
-    # all-gathers: an asynchronous all-gather runs inside the convolution
-    # fusions scheduled while it is in flight, over several of them. Its
-    # defaults (libtpu 0.0.42.1), set so that an override does not remove
-    # them: each one False leaves every all-gather synchronous.
     "tpu": {
-        "xla_tpu_enable_async_collective_fusion": True,
-        "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
-        "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
-        "xla_tpu_overlap_compute_collective_tc": True,
-        "xla_enable_async_all_gather": True,
+        "xla_tpu_enable_async_collective_fusion": (
+            True,
+            "async collective fusion: a collective runs inside the compute "
+            "fusions scheduled while it is in flight (continuation fusion)",
+        ),
+        "xla_tpu_enable_async_collective_fusion_fuse_all_gather": (
+            True,
+            "async collective fusion for all-gathers",
+        ),
+        "xla_tpu_enable_async_collective_fusion_multiple_steps": (
+            True,
+            "one all-gather may run on over several compute fusions",
+        ),
+        "xla_tpu_overlap_compute_collective_tc": (
+            True,
+            "overlap a collective with compute on the TensorCore",
+        ),
+        "xla_enable_async_all_gather": (
+            True,
+            "all-gathers asynchronous (start and done apart)",
+        ),
     },
     "cpu": {},
 }
@@ -92,9 +111,11 @@ def overlap_compiler_options(
     matrix products (read the result with :func:`collective_exposure`).
     XLA:GPU: no combining of all-gathers or reduce-scatters, two
     collectives in flight. XLA:TPU: async collective fusion for all-gathers
-    (its defaults, pinned). XLA:CPU: none. They change the schedule, not
-    what is computed. docs/scaling.md says what each option does and what
-    the compiled programs show per platform.
+    (libtpu's defaults, pinned: set False, each leaves every all-gather
+    synchronous, except the one letting a gather span several fusions).
+    XLA:CPU: none. They change the schedule, not what is computed.
+    docs/scaling.md says what each option does and what the compiled
+    programs show per platform.
 
     Args:
       platform: ``"gpu"``, ``"tpu"`` or ``"cpu"``; ``None`` (default):
@@ -118,9 +139,9 @@ def overlap_compiler_options(
         import jax
 
         platform = jax.default_backend()
-    if not isinstance(platform, str) or platform not in _OVERLAP:
+    if not isinstance(platform, str) or platform not in OVERLAP_OPTIONS:
         raise ValueError(
             "platform must be None, 'gpu', 'tpu' or 'cpu', got "
             f"platform={platform!r}"
         )
-    return dict(_OVERLAP[platform])
+    return {name: v for name, (v, _) in OVERLAP_OPTIONS[platform].items()}
