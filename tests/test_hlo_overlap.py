@@ -211,3 +211,10 @@ def test_overlap_compiler_options_compile_on_this_backend():
     )
     x = jnp.arange(16.0).reshape(4, 4) / 16
     assert f(x) == jax.jit(lambda x: jnp.tanh(x @ x).sum())(x)
+
+
+def test_collective_exposure_reads_the_tpu_program_text():
+    text = (FIXTURES / "tpu_v5e_fusion_on.hlo").read_text()
+    got = oa.collective_exposure(text, min_bytes=WEIGHT)
+    assert (got["collectives"], got["exposed"], got["in_loop"]) == (6, 5, 0)
+    assert got["overlapped"] == 1 / 6 and got["bytes"] == 6 * WEIGHT
