@@ -4,6 +4,8 @@ whose collectives run under compute."""
 
 from __future__ import annotations
 
+import jax
+
 # XLA's copy insertion with its region-based live-range analysis, one name
 # per backend. Each backend reads its own and ignores the other; XLA:TPU
 # needs neither (it passes the accumulator through without a copy).
@@ -136,8 +138,6 @@ def overlap_compiler_options(
       {}
     """
     if platform is None:
-        import jax
-
         platform = jax.default_backend()
     if not isinstance(platform, str) or platform not in OVERLAP_OPTIONS:
         raise ValueError(

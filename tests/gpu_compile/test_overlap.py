@@ -89,7 +89,7 @@ def test_per_micro_batch_control_h200():
 
 def test_gather_once_tpu_v5e_nothing_in_the_loop():
     """XLA:TPU (libtpu): no weight-sized collective inside the loop; the
-    exposure figures are reported in benchmarks/GPU_COMPILE.md."""
+    exposure figures are in docs/scaling.md."""
     got, rows, _ = _exposure("tpu", True)
     assert got["in_loop"] == 0, rows
 
