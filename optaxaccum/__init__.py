@@ -23,7 +23,10 @@ from optaxaccum._src.collectives import (
     collective_census,
     collective_exposure,
 )
-from optaxaccum._src.compiler import fold_compiler_options
+from optaxaccum._src.compiler import (
+    fold_compiler_options,
+    overlap_compiler_options,
+)
 from optaxaccum._src.every_weight import every_weight
 from optaxaccum._src.gather_once import GatherOnce
 from optaxaccum._src.gating import GatedTransformation, is_gate
@@ -94,6 +97,7 @@ __all__ = [
     "microbatched_step_memory",
     "microbatched_value_and_grad",
     "noise_scale",
+    "overlap_compiler_options",
     "plan_microbatches",
     "reshard_state",
     "scaled_value_and_grad",
