@@ -552,6 +552,48 @@ def _gate_flush(
     )
 
 
+# The state types whose earlier layout :func:`upgraded` converts: type ->
+# (whether a state of it has the earlier layout, its conversion).
+# multisteps.py adds MultiStepsState.
+EARLIER_LAYOUTS: dict[type, tuple[Callable[[Any], bool], Callable]] = {}
+
+
+def upgraded(state: Any) -> Any:
+    """``state`` (an optimizer state) with each state of an earlier version
+    in it converted as this version keeps it. A chain converts its whole
+    state before it branches: a state its branch converts (a nested
+    accumulate's) and the other branch passes on must have one tree.
+
+    Args:
+      state: an optimizer state.
+
+    Returns:
+      ``state`` itself if nothing in it has an earlier layout, else
+      ``state`` with those converted.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from optaxaccum._src import accumulate as acc
+      >>> old = acc.accumulate(2).init(jnp.zeros(1))._replace(weight_low=None)
+      >>> acc.upgraded((old,))[0].weight_low
+      Array(0., dtype=float32)
+    """
+
+    def is_state(s):
+        return type(s) in EARLIER_LAYOUTS
+
+    def convert(s):
+        is_earlier, conversion = EARLIER_LAYOUTS[type(s)]
+        return conversion(s) if is_earlier(s) else s
+
+    found = jax.tree.leaves(state, is_leaf=is_state)
+    if not any(is_state(s) and EARLIER_LAYOUTS[type(s)][0](s) for s in found):
+        return state
+    return jax.tree.map(
+        lambda s: convert(s) if is_state(s) else s, state, is_leaf=is_state
+    )
+
+
 def _upgraded(state: AccumulateState) -> AccumulateState:
     """A state of an earlier version (no ``weight_low``) as this version
     keeps it: there the accumulator and weight still held the last
@@ -567,6 +609,9 @@ def _upgraded(state: AccumulateState) -> AccumulateState:
         weight=zero(state.weight),
         weight_low=jnp.zeros_like(state.weight),
     )
+
+
+EARLIER_LAYOUTS[AccumulateState] = (lambda s: s.weight_low is None, _upgraded)
 
 
 def _gradient_params(params: Any) -> Any:

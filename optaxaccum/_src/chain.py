@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optaxaccum._src import accumulate as _accumulate
 from optaxaccum._src import base, gating, utils
 from optaxaccum._src.windows import warn_if_wrapped
 
@@ -88,6 +89,7 @@ def chain(
 
     def gate_update_fn(updates, state, params, ctx, **extra_args):
         _check_chain_state(state, n)
+        state = _accumulate.upgraded(state)  # before the branches (both)
         window, new_head = ctx.window_weight, ()
         if asks_units and window is None and "accum_weight" not in extra_args:
             # The call weighs its micro-batch 1: tell the followers that ask.
@@ -210,6 +212,7 @@ def _flush_fn(transforms) -> base.GateFlushFn | None:
 
     def gate_flush_fn(state, params, **extra_args):
         _check_chain_state(state, n)
+        state = _accumulate.upgraded(state)  # before the branches (both)
         res = gating.decision_of(
             flush_fn(state[flush_at], params, **extra_args)
         )
