@@ -560,9 +560,13 @@ EARLIER_LAYOUTS: dict[type, tuple[Callable[[Any], bool], Callable]] = {}
 
 def upgraded(state: Any) -> Any:
     """``state`` (an optimizer state) with each state of an earlier version
-    in it converted as this version keeps it. A chain converts its whole
-    state before it branches: a state its branch converts (a nested
-    accumulate's) and the other branch passes on must have one tree.
+    in it converted as this version keeps it. A chain converts its state
+    before it branches: a state that one branch converts (a nested
+    accumulate's) and the other passes on must have one tree.
+
+    Looks through plain tuples (the states of ``oa.chain`` and
+    ``optax.chain``, nested), where a gate's state sits in a chain's; not
+    into other states, whose leaves it would only walk.
 
     Args:
       state: an optimizer state.
@@ -578,20 +582,15 @@ def upgraded(state: Any) -> Any:
       >>> acc.upgraded((old,))[0].weight_low
       Array(0., dtype=float32)
     """
-
-    def is_state(s):
-        return type(s) in EARLIER_LAYOUTS
-
-    def convert(s):
-        is_earlier, conversion = EARLIER_LAYOUTS[type(s)]
-        return conversion(s) if is_earlier(s) else s
-
-    found = jax.tree.leaves(state, is_leaf=is_state)
-    if not any(is_state(s) and EARLIER_LAYOUTS[type(s)][0](s) for s in found):
+    known = EARLIER_LAYOUTS.get(type(state))
+    if known is not None:
+        is_earlier, conversion = known
+        return conversion(state) if is_earlier(state) else state
+    if type(state) is not tuple:
         return state
-    return jax.tree.map(
-        lambda s: convert(s) if is_state(s) else s, state, is_leaf=is_state
-    )
+    parts = tuple(upgraded(s) for s in state)
+    same = all(p is s for p, s in zip(parts, state))
+    return state if same else parts
 
 
 def _upgraded(state: AccumulateState) -> AccumulateState:
