@@ -3,15 +3,16 @@ scan costs in memory and compile time.
 
 Compiles the step of ``gather_once_census.py`` (a 3-leaf MLP on ``data=2 x
 fsdp=4``, ``k`` interleaved micro-batches, every fsdp-sharded weight held)
-twice: as the library builds it (the first and last micro-batch outside
-the scan) and with every micro-batch in the scan (``peel=False``), and
-prints the
-per-device memory (argument + output - alias + temp bytes of
-``memory_analysis()``), the temp bytes alone and the compile time (lower +
-compile, the best of 3; a timing, not an assertion). Nothing is run:
+three times: as the library builds it (the first and last micro-batch
+outside the scan), with every micro-batch in the scan (``peel=False``) and
+not held (``gather_once=None``), and prints the per-device memory
+(argument + output - alias + temp bytes of ``memory_analysis()``), the
+temp bytes alone and the compile time (lower + compile, the best of 3; a
+timing, not an assertion). Nothing is run:
 
     python benchmarks/gather_once_peel.py                 # 8 CPU devices
     python benchmarks/gather_once_peel.py --backend gpu --target T.txtpb
+    python benchmarks/gather_once_peel.py --backend tpu   # libtpu, v5e:2x4
 """
 
 from __future__ import annotations
@@ -33,13 +34,19 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
+STRUCTURES = {  # label: (hold, peel)
+    "not held": (False, True),
+    "all in the scan": (True, False),
+    "peeled": (True, True),
+}
 
-def measure(mesh, k, peel):
+
+def measure(mesh, k, hold, peel):
     """(memory bytes, temp bytes, best compile seconds of 3)."""
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        compiled = census.compile_step(mesh, "data2xfsdp4", k, True, peel=peel)
+        compiled = census.compile_step(mesh, "data2xfsdp4", k, hold, peel=peel)
         times.append(time.perf_counter() - start)
     m = compiled.memory_analysis()
     total = (
@@ -67,9 +74,8 @@ def main(argv=None):
     print("| backend | k | structure | memory B | temp B | compile s |")
     print("|---|---:|---|---:|---:|---:|")
     for k in (2, 4, 8):
-        for peel in (False, True):
-            total, temp, secs = measure(mesh, k, peel)
-            label = "peeled" if peel else "all in the scan"
+        for label, (hold, peel) in STRUCTURES.items():
+            total, temp, secs = measure(mesh, k, hold, peel)
             print(
                 f"| {args.backend} | {k} | {label} | {total} | {temp} | "
                 f"{secs:.2f} |",

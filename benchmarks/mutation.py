@@ -862,6 +862,75 @@ MUTANTS = {
         "return total, low",
         ["tests/test_every_weight.py", "-k", "2_to_the_24 or reaches_total"],
     ),
+    # ------------------------------- held-out mutants of hardening 6
+    "summed_gradient_at_known_weight_0_dropped": (  # item 1
+        "accumulate.py",
+        "        if weightless is True and not summed:\n            return a",
+        "        if weightless is True:\n            return a",
+        _ACC + ["-k", "known_weight_0_is_added"],
+    ),
+    "window_mean_without_the_low_part": (  # item 2
+        "accumulate.py",
+        "        weight = state.weight + state.weight_low\n",
+        "        weight = state.weight\n",
+        _ACC + ["-k", "divides_by_the_exact_weight"],
+    ),
+    "low_part_not_reset_at_a_close": (  # item 3
+        "accumulate.py",
+        "weight_low=jax.tree.map(jnp.zeros_like, state.weight_low),",
+        "weight_low=state.weight_low,",
+        _ACC + ["-k", "low_part_starts_from_zero"],
+    ),
+    "summed_window_of_weight_0_empty": (  # item 4: not zeroed
+        "accumulate.py",
+        "if cfg.axis_name is None and not cfg.summed_gradients:",
+        "if cfg.axis_name is None:",
+        _ACC + ["-k", "weight_0_zeroes_its_accumulator"],
+    ),
+    "from_optax_state_fresh_has_updated": (  # item 5
+        "multisteps.py",
+        "updated=jnp.logical_and(n == 0, gradient_step > 0),",
+        "updated=n == 0,",
+        ["tests/test_multisteps.py", "-k", "answers_has_updated_as_optax"],
+    ),
+    "multisteps_drops_acc_weight_low": (  # item 6
+        "multisteps.py",
+        "            acc_weight_low=acc.weight_low,\n",
+        "            acc_weight_low=None,\n",
+        ["tests/test_multisteps.py", "-k", "keeps_its_low_part"],
+    ),
+    "window_weight_call_told_unweighted": (  # item 7: a driver's ctx
+        "chain.py",
+        'if asks_units and window is None and "accum_weight" not in '
+        "extra_args:",
+        'if asks_units and "accum_weight" not in extra_args:',
+        ["tests/test_gating.py", "-k", "does_not_warn_of_no_weight"],
+    ),
+    "held_copy_not_pinned": (  # item 8 (XLA:TPU: tests/gpu_compile/)
+        "gather_once.py",
+        "    return lax.optimization_barrier(\n"
+        "        jax.reshard(leaf.astype(how.dtype), how.held)\n    )",
+        "    return jax.reshard(leaf.astype(how.dtype), how.held)",
+        ["tests/test_gather_once.py", "-k", "pinned_in_the_program"],
+    ),
+    "gather_once_peel_false_ignored": (  # item 9
+        "microbatch.py",
+        "peel=gather_once is None or gather_once.peel,",
+        "peel=True,",
+        ["tests/test_gather_once.py", "-k", "peel_false_runs"],
+    ),
+    "every_weight_budget_rounded": (  # item 11
+        "every_weight.py",
+        "tail = np.asarray(self.total - float(head), weight.dtype)",
+        "tail = np.zeros((), weight.dtype)",
+        ["tests/test_every_weight.py", "-k", "at_its_exact_value"],
+    ),
+    "mapped_weight_low_dropped": (  # item 12: before the psum
+        "reducer.py",
+        "local = hi if low is None else hi + low",
+        "local = hi",
+        ["tests/test_multidevice.py", "-k", "beyond_2_to_the_24"],
+    ),
 }
 
 

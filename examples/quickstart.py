@@ -101,11 +101,10 @@ def batches(x, y, size):
         yield x[i : i + size], y[i : i + size]
 
 
-def train(name, batch, accum, data, epochs, lr, seed, progress):
-    """Trains one configuration; returns its per-epoch history and summary."""
-    x_train, y_train, x_test, y_test = data
+def setup(accum, x, lr, seed):
+    """The model, its initial ``TrainState`` and its jitted train step."""
     model = CNN(accum_steps=accum, momentum=MOMENTUM)
-    variables = model.init(jax.random.key(seed), x_train[:MICRO], train=False)
+    variables = model.init(jax.random.key(seed), x[:MICRO], train=False)
     tx = (
         optax.adam(lr)
         if accum == 1
@@ -117,7 +116,22 @@ def train(name, batch, accum, data, epochs, lr, seed, progress):
         tx=tx,
         batch_stats=variables["batch_stats"],
     )
-    train_step = make_train_step(model)
+    return model, state, make_train_step(model)
+
+
+def step_memory(batch, accum, data, lr=2e-3, seed=0):
+    """``(footprint, temp)`` bytes of the compiled train step of a run with
+    batches of ``batch`` and windows of ``accum``, compiled, not run."""
+    x_train, y_train = data[0], data[1]
+    _, state, train_step = setup(accum, x_train, lr, seed)
+    xb, yb = x_train[:batch], y_train[:batch]
+    return memory_bytes(train_step.lower(state, xb, yb).compile())
+
+
+def train(name, batch, accum, data, epochs, lr, seed, progress):
+    """Trains one configuration; returns its per-epoch history and summary."""
+    x_train, y_train, x_test, y_test = data
+    _, state, train_step = setup(accum, x_train, lr, seed)
     # Closes Adam's window and BatchNorm's, with the layer's own momentum.
     flush = jax.jit(TrainState.flush, donate_argnums=0)
 

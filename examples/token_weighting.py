@@ -10,8 +10,9 @@ number of real tokens,
 
     tx.update(grads_i, state, params, accum_weight=num_tokens_i)
 
-makes ``oa.accumulate(k)`` emit ``sum_i n_i g_i / sum_i n_i``, which *is* the
-gradient of the token mean over the whole batch.
+makes ``oa.accumulate(k)`` emit the micro-batches' gradients averaged with
+their token counts as weights, which *is* the gradient of the token mean
+over the whole batch.
 
 A tiny causal language model (token and position embeddings, one causal
 self-attention layer, an MLP, a linear read-out) is given a batch of

@@ -23,7 +23,10 @@ from optaxaccum._src.collectives import (
     collective_census,
     collective_exposure,
 )
-from optaxaccum._src.compiler import fold_compiler_options
+from optaxaccum._src.compiler import (
+    fold_compiler_options,
+    overlap_compiler_options,
+)
 from optaxaccum._src.every_weight import every_weight
 from optaxaccum._src.gather_once import GatherOnce
 from optaxaccum._src.gating import GatedTransformation, is_gate
@@ -40,6 +43,7 @@ from optaxaccum._src.microbatch import (
     microbatched_value_and_grad,
     plan_microbatches,
 )
+from optaxaccum._src.mixed_precision import mixed_precision_dot_general
 from optaxaccum._src.multisteps import MultiSteps, MultiStepsState
 from optaxaccum._src.noise_scale import (
     NoiseScale,
@@ -93,6 +97,7 @@ __all__ = [
     "microbatched_step_memory",
     "microbatched_value_and_grad",
     "noise_scale",
+    "overlap_compiler_options",
     "plan_microbatches",
     "reshard_state",
     "scaled_value_and_grad",
@@ -108,6 +113,8 @@ __all__ = [
     "ScaleByWindowState",
     # Gather once per step.
     "GatherOnce",
+    # Mixed precision at the floor.
+    "mixed_precision_dot_general",
 ]
 
 # Whole-matrix followers under shard_update (ZeRO-1 by ownership).

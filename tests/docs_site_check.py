@@ -10,7 +10,9 @@ fails when
   scrolls sideways and hides its end);
 * a table is wider than the content column: more than 8 columns, or
   columns whose longest words (which a browser cannot break) add up to
-  more than the column holds;
+  more than the column holds; or, on a phone, more than half of its columns
+  (of three or more) start past the edge of the screen, hidden behind a
+  sideways scroll;
 * it loads a script, a style sheet or an image from the network (the
   site is read offline);
 * its text names the private array class (``jaxlib._jax.Array``) where
@@ -33,15 +35,24 @@ fails when
   users import a public one, or holds more API entries than a reader
   scrolls through (the reference is split into pages);
 * it has no link to the repository in its header, or (the landing page) no
-  one-line install; a file of the repository it names (``examples/fsdp.py``)
+  one-line install in a code block (a copy button, no line broken
+  mid-address); its table of contents lists the same title twice under
+  one entry; a file of the repository it names (``examples/fsdp.py``)
   is not a link; it shows an absolute path of the machine that built it;
-* it writes a formula as code (``W = sum_i w_i``) beside rendered math
-  (docstrings on the API pages aside: help() shows them as text), or has a display equation too wide for a phone's column (about 30
-  characters: a wider one needs line breaks, ``\\``);
+* it writes a formula as code (``W = sum_i w_i``) rather than as math
+  (docstrings included: ``:math:``), or has a display equation too wide
+  for a phone's column (about 30 characters: a wider one needs line
+  breaks, ``\\``);
 * it shows a figure wider than a phone can read outside a
-  ``wide-figure`` container (which scrolls it at a readable size);
+  ``wide-figure`` container, or inside one without a link to the
+  full-size image (the container fits the figure to the column; the
+  style sheet must not give it a fixed width that a phone scrolls);
 * search excerpts would start with the theme's buttons ("System Settings
-  Light Dark"): the site must load ``_static/search_excerpts.js``.
+  Light Dark") or the page's table of contents ("Contents"): the site must
+  load ``_static/search_excerpts.js``, and what it leaves of a page's main
+  element must be the article alone;
+* a source listing (``_modules/``) is titled by a private module path
+  (``optaxaccum._src.accumulate``).
 
 Standard library only: it runs with the ``docs`` extra alone.
 """
@@ -88,6 +99,11 @@ FORMULA_CODE = re.compile(
 # A phone's content column (358 px at 390 px) holds about this many
 # characters of display math (tests/docs_site_check.py's tex_width).
 DISPLAY_MATH_WIDTH = 30
+# ... and about this many characters of a table, counted as _table_chars
+# counts them (prose at about 7.7 px a character, code at 8.4, 3 characters
+# of padding per cell; gpu's five-column table measured 310 px for a first
+# column of 36 in Chromium at 390 px).
+PHONE_TABLE_CHARS = 44
 # Wider images (in pixels) are unreadable scaled to a phone's column.
 WIDE_IMAGE = 800
 RUN_NOTES = re.compile(
@@ -109,6 +125,10 @@ NOWRAP_RULE = re.compile(
     r"table\.autosummary[^{]*\{[^}]*white-space:\s*nowrap", re.S
 )
 REMOTE = re.compile(r"^\s*(https?:)?//", re.I)
+# A fixed width for a wide figure: a phone scrolls it and cuts its title.
+FIXED_FIGURE_WIDTH = re.compile(
+    r"\.wide-figure\s+img[^{]*\{[^}]*(?<![\w-])width:\s*\d+px", re.S
+)
 # Pages made by Sphinx itself (search, index of names), not by the project;
 # the source listings (_modules/), which show the private modules; and the
 # theme's own templates (_static/).
@@ -132,7 +152,17 @@ class _Page(html.parser.HTMLParser):
         self.display: list[bool] = []  # per math element: a display?
         self.inline_code: list[tuple[str, bool]] = []  # (text, in a link)
         self.unlinked_prose: list[str] = []
-        self.images: list[tuple[str, bool]] = []  # (src, in a wide-figure)
+        # (src, in a wide-figure, the href of the link around it or "")
+        self.images: list[tuple[str, bool, str]] = []
+        # Per table, per row, per cell: its widest unbreakable piece on a
+        # phone (a word, or a formula by tex_width).
+        self.phone_cells: list[list[list[float]]] = []
+        # Titles listed twice under one entry of a table of contents.
+        self.toc_repeats: list[str] = []
+        self._toc: list[list[str]] = []
+        self._toc_depth = 0
+        self._links: list[str] = []
+        self._units: list[float] | None = None
         self.api_entries = 0
         self.repository_link = False
         self.theme_buttons = False
@@ -162,7 +192,16 @@ class _Page(html.parser.HTMLParser):
                 self.inline_code.append(("", self._inside("a")))
         if tag == "img":
             wide = any("wide-figure" in c for _, c in self._stack)
-            self.images.append((attrs.get("src") or "", wide))
+            href = self._links[-1] if self._links else ""
+            self.images.append((attrs.get("src") or "", wide, href))
+        if tag == "a":
+            self._links.append(attrs.get("href") or "")
+            if self._toc:
+                self._toc[-1].append("")
+        if "toctree-wrapper" in classes:
+            self._toc_depth = len(self._stack) + 1
+        if tag == "ul" and self._toc_depth:
+            self._toc.append([])
         if tag == "dl" and "py" in classes:
             self.api_entries += bool({"function", "class"} & set(classes))
         if tag == "a" and "btn-source-repository-button" in classes:
@@ -183,10 +222,13 @@ class _Page(html.parser.HTMLParser):
             self._hidden += 1
         elif tag == "table":
             self.tables.append([])
+            self.phone_cells.append([])
         elif tag == "tr" and self.tables:
             self.tables[-1].append([])
+            self.phone_cells[-1].append([])
         elif tag in ("td", "th") and self.tables and self.tables[-1]:
             self._cell = []
+            self._units = []
 
     def _inside(self, tag: str) -> bool:
         return any(t == tag for t, _ in self._stack)
@@ -196,8 +238,21 @@ class _Page(html.parser.HTMLParser):
             if self._stack[i][0] == tag:
                 del self._stack[i:]
                 break
+        if len(self._stack) < self._toc_depth:
+            self._toc_depth = 0
+        if tag == "a" and self._links:
+            self._links.pop()
+        if tag == "ul" and self._toc:
+            titles = [t for t in self._toc.pop() if t]
+            self.toc_repeats += sorted(
+                {t for t in titles if titles.count(t) > 1}
+            )
         if self._math:
             self._math -= 1
+            if not self._math and self._units is not None:
+                inner = self.math[-1].strip()
+                inner = inner.removeprefix("\\(").removesuffix("\\)")
+                self._units.append(tex_width(inner) if inner else 0)
         if tag == "code":
             self._code = max(0, self._code - 1)
         if tag == "pre":
@@ -206,7 +261,8 @@ class _Page(html.parser.HTMLParser):
             self._hidden = max(0, self._hidden - 1)
         elif tag in ("td", "th") and self._cell is not None:
             self.tables[-1][-1].append(" ".join(self._cell))
-            self._cell = None
+            self.phone_cells[-1][-1].append(max(self._units or [0]))
+            self._cell = self._units = None
 
     def handle_data(self, data):
         if self._hidden:
@@ -225,6 +281,12 @@ class _Page(html.parser.HTMLParser):
             self.code_blocks[-1] += data
         if self._cell is not None:
             self._cell.append(data)
+            if not self._math and self._units is not None:
+                self._units += [len(w) for w in data.split()]
+        if self._toc and self._links:
+            self._toc[-1][-1] = " ".join(
+                (self._toc[-1][-1] + " " + data).split()
+            )
 
 
 def _table_chars(rows: list[list[str]]) -> int:
@@ -264,6 +326,20 @@ def page_problems(
                 f"characters wide (at most {MAX_TABLE_COLUMNS} and "
                 f"{TABLE_CHARS}): {head!r}"
             )
+    for rows, units in zip(page.tables, page.phone_cells, strict=True):
+        hidden = phone_hidden_columns(units)
+        columns = max((len(r) for r in rows), default=0)
+        if columns >= 3 and 2 * hidden > columns:
+            head = " | ".join(rows[0])[:60] if rows else ""
+            problems.append(
+                f"{name}: on a phone {hidden} of the {columns} columns of a "
+                f"table start past the screen's edge (fewer columns, or a "
+                f"list): {head!r}"
+            )
+    problems += [
+        f"{name}: its table of contents lists {title!r} twice under one entry"
+        for title in page.toc_repeats
+    ]
     problems += [f"{name}: loads {r} from the network" for r in page.remote]
     text = " ".join(" ".join(page.text).split())
     for m in PRIVATE_TYPE.finditer(text):
@@ -293,6 +369,20 @@ def page_problems(
     return problems
 
 
+def phone_hidden_columns(units: list[list[float]]) -> int:
+    """How many columns of a table (each cell's widest unbreakable piece,
+    ``units``) start past the edge of a phone's column."""
+    widths: dict[int, float] = {}
+    for row in units:
+        for i, unit in enumerate(row):
+            widths[i] = max(widths.get(i, 0), unit + TABLE_CELL_PADDING)
+    start, hidden = 0.0, 0
+    for i in sorted(widths):
+        hidden += start >= PHONE_TABLE_CHARS
+        start += widths[i]
+    return hidden
+
+
 def repository_names(text: str, repo: pathlib.Path) -> list[str]:
     """The files and folders of ``repo`` that ``text`` names."""
     found = []
@@ -311,8 +401,12 @@ def _source_problems(
     problems = []
     if not page.repository_link:
         problems.append(f"{name}: no link to the repository in the header")
-    if name == "index.html" and "pip install" not in text:
-        problems.append(f"{name}: no one-line install (`pip install ...`)")
+    if name == "index.html" and not any(
+        "pip install" in block for block in page.code_blocks
+    ):
+        problems.append(
+            f"{name}: no one-line install (`pip install ...`) in a code block"
+        )
     for m in MACHINE_PATH.finditer(text):
         problems.append(
             f"{name}: an absolute path of the machine that made it: "
@@ -399,9 +493,7 @@ def _atom_width(tex: str, i: int) -> tuple[float, int]:
 def _formula_problems(page: _Page, name: str) -> list[str]:
     """Formulas as code beside rendered math; display math too wide."""
     problems = []
-    # The API pages show docstrings, which help() shows as plain text too.
-    prose_page = page.math and not name.startswith("api")
-    for code, _ in page.inline_code if prose_page else []:
+    for code, _ in page.inline_code:
         if FORMULA_CODE.search(code):
             problems.append(f"{name}: a formula written as code: {code!r}")
     for tex, display in zip(page.math, page.display, strict=True):
@@ -464,8 +556,10 @@ def site_problems(
     )
     if not pages:
         return [f"{root}: no HTML pages (build the docs first)"]
-    problems = []
+    problems = _source_listing_problems(root)
     summary = buttons = False
+    script_path = root / "_static" / "search_excerpts.js"
+    hidden = excerpt_hidden(script_path)
     for path in pages:
         source = path.read_text(encoding="utf-8")
         name = str(path.relative_to(root))
@@ -474,13 +568,20 @@ def site_problems(
         page = _Page()
         page.feed(source)
         buttons = buttons or page.theme_buttons
-        for src, wide in page.images:
+        for src, wide, href in page.images:
             width = png_width(path.parent / src)
             if width > WIDE_IMAGE and not wide:
                 problems.append(
                     f"{name}: {src} is {width} px wide, unreadable on a "
                     "phone: put it in a `wide-figure` container"
                 )
+            full = pathlib.PurePosixPath(src).name
+            if wide and pathlib.PurePosixPath(href).name != full:
+                problems.append(
+                    f"{name}: {src} in a `wide-figure` container is not a "
+                    "link to its full-size image"
+                )
+        problems += _excerpt_problems(source, name, hidden)
     search = root / "search.html"
     script = "search_excerpts.js"
     if buttons and not (
@@ -494,12 +595,116 @@ def site_problems(
         )
     css = root / "_static" / "custom.css"
     rules = css.read_text(encoding="utf-8") if css.exists() else ""
+    if FIXED_FIGURE_WIDTH.search(rules):
+        problems.append(
+            f"{css.relative_to(root)}: a fixed width for `.wide-figure img`: "
+            "on a phone the figure scrolls and its title is cut"
+        )
     if summary and not NOWRAP_RULE.search(rules):
         problems.append(
             f"{css.relative_to(root) if css.exists() else css}: no "
             "`table.autosummary ... {white-space: nowrap}` rule: on a phone "
             "the API summary breaks names mid-word"
         )
+    return problems
+
+
+def excerpt_hidden(script: pathlib.Path) -> list[str]:
+    """The selectors ``search_excerpts.js`` leaves out of an excerpt (its
+    ``HIDDEN``), with those Sphinx's own search leaves out."""
+    text = script.read_text(encoding="utf-8") if script.exists() else ""
+    m = re.search(r"\bHIDDEN\s*=\s*[\"']([^\"']*)[\"']", text)
+    found = m.group(1).split(",") if m else []
+    return [s.strip() for s in found if s.strip()] + [".headerlink"]
+
+
+class _MainText(html.parser.HTMLParser):
+    """The text of a page's ``[role="main"]`` element outside its article,
+    leaving out the elements that match ``selectors`` (``.class``,
+    ``#id``, ``tag``, ``tag.class``), as the search's excerpts see it."""
+
+    def __init__(self, selectors: list[str]) -> None:
+        super().__init__(convert_charrefs=True)
+        self.selectors = selectors
+        self.text: list[str] = []
+        self._stack: list[str] = []  # per open element: "main", "skip", ""
+
+    def _matches(self, tag: str, attrs: dict) -> bool:
+        classes = set((attrs.get("class") or "").split())
+        for sel in self.selectors:
+            m = re.fullmatch(r"([\w-]*)(?:([.#])([\w-]+))?", sel)
+            if not m:
+                continue
+            want_tag, kind, value = m.groups()
+            if want_tag and want_tag != tag:
+                continue
+            if kind == "." and value not in classes:
+                continue
+            if kind == "#" and attrs.get("id") != value:
+                continue
+            if want_tag or kind:
+                return True
+        return False
+
+    def handle_starttag(self, tag, attrs):
+        if tag in VOID:
+            return
+        attrs = dict(attrs)
+        inside = "main" in self._stack
+        skipped = "skip" in self._stack
+        if attrs.get("role") == "main" and not inside:
+            self._stack.append("main")
+        elif (
+            inside
+            and not skipped
+            and (
+                tag in ("script", "style", "article")
+                or self._matches(tag, attrs)
+            )
+        ):
+            self._stack.append("skip")
+        else:
+            self._stack.append("")
+
+    def handle_endtag(self, tag):
+        if tag not in VOID and self._stack:
+            self._stack.pop()
+
+    def handle_data(self, data):
+        if "main" in self._stack and "skip" not in self._stack:
+            self.text.append(data)
+
+
+def _excerpt_problems(source: str, name: str, hidden: list[str]) -> list[str]:
+    """What a search excerpt of the page shows before its article."""
+    if 'role="main"' not in source or "<article" not in source:
+        return []
+    parser = _MainText(hidden)
+    parser.feed(source)
+    outside = " ".join(" ".join(parser.text).split())
+    if not outside:
+        return []
+    return [
+        f"{name}: search excerpts start with {outside[:60]!r}, text outside "
+        "the article (leave it out in _static/search_excerpts.js's HIDDEN)"
+    ]
+
+
+def _source_listing_problems(root: pathlib.Path) -> list[str]:
+    """Source listings titled by a private module path."""
+    problems = []
+    for path in sorted((root / "_modules").rglob("*.html")):
+        source = path.read_text(encoding="utf-8")
+        heads = re.findall(r"<(title|h1)>(.*?)</\1>", source, re.S)
+        links = re.findall(
+            r'<a href="[^"]*">(optaxaccum\._src[\w.]*)</a>', source
+        )
+        for text in [t for _, t in heads] + links:
+            if "optaxaccum._src" in text:
+                problems.append(
+                    f"{path.relative_to(root)}: titled by the private path "
+                    f"{' '.join(text.split())[:60]!r}"
+                )
     return problems
 
 

@@ -892,3 +892,90 @@ def test_complex_accumulator_dtype_for_real_gradients_is_real():
         u, state = tx.update(grads, state, params)
     np.testing.assert_allclose(u["r"], [-1.0, -3.0])
     np.testing.assert_allclose(u["c"], -np.asarray(_COMPLEX_GS[0]))
+
+
+# ------------------------------------ integer weights beyond float32's 2**24
+# Beyond 2**24 float32 integers step by 2: 2**24 + 1 rounds to 2**24, and
+# the window's weight keeps the dropped 1 in its low part (weight_low).
+
+
+def _beyond_2_to_the_24(tx, extra_ones=10):
+    """A window of weight ``2**24 + extra_ones``: a call of weight 2**24
+    (gradient 0), then ``extra_ones`` calls of weight 1 (gradient 1). Each
+    +1 rounds away in float32 (2**24 + 1 -> 2**24): the low part holds
+    them. Returns the states and updates after each call."""
+    params = jnp.zeros(2)
+    step = jax.jit(lambda s, g, w: tx.update(g, s, params, accum_weight=w))
+    state = tx.init(params)
+    states, updates = [], []
+    calls = [(0.0, 2.0**24)] + [(1.0, 1.0)] * extra_ones
+    for g, w in calls:
+        u, state = step(state, jnp.full(2, g), jnp.float32(w))
+        states.append(state)
+        updates.append(np.asarray(u))
+    return states, updates
+
+
+def test_summed_gradient_at_a_known_weight_0_is_added():
+    """summed_gradients=True: a gradient is the sum over its micro-batch
+    and is added as it is, also at an ``accum_weight=0`` known now (a
+    Python 0, no select traced); the mean divides by the weights' total.
+    Here (g1 + g2) / (0 + 2), eager and with a traced weight (jit)."""
+    tx = oa.chain(oa.accumulate(2, summed_gradients=True), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    g1, g2 = jnp.array([1.0, 2.0]), jnp.array([3.0, 5.0])
+    want = -(np.asarray(g1) + np.asarray(g2)) / 2
+    state = tx.init(params)
+    _, state = tx.update(g1, state, params, accum_weight=0)
+    np.testing.assert_array_equal(state[0].acc, g1)
+    u, _ = tx.update(g2, state, params, accum_weight=2)
+    np.testing.assert_allclose(u, want, rtol=1e-6)
+    step = jax.jit(lambda s, g, w: tx.update(g, s, params, accum_weight=w))
+    _, state = step(tx.init(params), g1, 0.0)
+    u, _ = step(state, g2, 2.0)
+    np.testing.assert_allclose(u, want, rtol=1e-6)
+
+
+def test_window_mean_beyond_2_to_the_24_divides_by_the_exact_weight():
+    """The emitted mean divides the window's sum by its exact weight
+    (weight + weight_low): 10 / (2**24 + 10), not 10 / 2**24 (float32's
+    rounded weight: 6e-7 off, 10 float32 ulps)."""
+    tx = oa.chain(oa.accumulate(11), optax.sgd(1.0))
+    states, updates = _beyond_2_to_the_24(tx)
+    acc = states[-2][0]  # before the close: the stored sums
+    assert float(acc.weight) == 2.0**24 and float(acc.weight_low) == 9.0
+    want = -10.0 / (2.0**24 + 10)  # float64
+    np.testing.assert_allclose(updates[-1], [want, want], rtol=1e-7)
+
+
+def test_window_after_one_with_a_low_part_starts_from_zero():
+    """A window that closes with a nonzero weight_low leaves it 0: the next
+    window of weight 3 emits its mean 3 * g / 3 = g, not 3 * g / 13."""
+    tx = oa.chain(oa.accumulate(11), optax.sgd(1.0))
+    states, _ = _beyond_2_to_the_24(tx)
+    state = states[-1]
+    assert float(state[0].weight) == 0.0
+    assert float(state[0].weight_low) == 0.0
+    params = jnp.zeros(2)
+    u = None
+    for i in range(11):
+        w = 3.0 if i == 0 else 0.0
+        u, state = tx.update(jnp.full(2, 2.0), state, params, accum_weight=w)
+    np.testing.assert_allclose(u, [-2.0, -2.0], rtol=1e-7)
+
+
+def test_summed_window_of_weight_0_zeroes_its_accumulator():
+    """summed_gradients=True: a window whose calls all weigh 0 still holds
+    their (summed) gradients; closing it emits zeros, steps no follower,
+    and zeroes the accumulator: the next window's mean is its own."""
+    tx = oa.chain(oa.accumulate(2, summed_gradients=True), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    state = tx.init(params)
+    for _ in range(2):
+        u, state = tx.update(jnp.ones(2), state, params, accum_weight=0)
+    np.testing.assert_array_equal(u, [0.0, 0.0])
+    assert not bool(oa.has_updated(state))
+    np.testing.assert_array_equal(state[0].acc, [0.0, 0.0])
+    for _ in range(2):
+        u, state = tx.update(jnp.full(2, 5.0), state, params, accum_weight=1)
+    np.testing.assert_allclose(u, [-5.0, -5.0], rtol=1e-7)

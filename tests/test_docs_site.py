@@ -347,7 +347,11 @@ def test_a_page_without_a_repository_link_fails():
 def test_the_landing_page_without_an_install_line_fails():
     problems = page_problems(_page("<p>hi</p>"), "index.html")
     assert len(problems) == 1 and "one-line install" in problems[0]
+    # Inline code has no copy button and wraps mid-address on a phone.
     body = "<p><code>pip install optaxaccum</code></p>"
+    problems = page_problems(_page(body), "index.html")
+    assert len(problems) == 1 and "in a code block" in problems[0]
+    body = '<div class="highlight"><pre>pip install optaxaccum</pre></div>'
     assert page_problems(_page(body), "index.html") == []
 
 
@@ -395,15 +399,19 @@ def test_a_long_api_page_fails():
 @pytest.mark.parametrize(
     "code", ["W = sum_i w_i", "tr(Sigma)", "|G|^2", "(tr Σ / B0 + |G|²)"]
 )
-def test_a_formula_as_code_beside_math_fails(code):
+def test_a_formula_as_code_fails(code):
     math = r'<span class="math">\(x\)</span>'
     body = f"{math}<p><code>{code}</code></p>"
     problems = page_problems(_page(body), "p")
     assert len(problems) == 1 and "formula written as code" in problems[0]
-    # Without rendered math on the page, or in a docstring: no notation
-    # to agree with.
-    assert page_problems(_page(f"<code>{code}</code>"), "p") == []
-    assert page_problems(_page(body), "api/noise_scale.html") == []
+    # On a page without other math too, and in a docstring on an API page
+    # (``:math:`` renders there and reads as text in help()).
+    for page, name in ((f"<code>{code}</code>", "p"), (body, "api/x.html")):
+        problems = page_problems(_page(page), name)
+        assert len(problems) == 1 and "formula written as code" in problems[0]
+    assert (
+        page_problems(_page("<code>oa.agc(0.01, eps=1e-3)</code>"), "p") == []
+    )
 
 
 def test_a_wide_display_equation_fails():
@@ -437,6 +445,28 @@ def test_a_wide_figure_outside_a_wide_figure_container_fails(tmp_path):
     assert len(problems) == 1 and "chart.png is 990 px" in problems[0]
     body = '<div class="wide-figure"><p><img src="chart.png"></p></div>'
     page.write_text(_page(body))
+    problems = site_problems(tmp_path, None)
+    assert len(problems) == 1 and "not a link to its full-size" in problems[0]
+    body = (
+        '<div class="wide-figure"><p><a href="_images/chart.png">'
+        '<img src="chart.png"></a></p></div>'
+    )
+    page.write_text(_page(body))
+    assert site_problems(tmp_path, None) == []
+
+
+def test_a_fixed_width_for_wide_figures_fails(tmp_path):
+    # A phone scrolled a 720 px figure in a 358 px box, its title cut.
+    (tmp_path / "_static").mkdir()
+    css = tmp_path / "_static" / "custom.css"
+    css.write_text(
+        "@media (max-width: 960px) {\n  .wide-figure img {\n"
+        "    max-width: none;\n    width: 720px;\n  }\n}\n"
+    )
+    (tmp_path / "p.html").write_text(_page("<p>text</p>"))
+    problems = site_problems(tmp_path, None)
+    assert len(problems) == 1 and "fixed width" in problems[0]
+    css.write_text(".wide-figure img {\n  max-width: 100%;\n}\n")
     assert site_problems(tmp_path, None) == []
 
 
@@ -452,6 +482,217 @@ def test_search_excerpts_without_the_theme_buttons(tmp_path):
     script = '<script defer src="_static/search_excerpts.js"></script>'
     (tmp_path / "search.html").write_text(_page("", script))
     assert site_problems(tmp_path, None) == []
+
+
+def _main(article: str, around: str = "") -> str:
+    return (
+        f'<main role="main"><div class="bd-header-article">Light Dark</div>'
+        f"{around}<article>{article}</article></main>"
+    )
+
+
+def test_search_excerpts_that_start_outside_the_article_fail(tmp_path):
+    # The print-only title and contents, and the "on this page" sidebar,
+    # sit in the main element: excerpts started with "Contents".
+    (tmp_path / "_static").mkdir()
+    (tmp_path / "_static" / "custom.css").write_text("")
+    script = tmp_path / "_static" / "search_excerpts.js"
+    script.write_text('const HIDDEN = ".bd-header-article, footer";')
+    toc = '<div class="onlyprint"><h1>T</h1><h2>Contents</h2></div>'
+    (tmp_path / "p.html").write_text(_page(_main("<h1>T</h1><p>x</p>", toc)))
+    problems = site_problems(tmp_path, None)
+    assert len(problems) == 1 and "'T Contents'" in problems[0]
+    script.write_text('const HIDDEN = ".bd-header-article, .onlyprint";')
+    assert site_problems(tmp_path, None) == []
+
+
+def test_a_source_listing_titled_by_a_private_path_fails(tmp_path):
+    (tmp_path / "_static").mkdir()
+    (tmp_path / "_static" / "custom.css").write_text("")
+    listing = tmp_path / "_modules" / "optaxaccum" / "_src" / "accumulate.html"
+    listing.parent.mkdir(parents=True)
+    (tmp_path / "p.html").write_text(_page("<p>x</p>"))
+    listing.write_text(
+        "<title>optaxaccum._src.accumulate</title>"
+        "<h1>Source code for optaxaccum._src.accumulate</h1>"
+    )
+    problems = site_problems(tmp_path, None)
+    assert len(problems) == 2 and "private path" in problems[0]
+    listing.write_text(
+        "<title>optaxaccum (accumulate.py)</title>"
+        "<h1>Source code for optaxaccum (accumulate.py)</h1>"
+    )
+    assert site_problems(tmp_path, None) == []
+
+
+def test_source_listings_are_named_by_public_modules():
+    pytest.importorskip("sphinx", reason="needs the docs extra")
+    site_layout = _load_ext("site_layout")
+    publics = site_layout.private_modules(
+        ["optaxaccum", "optaxaccum.batchnorm", "optaxaccum.flax"]
+    )
+    assert publics["optaxaccum._src.accumulate"] == "optaxaccum"
+    title = site_layout.source_title("optaxaccum._src.batch_stats", publics)
+    assert title == "optaxaccum.batchnorm (batch_stats.py)"
+    title = site_layout.source_title("optaxaccum._src.nothing", publics)
+    assert "_src" not in title and "nothing.py" in title
+
+
+def test_a_table_hiding_its_columns_on_a_phone_fails():
+    # "What folds where" showed its first two columns of five on a phone:
+    # a first column of long calls, the floor cells past the screen's edge.
+    wide = "<td>" + "w" * 30 + "</td>"
+    row = f"<tr>{wide}<td>{'x' * 15}</td>" + "<td>floor</td>" * 3 + "</tr>"
+    problems = page_problems(_page(f"<table>{row}</table>"), "p")
+    assert len(problems) == 1 and "3 of the 5 columns" in problems[0]
+    row = f"<tr><td>{'w' * 14}</td>" + "<td>floor</td>" * 4 + "</tr>"
+    assert page_problems(_page(f"<table>{row}</table>"), "p") == []
+    # Two columns scroll, but a phone shows the start of the second.
+    row = f"<tr>{wide}<td>{'y' * 30}</td></tr>"
+    assert page_problems(_page(f"<table>{row}</table>"), "p") == []
+
+
+def test_a_formula_in_a_table_counts_as_rendered():
+    tex = r"\frac{\operatorname{tr}(\Sigma)}{|G|^2}"
+    cell = f'<td><span class="math">\\({tex}\\)</span></td>'
+    row = f"<tr><td>rule</td>{cell}<td>assumes</td></tr>"
+    assert page_problems(_page(f"<table>{row}</table>"), "p") == []
+
+
+def test_contents_listing_a_title_twice_fails():
+    # The landing page listed the API topics twice under "API reference":
+    # the pages of its toctree, then the overview's sections of the same
+    # names.
+    def toc(*titles):
+        items = "".join(f'<li><a href="#">{t}</a></li>' for t in titles)
+        return (
+            '<div class="toctree-wrapper compound"><ul><li><a href="api">API'
+            f"</a><ul>{items}</ul></li></ul></div>"
+        )
+
+    problems = page_problems(
+        _page(toc("Sharded meshes", "Gates", "Sharded meshes")), "p"
+    )
+    assert problems == [
+        "p: its table of contents lists 'Sharded meshes' twice under one entry"
+    ]
+    assert page_problems(_page(toc("Sharded meshes", "Gates")), "p") == []
+
+
+def test_the_api_overview_lists_every_public_name():
+    # fold_compiler_options and collective_exposure were documented on
+    # their pages and missing from the overview's summary tables.
+    import importlib
+
+    docs = ROOT / "docs"
+    overview = _summaries(docs / "api.rst")
+    pages = {}
+    for page in sorted((docs / "api").glob("*.rst")):
+        pages.update(_summaries(page))
+    conf = (docs / "conf.py").read_text()
+    modules = re.search(r"coverage_check_modules = \[(.*?)\]", conf, re.S)
+    assert modules
+    for module in re.findall(r'"([\w.]+)"', modules.group(1)):
+        exported = importlib.import_module(module).__all__
+        listed = [
+            n
+            for (m, _), names in overview.items()
+            if m == module
+            for n in names
+        ]
+        missing = sorted(set(exported) - set(listed))
+        assert not missing, f"docs/api.rst: {module} leaves out {missing}"
+    # Each section lists what its page lists, in the same order.
+    by_title = {title: names for (_, title), names in pages.items()}
+    for (_, title), names in overview.items():
+        assert by_title.get(title) == names, f"docs/api.rst, {title!r}"
+
+
+def _summaries(path) -> dict[tuple[str, str], list[str]]:
+    """``(module, section title) -> names`` of each autosummary in an rst
+    page (a page without sections: its title)."""
+    lines = path.read_text().splitlines()
+    module, title, out = "optaxaccum", "", {}
+    for i, line in enumerate(lines):
+        if m := re.match(r"\.\. (?:current)?module:: (\S+)", line):
+            module = m.group(1)
+        if i + 1 < len(lines) and re.fullmatch(r"[-=]{3,}", lines[i + 1]):
+            title = line.strip("`")
+        if line.startswith(".. autosummary::"):
+            names = []
+            for entry in lines[i + 1 :]:
+                if entry and not entry.startswith(" "):
+                    break
+                if re.fullmatch(r"   \w+", entry):
+                    names.append(entry.strip())
+            out[(module, title)] = names
+    return out
+
+
+def _load_ext(name):
+    import importlib.util
+
+    path = ROOT / "docs" / "_ext" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_site_shows_the_readme_peer_comparison():
+    # The comparison with optax.MultiSteps, the TF package and Tunix was in
+    # the README only; the site shows the same table, read from it.
+    pytest.importorskip("sphinx", reason="needs the docs extra")
+    site_layout = _load_ext("site_layout")
+    readme = (ROOT / "README.md").read_text()
+    header, rows = site_layout.peer_table(readme)
+    tools = " ".join(header)
+    for tool in (
+        "optaxaccum",
+        "optax.MultiSteps",
+        "gradient-accumulator",
+        "Tunix",
+    ):
+        assert tool in tools, tool
+    date = re.search(r"Tunix.*\((\d{4}-\d{2})\)", header[-1])
+    assert date, header[-1]
+    text = site_layout.peer_markdown(header, rows)
+    for feature, *answers in rows:
+        assert feature in text
+        assert all(a in text for a in answers if a != "—"), feature
+    migration = (ROOT / "docs" / "migration.md").read_text()
+    assert "```{peer-comparison}" in migration
+    assert f"as of {date.group(1)}" in " ".join(migration.split())
+
+
+def test_hand_recorded_figures_are_dated_on_their_pages():
+    # The benchmarks page's GPU timings, recorded by hand before the
+    # micro-step changed, carried no date and no link to the GPU page.
+    import json
+
+    record = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+    hand = {entry["name"] for entry in record.get("hand", [])}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        used = set(re.findall(r'\b(?:table|fig)\("([^"]+)"', text)) & hand
+        for name in sorted(used):
+            assert f'note("{name}", "date")' in text, (page.name, name)
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    gpu_section = bench.split("## On a GPU", 1)[1]
+    assert "{doc}`gpu`" in gpu_section
+
+
+def test_the_changelog_says_what_gpu_fold_concludes():
+    # GPU_FOLD.md ends with the design the library uses; the changelog
+    # said it records "why none is used".
+    fold = (ROOT / "benchmarks" / "GPU_FOLD.md").read_text()
+    assert "optaxaccum now uses that design" in fold
+    changelog = " ".join((ROOT / "CHANGELOG.md").read_text().split())
+    for entry in re.split(r" - ", changelog):
+        if "GPU_FOLD.md" in entry:
+            assert "none is used" not in entry, entry[:120]
+            assert not re.search(r"\bnone avoids\b", entry), entry[:120]
 
 
 def test_private_classes_get_their_public_names(doc_links):

@@ -513,3 +513,35 @@ def test_every_weight_closes_on_the_micro_batch_that_reaches_total():
         state = step(state, jnp.float32(c))
         closed.append(bool(oa.has_updated(state)))
     assert closed.index(True) == len(counts) - 1, closed.index(True)
+
+
+@pytest.mark.parametrize(
+    "total, weights, closes_at",
+    [
+        # 2**24 + 1 rounds down to 2**24 in float32: the budget's own low
+        # part (1) keeps a window of 2**24 open; the next token closes it.
+        (2**24 + 1, [2**24, 1, 1], 1),
+        # 2**24 + 3 rounds up to 2**24 + 4: a window of 2**24 + 3 (float32
+        # 2**24 + 4, low part -1) reaches it exactly.
+        (2**24 + 3, [2**24, 2, 1, 1], 2),
+    ],
+    ids=["budget-rounds-down", "budget-rounds-up"],
+)
+def test_every_weight_budget_not_a_float32_closes_at_its_exact_value(
+    total, weights, closes_at
+):
+    """A budget beyond 2**24 that float32 cannot hold is compared at its
+    exact value (its rounding error beside it, as the window's weight):
+    the window closes on the call whose exact total reaches it."""
+    tx = oa.chain(oa.accumulate(oa.every_weight(total)), optax.sgd(1.0))
+    params = jnp.zeros(2)
+    step = jax.jit(
+        lambda s, w: tx.update(jnp.ones(2), s, params, accum_weight=w)[1]
+    )
+    state = tx.init(params)
+    closed = []
+    for w in weights:
+        state = step(state, jnp.float32(w))
+        closed.append(bool(oa.has_updated(state)))
+    assert closed.index(True) == closes_at, closed
+    assert sum(weights[: closes_at + 1]) >= total > sum(weights[:closes_at])

@@ -16,6 +16,7 @@ import functools
 
 import chex
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -548,3 +549,58 @@ def test_no_mesh_says_to_drop_gather_once():
     message = str(info.value)
     assert "axis_name" not in message, message
     assert message.count("GatherOnce") == 1, message
+
+
+def _equations(mesh_name, k, gather_once):
+    """The equations of the traced step (its jaxpr's, sub-jaxprs'
+    included)."""
+    f = _grad_fn(mesh_name, k, gather_once)
+    with jax.set_mesh(_mesh(mesh_name)):
+        p, b = _put(mesh_name, _params(), _data())
+        closed = jax.jit(f).trace(p, b).jaxpr
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from walk(sub)
+
+    return list(walk(closed.jaxpr))
+
+
+def _scan_lengths(mesh_name, k, gather_once):
+    """The lengths of the scans in the traced step."""
+    eqns = _equations(mesh_name, k, gather_once)
+    return [e.params["length"] for e in eqns if e.primitive.name == "scan"]
+
+
+def test_peel_false_runs_every_micro_batch_in_the_scan():
+    """k = 4, held: peeled, the scan runs the k - 2 micro-batches between
+    the first and the last; ``peel=False`` runs all k in it (and so does
+    the path without holding)."""
+    hold = oa.GatherOnce(("data", "fsdp"))
+    peeled = _scan_lengths("data2xfsdp4", 4, hold)
+    no_peel = dataclasses.replace(hold, peel=False)
+    unpeeled = _scan_lengths("data2xfsdp4", 4, no_peel)
+    assert peeled == [2], peeled
+    assert unpeeled == [4], unpeeled
+    assert _scan_lengths("data2xfsdp4", 4, None) == [4]
+
+
+def test_each_held_copy_is_pinned_in_the_program():
+    """Each held copy, gathered whole, goes through one
+    ``optimization_barrier`` (the pin that keeps XLA:TPU from repeating
+    its gather into each of its users: tests/gpu_compile/
+    test_gather_once_program.py; XLA:CPU gathers once either way); the
+    path without holding has none."""
+
+    def pinned(hold):
+        eqns = _equations("data2xfsdp4", 4, hold)
+        barriers = [
+            e for e in eqns if e.primitive.name == "optimization_barrier"
+        ]
+        return sorted(tuple(v.aval.shape) for e in barriers for v in e.outvars)
+
+    want = sorted([(D_IN, HIDDEN), (HIDDEN, D_OUT)])  # w1, w2 (b1 unsharded)
+    assert pinned(oa.GatherOnce(("data", "fsdp"))) == want
+    assert pinned(None) == []

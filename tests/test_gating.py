@@ -7,6 +7,7 @@ through the library on a plain, mesh-less step.
 import collections
 import os
 import sys
+import warnings
 
 import chex
 import jax
@@ -352,3 +353,32 @@ def test_the_trip_counter_sees_the_library():
 
     files, calls = _trace(lambda: sharding.check_mesh_axes(None, "x"))
     assert files == {os.path.join("_src", "sharding.py"): 1} and calls == 1
+
+
+def test_chain_reached_with_a_window_weight_does_not_warn_of_no_weight():
+    """A driver of the gate protocol (not an oa.chain) that hands an
+    oa.chain a call standing for an earlier window, ``ctx.window_weight``
+    given: the call is weighed by it, so oa.scale_by_window does not warn
+    that no accum_weight was passed, and its factor reads the windows'
+    total (2 x 3 over base 4). A plain call with no accum_weight warns
+    (the control)."""
+    tx = oa.chain(
+        oa.accumulate(2),
+        optax.sgd(1.0),
+        oa.scale_by_window(4.0, rule="linear"),
+    )
+    params = jnp.zeros(2)
+    ctx = oa.GateContext(window_weight=jnp.float32(3.0))
+    state = tx.init(params)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for g in (jnp.array([1.0, 2.0]), jnp.array([3.0, 6.0])):
+            res = tx.gate_update(g, state, params, ctx)
+            state = res.state
+        assert bool(res.may_open)
+        assert callable(res.emit)  # the accumulate's emit is lazy
+        emitted = res.emit()
+    assert [str(w.message) for w in caught] == []
+    chex.assert_trees_all_close(emitted.updates, jnp.array([-3.0, -6.0]))
+    with pytest.warns(UserWarning, match="passed no accum_weight"):
+        tx.update(jnp.ones(2), tx.init(params), params)

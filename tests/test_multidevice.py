@@ -884,3 +884,45 @@ def test_bench_multidevice_tiny():
     assert per_window["pmean + oa.accumulate"] == res["k"], res
     assert res["all_reduces"]["oa.accumulate(axis_name)"]["top_ops"] == 0
     assert set(res["seconds"]) == set(per_window)
+
+
+@pytest.mark.parametrize("runner", ["pmap", "shard_map"])
+def test_window_beyond_2_to_the_24_on_one_device_keeps_its_low_part(runner):
+    """Device 0's window of weight 2**24 + 2 (a call of 2**24, gradient 0,
+    then two of weight 1, gradient 1; float32 alone rounds each +1 away),
+    the other devices' weight 0: each device's low part is added to its
+    weight before the one sum over the devices, so the budget of
+    every_weight(2**24 + 2) is reached on the third call, and the window's
+    mean is 2 / (2**24 + 2)."""
+    budget = 2**24 + 2
+    tx = oa.chain(
+        oa.accumulate(oa.every_weight(budget), axis_name=AXIS), optax.sgd(1.0)
+    )
+    params = jnp.zeros(2)
+
+    def local(state, g, w):
+        u, state = tx.update(g, state, params, accum_weight=w)
+        return u, state, oa.has_updated(state)
+
+    put = lambda t: t  # noqa: E731
+    if runner == "pmap":
+        step = jax.pmap(local, axis_name=AXIS)
+    else:  # pmap's layout: every leaf with a leading device axis
+        mesh, d = _mesh(), P(AXIS)
+        put = lambda t: jax.device_put(t, NamedSharding(mesh, d))  # noqa: E731
+
+        def body(*args):
+            out = local(*jax.tree.map(lambda a: a[0], args))
+            return jax.tree.map(lambda a: a[None], out)
+
+        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=d, out_specs=d))
+    state = put(_replicate(tx.init(params)))
+    closed, u = [], None
+    for g, w in [(0.0, 2.0**24), (1.0, 1.0), (1.0, 1.0)]:
+        weights = jnp.zeros(N).at[0].set(w)
+        grads = jnp.zeros((N, 2)).at[0].set(g)
+        u, state, flag = step(state, *put((grads, weights)))
+        closed.append(bool(np.asarray(flag)[0]))
+    assert closed == [False, False, True], closed
+    want = -2.0 / budget  # float64
+    np.testing.assert_allclose(np.asarray(u), np.full((N, 2), want), rtol=1e-7)

@@ -668,3 +668,43 @@ def test_windows_closed_sees_a_window_inside_a_window():
         state = new
     assert stepped == [i % 6 == 5 for i in range(12)], stepped
     assert closed == stepped, closed
+
+
+def test_from_optax_state_answers_has_updated_as_optax():
+    """Converted, a fresh optax state (no window closed yet) has not
+    updated, one taken mid-window neither, and one taken right after a
+    window closed has: as optax.MultiSteps.has_updated answers."""
+    params = _params()
+    grads = _grads(3, params)
+    theirs = optax.MultiSteps(optax.sgd(0.1), 3)
+    ours = oa.MultiSteps(optax.sgd(0.1), 3)
+    r = theirs.init(params)
+    answers = []
+    for g in (None, *grads):  # fresh, 1 and 2 into the window, closed
+        if g is not None:
+            _, r = theirs.update(g, r, params)
+        mine = bool(ours.has_updated(ours.from_optax_state(r)))
+        answers.append((mine, bool(theirs.has_updated(r))))
+    assert answers == [(a, a) for a in (False, False, False, True)], answers
+
+
+def test_multisteps_window_beyond_2_to_the_24_keeps_its_low_part():
+    """oa.MultiSteps keeps the accumulate's compensated weight in its state
+    (acc_weight_low): a window of a call of weight 2**24 (gradient 0) and
+    ten of weight 1 (gradient 1) has weight 2**24 + 10 (float32 alone
+    rounds each +1 away) and emits the mean 10 / (2**24 + 10)."""
+    ms = oa.MultiSteps(optax.sgd(1.0), 11)
+    params = jnp.zeros(2)
+    step = jax.jit(lambda s, g, w: ms.update(g, s, params, accum_weight=w))
+    state = ms.init(params)
+    u = None
+    for i in range(11):
+        g, w = (0.0, 2.0**24) if i == 0 else (1.0, 1.0)
+        if i == 10:  # the stored weight: 2**24 + 9, as (high, low)
+            low = state.acc_weight_low
+            assert low is not None, "acc_weight_low not stored"
+            assert (float(state.acc_weight), float(low)) == (2.0**24, 9.0)
+        u, state = step(state, jnp.full(2, g), jnp.float32(w))
+    assert bool(ms.has_updated(state))
+    want = -10.0 / (2.0**24 + 10)  # float64
+    np.testing.assert_allclose(u, [want, want], rtol=1e-7)

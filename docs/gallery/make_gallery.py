@@ -11,7 +11,8 @@ Run: ``python docs/gallery/make_gallery.py [--run [NAME ...]]``. Without
 ``--run`` first reruns the named examples (default: all) and records their
 output in ``docs/gallery/outputs/``. It also draws the index's thumbnails
 (``docs/gallery/thumbs/``, with matplotlib from the ``examples`` extra):
-each example's plot scaled down, or the start of what it printed.
+each example's plot scaled down, or a card with its title drawn large
+enough to read in the index's grid.
 ``tests/test_gallery.py`` fails when a page differs from what this script
 writes or a thumbnail is missing.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -80,10 +82,11 @@ def record(name: str, args: tuple[str, ...]) -> None:
         for png in sorted(f for f in os.listdir(tmp) if f.endswith(".png")):
             shutil.copy(os.path.join(tmp, png), os.path.join(OUTPUTS, png))
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    jax_version = importlib.metadata.version("jax")
     header = (
-        f"# {' '.join(command)}\n# recorded {when} with JAX on the CPU of a "
-        f"{os.cpu_count()}-core {platform.machine()} {platform.system()} "
-        f"machine ({cpu_s:.0f} CPU seconds)\n"
+        f"# {' '.join(command)}\n# recorded {when} with jax {jax_version} on "
+        f"the CPU of a {os.cpu_count()}-core {platform.machine()} "
+        f"{platform.system()} machine ({cpu_s:.0f} CPU seconds)\n"
     )
     with open(os.path.join(OUTPUTS, f"{name}.txt"), "w") as f:
         f.write(header + proc.stdout)
@@ -183,7 +186,7 @@ def _language(lines: list[str]) -> str:
 def thumbnail_source(name: str) -> str | None:
     """The figure an example's thumbnail is made from: the first plot it
     saves (``docs/gallery/outputs/<name>*.png``), else none (the thumbnail
-    then shows the start of what it prints)."""
+    is then a card with its title)."""
     figures = sorted(
         f
         for f in os.listdir(OUTPUTS)
@@ -192,37 +195,64 @@ def thumbnail_source(name: str) -> str | None:
     return os.path.join(OUTPUTS, figures[0]) if figures else None
 
 
-def make_thumbnail(name: str, source: str | None, text: str) -> None:
+# The thumbnail's size, and the narrowest the index's grid shows it
+# (docs/_static/custom.css: columns of at least 13rem, 208 px): a card's
+# text is drawn at least MIN_TEXT_PX high at that width.
+THUMB_PX = (360, 225)
+THUMB_DPI = 150
+THUMB_SHOWN_PX = 208
+MIN_TEXT_PX = 10
+
+
+def card_text(name: str) -> tuple[str, str]:
+    """The headline and the subtitle of an example's card: its title up to
+    the first colon, and the rest (empty when the title has none)."""
+    title = " ".join(docstring(name).partition("\n\n")[0].split())
+    title = title.replace("``", "").rstrip(".")
+    head, colon, rest = title.partition(": ")
+    return (head, rest) if colon else (title, "")
+
+
+def _card_pt(px: float) -> float:
+    """The font size in points that shows ``px`` high in the grid."""
+    return px * 72 / THUMB_DPI * THUMB_PX[0] / THUMB_SHOWN_PX
+
+
+def make_thumbnail(name: str, source: str | None) -> None:
     """Writes ``docs/gallery/thumbs/<name>.png`` (360 x 225 pixels): the
-    figure ``source`` scaled down, or the first lines of ``text``."""
+    figure ``source`` scaled down, or a card with the example's title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(2.4, 1.5), dpi=150)
+    width, height = (n / THUMB_DPI for n in THUMB_PX)
+    fig = plt.figure(figsize=(width, height), dpi=THUMB_DPI)
     ax = fig.add_axes((0, 0, 1, 1))
     ax.set_axis_off()
     if source is not None:
         ax.imshow(plt.imread(source), interpolation="antialiased")
         ax.set_aspect("auto")
     else:
-        lines = [line[:46] for line in text.splitlines()[:10]]
+        head, sub = card_text(name)
+        ax.add_patch(plt.Rectangle((0, 0.9), 1, 0.1, color="#3b6ea8"))
+        kw = {"va": "top", "ha": "left", "transform": ax.transAxes}
+        head = textwrap.fill(head, 20, break_long_words=False)
+        ax.text(0.06, 0.82, head, fontsize=_card_pt(15), weight="bold", **kw)
+        lines = head.count("\n") + 1
         ax.text(
-            0.03,
-            0.96,
-            "\n".join(lines),
-            family="monospace",
-            fontsize=4.6,
-            va="top",
-            ha="left",
-            transform=ax.transAxes,
+            0.06,
+            0.78 - 0.15 * lines,
+            textwrap.fill(sub, 30, break_long_words=False),
+            fontsize=_card_pt(MIN_TEXT_PX),
+            color="#333333",
+            **kw,
         )
     os.makedirs(THUMBS, exist_ok=True)
     fig.savefig(
         os.path.join(THUMBS, f"{name}.png"),
         metadata={"Software": None},
-        facecolor="white",
+        facecolor="#f4f7fb",
     )
     plt.close(fig)
 
@@ -231,11 +261,9 @@ def thumbnails() -> None:
     """Every thumbnail of the gallery's index, from the recorded outputs
     (and the language model's figure)."""
     for name, _ in GALLERY:
-        with open(os.path.join(OUTPUTS, f"{name}.txt")) as f:
-            printed = f.read().split("\n", 2)[2]
-        make_thumbnail(name, thumbnail_source(name), printed)
+        make_thumbnail(name, thumbnail_source(name))
     lm = os.path.join(ROOT, "docs", "figures", "transformer_lm.png")
-    make_thumbnail("lm_example", lm, "")
+    make_thumbnail("lm_example", lm)
 
 
 def _helpers(name: str) -> list[str]:
@@ -298,7 +326,7 @@ def index() -> str:
         "and the plot it saves, where it saves one, recorded on CPU. Run one "
         "with `python examples/<name>.py` (the `examples` extra installs what "
         "they need); `--tiny` or `--quick` runs it in seconds. Each picture "
-        "is the example's plot or the start of what it prints.",
+        "is the example's plot, or a card with its title.",
         "",
         ":::{container} gallery-grid",
         "",

@@ -554,6 +554,47 @@ def _gate_flush(
     )
 
 
+# The state types whose earlier layout :func:`upgraded` converts: type ->
+# (whether a state of it has the earlier layout, its conversion).
+# multisteps.py adds MultiStepsState.
+EARLIER_LAYOUTS: dict[type, tuple[Callable[[Any], bool], Callable]] = {}
+
+
+def upgraded(state: Any) -> Any:
+    """``state`` (an optimizer state) with each state of an earlier version
+    in it converted as this version keeps it. A chain converts its state
+    before it branches: a state that one branch converts (a nested
+    accumulate's) and the other passes on must have one tree.
+
+    Looks through plain tuples (the states of ``oa.chain`` and
+    ``optax.chain``, nested), where a gate's state sits in a chain's; not
+    into other states, whose leaves it would only walk.
+
+    Args:
+      state: an optimizer state.
+
+    Returns:
+      ``state`` itself if nothing in it has an earlier layout, else
+      ``state`` with those converted.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from optaxaccum._src import accumulate as acc
+      >>> old = acc.accumulate(2).init(jnp.zeros(1))._replace(weight_low=None)
+      >>> acc.upgraded((old,))[0].weight_low
+      Array(0., dtype=float32)
+    """
+    known = EARLIER_LAYOUTS.get(type(state))
+    if known is not None:
+        is_earlier, conversion = known
+        return conversion(state) if is_earlier(state) else state
+    if type(state) is not tuple:
+        return state
+    parts = tuple(upgraded(s) for s in state)
+    same = all(p is s for p, s in zip(parts, state))
+    return state if same else parts
+
+
 def _upgraded(state: AccumulateState) -> AccumulateState:
     """A state of an earlier version (no ``weight_low``) as this version
     keeps it: there the accumulator and weight still held the last
@@ -569,6 +610,9 @@ def _upgraded(state: AccumulateState) -> AccumulateState:
         weight=zero(state.weight),
         weight_low=jnp.zeros_like(state.weight),
     )
+
+
+EARLIER_LAYOUTS[AccumulateState] = (lambda s: s.weight_low is None, _upgraded)
 
 
 def _gradient_params(params: Any) -> Any:

@@ -214,7 +214,7 @@ def micro_batch_stats(
       axis_name: optional mapped axis (``pmap``/``shard_map``) to pool the
         statistics over; ``axis_index_groups`` as in ``lax.psum``.
       axis_index_groups: see ``axis_name``.
-      use_fast_variance: ``E[x^2] - E[x]^2`` (one pass) if true, else the
+      use_fast_variance: :math:`E[x^2] - E[x]^2` (one pass) if true, else the
         two-pass variance.
 
     Returns:

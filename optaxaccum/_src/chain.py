@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optaxaccum._src import accumulate as _accumulate
 from optaxaccum._src import base, gating, utils
 from optaxaccum._src.windows import warn_if_wrapped
 
@@ -83,11 +84,16 @@ def chain(
     assert gating.is_gate(gate)  # for the type checker: found as a gate
     gate_declared = utils.declared_extra_args(gate)
     plain = rest is not None and not gating.is_gate(rest)
+    # Gates after the first one: the state of an earlier version that one
+    # of them converts in a branch is converted before it (both branches).
+    convert = rest is not None and not plain
     then = gating.rule_for(rest)  # how the gate composes with the rest
     asks_units = gating.UNWEIGHTED_ARG in declared  # oa.scale_by_window's
 
     def gate_update_fn(updates, state, params, ctx, **extra_args):
         _check_chain_state(state, n)
+        if convert:
+            state = _accumulate.upgraded(state)
         window, new_head = ctx.window_weight, ()
         if asks_units and window is None and "accum_weight" not in extra_args:
             # The call weighs its micro-batch 1: tell the followers that ask.
@@ -207,9 +213,12 @@ def _flush_fn(transforms) -> base.GateFlushFn | None:
     )
     assert gating.is_gate(flusher) and flusher.gate_flush is not None
     flush_fn, n = flusher.gate_flush, len(transforms)
+    convert = gating.is_gate(rest)  # as in chain's update
 
     def gate_flush_fn(state, params, **extra_args):
         _check_chain_state(state, n)
+        if convert:
+            state = _accumulate.upgraded(state)
         res = gating.decision_of(
             flush_fn(state[flush_at], params, **extra_args)
         )

@@ -153,12 +153,17 @@ def over(ops: list[dict], axis: str, *, top: bool | None = None) -> list[dict]:
 def collective_exposure(compiled: Any, *, min_bytes: int = 0) -> dict:
     """How much of a compiled step's communication overlaps compute.
 
-    Reads the *scheduled* program (XLA:GPU and XLA:TPU issue collectives
-    asynchronously, as a ``-start``/``-done`` pair): a collective is hidden
-    when a GEMM (a ``dot``, a convolution, a GEMM custom call or a fusion
-    holding one) or a loop is scheduled between its start and its done,
-    and exposed otherwise (every synchronous one). docs/scaling.md
-    ("Gather once per step") shows it on 8 H200s.
+    Reads the *scheduled* program: a collective is hidden when a GEMM (a
+    ``dot``, a convolution, a GEMM custom call, or a fusion, call or
+    conditional holding one) or a loop is scheduled between its start and
+    its done, and exposed otherwise (every synchronous one). XLA:GPU's
+    asynchronous collectives are ``-start``/``-done`` pairs; XLA:TPU's
+    (async collective fusion) open in an ``AsyncCollectiveStart`` fusion,
+    run on inside the compute fusions in flight and close in an
+    ``AsyncCollectiveDone`` fusion: one collective, hidden.
+    docs/scaling.md ("Gather once per step") shows it on 8 H200s and 8 TPU
+    v5e chips; :func:`overlap_compiler_options` gives the options under
+    which a gather-once step's collectives are hidden.
 
     Args:
       compiled: ``jax.jit(f).lower(*args).compile()`` or its ``as_text()``.

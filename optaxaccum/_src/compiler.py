@@ -1,7 +1,10 @@
-"""``oa.fold_compiler_options``: the per-jit XLA options of an in-place
-micro-step."""
+"""``oa.fold_compiler_options`` and ``oa.overlap_compiler_options``: the
+per-jit XLA options of an in-place micro-step, and of a gather-once step
+whose collectives run under compute."""
 
 from __future__ import annotations
+
+import jax
 
 # XLA's copy insertion with its region-based live-range analysis, one name
 # per backend. Each backend reads its own and ignores the other; XLA:TPU
@@ -46,3 +49,99 @@ def fold_compiler_options() -> dict[str, bool]:
       True
     """
     return dict.fromkeys(_REGION_ANALYSIS, True)
+
+
+# Per platform, the per-jit options under which a gather-once step's
+# collectives are scheduled under compute, each with what it does
+# (docs/scaling.md's table of them is generated from this).
+OVERLAP_OPTIONS: dict[str, dict[str, tuple[bool | int, str]]] = {
+    "gpu": {
+        "xla_gpu_all_gather_combine_threshold_bytes": (
+            0,
+            "combine no all-gathers: each held leaf's gather starts as soon "
+            "as its leaf is ready instead of waiting in one combined "
+            "collective for the last",
+        ),
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": (
+            0,
+            "combine no reduce-scatters: each summed gradient is scattered "
+            "as soon as the last micro-batch's backward has made it",
+        ),
+        "xla_gpu_experimental_parallel_collective_overlap_limit": (
+            2,
+            "let the latency-hiding scheduler keep two collectives in "
+            "flight at once (a gather and a reduce-scatter)",
+        ),
+    },
+    "tpu": {
+        "xla_tpu_enable_async_collective_fusion": (
+            True,
+            "async collective fusion: a collective runs inside the compute "
+            "fusions scheduled while it is in flight (continuation fusion)",
+        ),
+        "xla_tpu_enable_async_collective_fusion_fuse_all_gather": (
+            True,
+            "async collective fusion for all-gathers",
+        ),
+        "xla_tpu_enable_async_collective_fusion_multiple_steps": (
+            True,
+            "one all-gather may run on over several compute fusions",
+        ),
+        "xla_tpu_overlap_compute_collective_tc": (
+            True,
+            "overlap a collective with compute on the TensorCore",
+        ),
+        "xla_enable_async_all_gather": (
+            True,
+            "all-gathers asynchronous (start and done apart)",
+        ),
+    },
+    "cpu": {},
+}
+
+
+def overlap_compiler_options(
+    platform: str | None = None,
+) -> dict[str, bool | int]:
+    """XLA options for ``jax.jit(..., compiler_options=...)`` under which a
+    gather-once step's collectives are scheduled under compute.
+
+    With :class:`GatherOnce`, each held leaf's gather is issued where the
+    first micro-batch's forward needs it and each summed gradient is
+    reduce-scattered where the last micro-batch's backward makes it; these
+    options let the compiler overlap them with the neighbouring layers'
+    matrix products (read the result with :func:`collective_exposure`).
+    XLA:GPU: no combining of all-gathers or reduce-scatters, two
+    collectives in flight. XLA:TPU: async collective fusion for all-gathers
+    (libtpu's defaults, pinned: set False, each leaves every all-gather
+    synchronous, except the one letting a gather span several fusions).
+    XLA:CPU: none. They change the schedule, not what is computed.
+    docs/scaling.md says what each option does and what the compiled
+    programs show per platform.
+
+    Args:
+      platform: ``"gpu"``, ``"tpu"`` or ``"cpu"``; ``None`` (default):
+        ``jax.default_backend()``.
+
+    Returns:
+      A new dict of option names and values.
+
+    Raises:
+      ValueError: ``platform`` is none of those.
+
+    Examples:
+      >>> import optaxaccum as oa
+      >>> oa.overlap_compiler_options("gpu")[
+      ...     "xla_gpu_experimental_parallel_collective_overlap_limit"]
+      2
+      >>> oa.overlap_compiler_options("cpu")
+      {}
+    """
+    if platform is None:
+        platform = jax.default_backend()
+    if not isinstance(platform, str) or platform not in OVERLAP_OPTIONS:
+        raise ValueError(
+            "platform must be None, 'gpu', 'tpu' or 'cpu', got "
+            f"platform={platform!r}"
+        )
+    return {name: v for name, (v, _) in OVERLAP_OPTIONS[platform].items()}

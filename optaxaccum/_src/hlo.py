@@ -318,70 +318,165 @@ def _operand_bytes(line: str, opcode: str, shapes: dict) -> int:
     )
 
 
+_CHANNEL_RE = re.compile(r"\bchannel_id=(\d+)")
+_ASYNC_TARGET_RE = re.compile(
+    r"custom_call_target=\"AsyncCollective(Start|Done)\""
+)
+
+
+def _fused_collective(comps: dict, name: str, memo: dict) -> dict | None:
+    """What a fusion's body does with a collective (XLA:TPU's forms), or
+    None if it holds none: ``kind`` is ``"start"`` / ``"done"`` (its root
+    is an ``AsyncCollectiveStart`` / ``AsyncCollectiveDone`` custom call),
+    ``"continuation"`` (it also computes: a convolution or dot runs while
+    the collective is in flight) or ``"sync"``; ``op``, ``channel`` (its
+    ``channel_id``, the same in every fusion of one collective) and
+    ``bytes`` (the larger of its operands and its result)."""
+    lines = comps.get(name, ())
+    shapes: dict[str, str] = {}
+    found = None
+    for line in lines:
+        parsed = split_instruction(line)
+        if parsed is None:
+            continue
+        shape, opcode = parsed
+        shapes[line.split(" = ", 1)[0].split()[-1].lstrip("%")] = shape
+        if found is None and opcode in _COLLECTIVES:
+            nbytes = _operand_bytes(line, opcode, shapes)
+            channel = _CHANNEL_RE.search(line)
+            found = dict(
+                op=opcode,
+                channel=channel.group(1) if channel else None,
+                bytes=max(nbytes, shape_bytes(shape)),
+            )
+    if found is None:
+        return None
+    target = _ASYNC_TARGET_RE.search("\n".join(lines))
+    if target:
+        found["kind"] = target.group(1).lower()
+    elif _holds_compute(comps, name, memo):
+        found["kind"] = "continuation"
+    else:
+        found["kind"] = "sync"
+    if found["op"] == "all-reduce" and "reduce-scatter" in name:
+        found["op"] = "reduce-scatter"  # XLA:TPU's all-reduce + slice
+    return found
+
+
+def _row(op: str, nbytes: int, name: str, loop: bool, sync: bool) -> dict:
+    return dict(
+        op=op, bytes=nbytes, computation=name, loop=loop, sync=sync, compute=0
+    )
+
+
+def _schedule(comps: dict, name: str, loop: bool, memo: dict) -> list[dict]:
+    """The collectives of one scheduled computation (see :func:`overlaps`)."""
+    shapes: dict[str, str] = {}
+    started: dict[str, dict] = {}
+    fused: dict[str, dict] = {}  # XLA:TPU's: one per channel
+    rows = []
+    for line in comps[name]:
+        parsed = split_instruction(line)
+        if parsed is None:
+            continue
+        shape, opcode = parsed
+        lhs = line.split(" = ", 1)[0].split()[-1].lstrip("%")
+        shapes[lhs] = shape
+        if started and _computes(comps, line, opcode, memo):
+            for row in started.values():
+                row["compute"] += 1
+        if opcode == "fusion":
+            body = next((c for c, _ in callees(line)), "")
+            info = _fused_collective(comps, body, memo)
+            if info is not None:
+                rows += _fused_step(info, lhs, name, loop, started, fused)
+            continue
+        op = _collective_of(opcode, line, comps)
+        if op is not None:
+            sync = not opcode.endswith("-start")
+            row = _row(
+                op, _operand_bytes(line, opcode, shapes), name, loop, sync
+            )
+            if sync:
+                row["bytes"] = max(row["bytes"], shape_bytes(shape))
+            else:
+                started[lhs] = row
+            rows.append(row)
+        elif opcode.endswith("-done"):
+            inside = line.split(f"{opcode}(", 1)[-1]
+            for operand in _OPERAND_RE.findall(inside):
+                row = started.pop(operand, None)
+                if row is not None:
+                    row["bytes"] = max(row["bytes"], shape_bytes(shape))
+    return rows
+
+
+def _fused_step(
+    info: dict, lhs: str, name: str, loop: bool, started: dict, fused: dict
+) -> list[dict]:
+    """Books one XLA:TPU collective fusion; returns the new row, if any.
+
+    A start opens the collective (keyed by channel), a done closes it; a
+    continuation fusion of an open one was counted as compute in flight,
+    one of a collective with no start is that collective, overlapped (it
+    runs inside the fusion's compute); a sync fusion is exposed."""
+    key = f"channel {info['channel']}" if info["channel"] else lhs
+    sync = info["kind"] == "sync"
+    if info["kind"] == "done":
+        row = started.pop(key, None) or fused.get(key)
+        if row is not None:
+            row["bytes"] = max(row["bytes"], info["bytes"])
+        return []
+    if key in started or key in fused:
+        return []
+    row = _row(info["op"], info["bytes"], name, loop, sync)
+    fused[key] = row
+    if info["kind"] == "start":
+        started[key] = row
+    elif info["kind"] == "continuation":
+        row["compute"] = 1
+    return [row]
+
+
 def overlaps(text: str) -> list[dict]:
     """Every collective of a scheduled HLO module (``compile().as_text()``)
     and the compute scheduled while it is in flight.
 
+    Reads XLA:GPU's asynchronous forms (a ``-start``/``-done`` pair, an
+    ``async-start`` wrapping a collective) and XLA:TPU's: a fusion whose
+    root is an ``AsyncCollectiveStart`` custom call opens a collective that
+    a fusion ending in ``AsyncCollectiveDone`` closes, and the fusions in
+    between that hold the same collective (its ``channel_id``) and a
+    convolution are its continuation: compute run while it is in flight
+    (async collective fusion). A collective fused with compute and no start
+    is overlapped; one alone in a fusion is synchronous. Each collective is
+    one row, however many fusions hold it.
+
     Returns:
-      One dict per collective, sync or async (a ``-start``/``-done`` pair,
-      or an ``async-start`` wrapping one): ``op`` (e.g. ``"all-gather"``),
+      One dict per collective: ``op`` (e.g. ``"all-gather"``),
       ``bytes`` (the larger of its operands and its result: the gathered
       result, the scattered operand; all of them for a combined one),
       ``computation``, ``loop`` (inside a ``while`` loop's body), ``sync``
       and ``compute``: the number of instructions between its start and its
-      done that are a GEMM (``dot``, ``convolution``, a GEMM custom call or
-      a fusion holding one) or a loop; 0 for a sync collective.
+      done that are a GEMM (``dot``, ``convolution``, a GEMM custom call, or
+      a fusion, call or conditional holding one) or a loop; 0 for a sync
+      collective.
     """
     comps, _ = parse_hlo(text)
     in_loop = loop_computations(text)
     memo: dict = {}
-    wrapped = {
+    inner = {
         callee
         for lines in comps.values()
         for line in lines
-        if (p := split_instruction(line)) is not None and p[1] == "async-start"
+        if (p := split_instruction(line)) is not None
+        and p[1] in ("async-start", "fusion")
         for callee, _ in callees(line)
     }
     rows = []
-    for name, lines in comps.items():
-        if name in wrapped:  # counted at its async-start
-            continue
-        shapes: dict[str, str] = {}
-        started: dict[str, dict] = {}
-        for line in lines:
-            parsed = split_instruction(line)
-            if parsed is None:
-                continue
-            shape, opcode = parsed
-            lhs = line.split(" = ", 1)[0].split()[-1].lstrip("%")
-            shapes[lhs] = shape
-            op = _collective_of(opcode, line, comps)
-            if op is not None:
-                sync = not opcode.endswith("-start")
-                row = dict(
-                    op=op,
-                    bytes=_operand_bytes(line, opcode, shapes),
-                    computation=name,
-                    loop=name in in_loop,
-                    sync=sync,
-                    compute=0,
-                )
-                if sync:
-                    row["bytes"] = max(row["bytes"], shape_bytes(shape))
-                else:
-                    started[lhs] = row
-                rows.append(row)
-                continue
-            if opcode.endswith("-done"):
-                inside = line.split(f"{opcode}(", 1)[-1]
-                for operand in _OPERAND_RE.findall(inside):
-                    row = started.pop(operand, None)
-                    if row is not None:
-                        row["bytes"] = max(row["bytes"], shape_bytes(shape))
-                continue
-            if started and _computes(comps, line, opcode, memo):
-                for row in started.values():
-                    row["compute"] += 1
+    for name in comps:
+        if name not in inner:  # a fusion's body: read at the fusion
+            rows += _schedule(comps, name, name in in_loop, memo)
     return rows
 
 

@@ -1,11 +1,12 @@
 """The gradient noise scale of McCandlish et al. (2018) from the window.
 
 ``oa.accumulate(k, noise_scale_decay=d)`` adds, on each micro-step, the
-weighted squared norm ``w |g|^2`` of the micro-batch gradient to a running
-scalar (:func:`micro_step`); when the window closes, :func:`close` turns it
-and the window's mean into unbiased estimates of ``tr(Sigma)`` and ``|G|^2``
-and folds them into exponential moving averages. :func:`noise_scale` reads
-them; :func:`critical_batch_every_k` sizes windows from them. The
+weighted squared norm :math:`w |g|^2` of the micro-batch gradient to a
+running scalar (:func:`micro_step`); when the window closes, :func:`close`
+turns it and the window's mean into unbiased estimates of
+:math:`\\operatorname{tr}(\\Sigma)` and :math:`|G|^2` and folds them into
+exponential moving averages. :func:`noise_scale` reads them;
+:func:`critical_batch_every_k` sizes windows from them. The
 derivation: docs/noise_scale.md.
 """
 
@@ -37,15 +38,16 @@ class NoiseScaleState(NamedTuple):
     """The noise-scale part of an :class:`optaxaccum.AccumulateState`.
 
     Attributes:
-      sq_sum: this device's ``sum_i w_i |g_i|^2`` over the window so far;
-        ``shape=()``, the window weight's dtype. Stale when the window's
+      sq_sum: this device's :math:`\\sum_i w_i |g_i|^2` over the window so
+        far; ``shape=()``, the window weight's dtype. Stale when the window's
         ``mini_step`` is 0 (overwritten by the next micro-batch).
       micro_batches: this device's micro-batches of positive weight in the
         window (an integer held in the weight's dtype, so that it is reduced
         with ``sq_sum`` in one collective); stale like ``sq_sum``.
-      trace_cov: exponential moving average of the windows' ``tr(Sigma)``
-        estimates, not debiased; ``shape=()``, the weight's dtype.
-      grad_sq: the same for ``|G|^2``.
+      trace_cov: exponential moving average of the windows'
+        :math:`\\operatorname{tr}(\\Sigma)` estimates, not debiased;
+        ``shape=()``, the weight's dtype.
+      grad_sq: the same for :math:`|G|^2`.
       norm: the sum of the averages' weights, ``1 - decay**n`` after ``n``
         windows with ``k >= 2`` (0 before: the averages are then unset);
         dividing by it debiases them. ``shape=()``, the weight's dtype.
@@ -201,9 +203,9 @@ def noise_scale(opt_state: optax.OptState) -> NoiseScale:
 
     Returns:
       A :class:`NoiseScale` of float32 scalars: the debiased moving averages
-      of ``tr(Sigma)`` (per unit of ``accum_weight``) and ``|G|^2``, and
-      ``b_simple``, their ratio. NaN until a window with at least two
-      micro-batches of positive weight has closed.
+      of :math:`\\operatorname{tr}(\\Sigma)` (per unit of ``accum_weight``)
+      and :math:`|G|^2`, and ``b_simple``, their ratio. NaN until a window
+      with at least two micro-batches of positive weight has closed.
 
     Raises:
       ValueError: naming ``noise_scale_decay`` if no accumulate in

@@ -120,7 +120,9 @@ def scale_by_window(
     window's updates by ``r * schedule(tau)``, where ``W`` is the window's
     total weight (``accum_weight``, summed over the devices) and ``tau``
     the sum of ``r`` over the windows before. Rules: ``"gain"``, AdaScale's
-    ``r = (tr(Sigma) / base_weight + |G|^2) / (tr(Sigma) / W + |G|^2)``
+    :math:`r = (\\operatorname{tr}(\\Sigma) / B_0 + |G|^2) /
+    (\\operatorname{tr}(\\Sigma) / W + |G|^2)` (:math:`B_0` is
+    ``base_weight``)
     from the accumulate's noise scale estimates (between 1 and ``W /
     base_weight``; 1 while they are NaN); ``"linear"``, ``W /
     base_weight``; ``"sqrt"``, its square root; or a callable ``(W,
