@@ -311,13 +311,22 @@ TRAIN_OFF_FLOOR = {
 }
 
 
+# The optimizer alone in the same train step (no accumulation): what a
+# train step's temporaries are measured against.
+TRAIN_BASELINE = {
+    "adamw": lambda m, f, b: _pure(m, f, b, _adamw),
+}
+
+
 def train_step(api: str, model: str):
     """``(fn, args, weight_counts)`` of a train step of ``model`` through
     ``api``, with the first two arguments (params and state) donated by the
     caller."""
     m, loss, batch = MODELS[model]()
     counts = dense_weight_counts(m)
-    fn, args = {**TRAIN, **TRAIN_OFF_FLOOR}[api](m, loss, batch)
+    fn, args = {**TRAIN, **TRAIN_OFF_FLOOR, **TRAIN_BASELINE}[api](
+        m, loss, batch
+    )
     return fn, args, counts, dense_weight_shapes(m)
 
 

@@ -187,31 +187,10 @@ def _at_the_floor(api, setting, target=None, model="mlp"):
     assert path == {"copies": 0, "passes": 0}, path
 
 
-# Without the options, XLA:GPU's copy insertion copies each accumulator in
-# the branch that passes it through when a Triton GEMM fusion wrote it; a
-# cuBLAS-LT GEMM writes into the donated buffer itself (jaxlib >= 0.11;
-# jaxlib 0.10's XLA:GPU copies there too). Strict: a compiler that stops
-# copying fails here, to be noticed.
-_COPIES_ON_TRITON = pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="Triton GEMMs: without oa.fold_compiler_options() XLA:GPU copies "
-    "each accumulator on the non-closing branch",
-)
-_OLD_JAXLIB = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) < (0, 11)
-_COPIES_ON_OLD_CUBLAS = pytest.mark.xfail(
-    _OLD_JAXLIB,
-    raises=AssertionError,
-    strict=True,
-    reason="jaxlib 0.10's XLA:GPU copies cuBLAS-LT's accumulators without "
-    "oa.fold_compiler_options()",
-)
-_FLOOR_SETTINGS = [
-    pytest.param("triton", marks=_COPIES_ON_TRITON),
-    "triton+options",
-    pytest.param("cublas", marks=_COPIES_ON_OLD_CUBLAS),
-    "cublas+options",
-]
+# Every setting a card may pick, with no option as with the options: the
+# fused step branches with a loop of 0 or 1 trips, whose carry XLA updates
+# in place (docs/gpu.md).
+_FLOOR_SETTINGS = list(targets.SETTINGS)
 
 
 @pytest.mark.parametrize("setting", _FLOOR_SETTINGS)
@@ -290,31 +269,34 @@ def test_off_the_floor(api, model, setting):
     _at_the_floor(api, setting, model=model)
 
 
-def _temp(name, target, fused=True, weighted=False):
-    """Temporaries of a premise's step, compiled with the options of an
-    in-place micro-step: its gradients are arguments, so the accumulator
-    is written by a loop fusion, which XLA:GPU's default copy insertion
-    copies out of the gate's pass-through branch (docs/gpu.md)."""
+def _temp(name, target, fused=True, weighted=False, setting="triton"):
+    """Temporaries of a premise's step (its gradients are arguments),
+    compiled in ``setting`` (no compiler option by default) for
+    ``target``."""
     fn, args = steps.premise_step(name, fused, weighted)
-    options = targets.options("triton+options")
-    compiled = targets.compile_for(fn, args, _gpu(target), (0, 1), options)
+    options = targets.options(setting) if target != "tpu" else None
+    compiled = targets.compile_for(fn, args, _device(target), (0, 1), options)
     mem = compiled.memory_analysis()
     if mem is None:
         pytest.skip("this plugin gives no memory analysis")
     return mem.temp_size_in_bytes
 
 
-# With the options the premises hold on every jaxlib (without them jaxlib
-# 0.10.2's XLA:GPU copied three trees out of the donated gate).
-@pytest.mark.parametrize("target", ["h100", "h200"])
+@pytest.mark.parametrize("setting", ["triton", "triton+options"])
+@pytest.mark.parametrize("target", ["h100", "h200", "tpu"])
 @pytest.mark.parametrize(
     "name", ["accumulate", "loss_scale", "eager_gate_own_chain"]
 )
 @pytest.mark.parametrize("weighted", [False, True])
-def test_fused_step_needs_no_tree_sized_temporary(name, weighted, target):
-    """tests/test_chain.py, tests/test_accumulate.py: the fused
-    non-closing step allocates less than 1/64 of the tree."""
-    temp = _temp(name, target, weighted=weighted)
+def test_fused_step_needs_no_tree_sized_temporary(
+    name, weighted, target, setting
+):
+    """tests/test_chain.py, tests/test_accumulate.py: the fused donated
+    step (gradients passed in) allocates less than 1/64 of the tree, with
+    no compiler option and with ``oa.fold_compiler_options()``."""
+    if target == "tpu" and setting != "triton":
+        pytest.skip("XLA:TPU: one setting")
+    temp = _temp(name, target, weighted=weighted, setting=setting)
     assert temp < steps.TREE_BYTES // 64, temp
 
 
@@ -327,3 +309,38 @@ def test_headline_chain_holds_one_tree(target):
     unit_norms = 2 * 256 * 4
     assert temp <= steps.TREE_BYTES + unit_norms + 4096, temp
     assert temp <= _temp("headline", target, fused=False)
+
+
+@functools.cache
+def _train_temp(api, target, setting):
+    fn, args, _, _ = steps.train_step(api, "mlp")
+    donate = (0,) if api in ("TrainState", "nnx Optimizer") else (0, 1)
+    options = None if target == "tpu" else targets.options(setting)
+    compiled = targets.compile_for(fn, args, _device(target), donate, options)
+    mem = compiled.memory_analysis()
+    if mem is None:
+        pytest.skip("this plugin gives no memory analysis")
+    return mem.temp_size_in_bytes
+
+
+@pytest.mark.parametrize(
+    ("target", "setting"),
+    [("h200", "triton"), ("h200", "cublas"), ("tpu", "none")],
+)
+@pytest.mark.parametrize(
+    "api", [a for a in steps.TRAIN if a != "summed weighted"]
+)
+def test_train_step_needs_no_tree_beyond_the_optimizer_alone(
+    api, target, setting
+):
+    """With no compiler option, a train step that makes its gradients in
+    the jit needs less than half a param tree of temporaries beyond the
+    same step with the optimizer alone (no accumulation)."""
+    if target == "h200":
+        target = _newest_gpu()
+    model, _, _ = steps.MODELS["mlp"]()
+    tree = 4 * sum(steps.dense_weight_counts(model))
+    extra = _train_temp(api, target, setting) - _train_temp(
+        "adamw", target, setting
+    )
+    assert extra < tree // 2, (extra, tree)

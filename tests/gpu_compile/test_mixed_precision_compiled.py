@@ -50,12 +50,8 @@ CHAINS = {
         oa.accumulate(steps.K), optax.apply_if_finite(_ADAM(), 5)
     ),
 }
-# Without oa.fold_compiler_options() jaxlib 0.10.2's XLA:GPU copies each
-# accumulator on the non-closing branch in both GEMM backends (as it does
-# for float32 products, tests/gpu_compile/test_compiled.py): the copies of
-# the micro-step, not of the mixed-precision dot. Those settings join this
-# list once the micro-step passes the accumulator through by default.
-SETTINGS = ("triton+options", "cublas+options")
+# Both GEMM backends, with no compiler option and with the options.
+SETTINGS = ("triton", "triton+options", "cublas", "cublas+options")
 
 
 class MLP(nnx.Module):
