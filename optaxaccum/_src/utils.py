@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.extend import core as jcore
 
 __all__ = [
     "NO_PARAMS_MSG",
@@ -621,16 +622,24 @@ def loop_or_call(pred: Any, true_fn: Callable, carry: Any) -> Any:
 
 
 def _loop(pred: Any, true_fn: Callable, carry: Any) -> Any:
-    """:func:`loop_or_call` of a traced ``pred``."""
-    body_fn, hoisted = jax.closure_convert(true_fn)
+    """:func:`loop_or_call` of a traced ``pred``: ``true_fn`` traced once
+    (``jax.make_jaxpr``), its values closed over that are leaves of
+    ``carry`` read from the loop's carry."""
+    closed, shapes = jax.make_jaxpr(true_fn, return_shape=True)()
     leaves, treedef = jax.tree.flatten(carry)
+    if jax.tree.structure(shapes) != treedef:
+        raise TypeError(
+            "loop_or_call: true_fn must return carry's structure, got "
+            f"{jax.tree.structure(shapes)} and {treedef}"
+        )
     slot = {id(x): i for i, x in enumerate(leaves)}
+    consts = list(closed.consts)
 
     def body(state):
         values, _ = state
-        args = [values[slot[id(h)]] if id(h) in slot else h for h in hoisted]
-        out = jax.tree.leaves(body_fn(*args))
-        return out, jnp.zeros_like(pred)
+        args = [values[slot[id(c)]] if id(c) in slot else c for c in consts]
+        out = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(closed.jaxpr, args))()
+        return list(out), jnp.zeros_like(state[1])
 
     with jax.named_scope(GATE_LOOP):  # how readers of programs find it
         out, _ = lax.while_loop(
