@@ -677,12 +677,21 @@ def ordered_after(state: Any, params: Any) -> Any:
 
 
 def _after(a: Any, p: Any) -> Any:
-    """``a`` plus the zero of ``p`` (``where(isfinite(p), p * 0, 0)``),
-    broadcast to ``a``'s shape, in ``a``'s dtype."""
+    """``a`` plus the zero of ``p`` (``where(isfinite(p), p * 0, 0)``) in
+    ``a``'s dtype, where ``p`` is a float array of ``a``'s shape and
+    sharding (elsewhere ``a``: the sum needs no communication)."""
     p = jnp.asarray(p)
-    if not jnp.issubdtype(p.dtype, jnp.inexact) or p.ndim > a.ndim:
+    if not jnp.issubdtype(p.dtype, jnp.inexact) or p.shape != a.shape:
+        return a
+    if _spec(a) != _spec(p):
         return a
     zero = jnp.where(jnp.isfinite(p), p * 0, 0)
     if not jnp.issubdtype(a.dtype, jnp.complexfloating):
         zero = jnp.real(zero)
-    return a + jnp.broadcast_to(zero.astype(a.dtype), a.shape)
+    return a + zero.astype(a.dtype)
+
+
+def _spec(x: Any) -> Any:
+    """The explicit sharding spec of ``x``'s type, or None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return getattr(sharding, "spec", None)
