@@ -58,7 +58,7 @@ from optaxaccum._src.window_scale import (
     scale_by_window,
     window_progress,
 )
-from optaxaccum._src.windows import has_updated
+from optaxaccum._src.windows import has_updated, optimizer_step
 
 __version__ = "0.1.0"
 
@@ -93,6 +93,7 @@ __all__ = [
     "microbatched_step_memory",
     "microbatched_value_and_grad",
     "noise_scale",
+    "optimizer_step",
     "plan_microbatches",
     "reshard_state",
     "scaled_value_and_grad",

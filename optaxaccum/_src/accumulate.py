@@ -58,6 +58,10 @@ class AccumulateState(NamedTuple):
         up to about ``2**48``; under ``pmap``/``shard_map`` each device's);
         ``shape=()``, ``weight``'s dtype. ``None`` in a state of an earlier
         version, which its first update or flush converts.
+      optimizer_step: how many times the followers stepped: the closed
+        windows that were not dropped (:func:`optimizer_step`);
+        ``shape=(), int32``. ``None`` in a state of an earlier version, which
+        its first update or flush converts (to ``gradient_step``).
     """
 
     mini_step: jax.Array  # shape=(), int32
@@ -67,6 +71,7 @@ class AccumulateState(NamedTuple):
     updated: jax.Array  # shape=(), bool
     noise_scale: Any = None  # noise_scale.NoiseScaleState, or None (off)
     weight_low: Any = None  # shape=(), weight's dtype; None: a plain sum
+    optimizer_step: Any = None  # shape=(), int32; None: an earlier version
 
     _holds_window = True  # found by oa.has_updated (windows.py); no field
 
@@ -258,6 +263,7 @@ def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
             cfg.noise_scale_decay, _weight_dtype(cfg, params), sums
         ),
         weight_low=jnp.zeros([], _weight_dtype(cfg, params)),
+        optimizer_step=jnp.zeros([], jnp.int32),
     )
 
 
@@ -275,6 +281,9 @@ def _gate_update(
     window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
     state, sums = _checked_input(cfg, updates, state)
+    state = _with_count(state)._replace(
+        noise_scale=noise_scale.at_scale(state.noise_scale, ctx.gradient_scale)
+    )
     accum_weight, summed = _call_weight(cfg, ctx, accum_weight)
     acc, (weight, low), noise, counted = _add(
         cfg, sums, state, updates, accum_weight, ctx.passed, summed
@@ -298,6 +307,7 @@ def _gate_update(
         # the call was dropped: the flag answers for the last call.
         updated=jnp.zeros_like(state.updated),
         noise_scale=noise,
+        optimizer_step=state.optimizer_step,
     )
     out_dtypes = jax.tree.map(jnp.result_type, updates)
     if cfg.axis_name is None and not cfg.summed_gradients:
@@ -310,15 +320,15 @@ def _gate_update(
         return gating.Decision(
             state=new_state,
             may_open=closing & nonzero,
-            emit=_emitter(
-                cfg, sums, new_state, out_dtypes, weight_checked=True
+            emit=_counting(
+                _emitter(cfg, sums, new_state, out_dtypes, weight_checked=True)
             ),
             empty=closing & ~nonzero,
         )
     return gating.Decision(
         state=new_state,
         may_open=closing,
-        emit=_emitter(cfg, sums, new_state, out_dtypes),
+        emit=_counting(_emitter(cfg, sums, new_state, out_dtypes)),
     )
 
 
@@ -535,6 +545,7 @@ def _gate_flush(
     params = _gradient_params(params)
     if state.weight_low is None:  # a state of an earlier version
         state = _upgraded(state)
+    state = _with_count(state)
     sums = reducer.of(cfg.axis_name, state.acc, cfg.shard_update)
     sums.check_axes("oa.flush", state.acc)
     utils.check_same_structure(
@@ -548,8 +559,36 @@ def _gate_flush(
     return gating.Decision(
         state=state,
         may_open=state.mini_step > 0,
-        emit=_emitter(cfg, sums, closed_state, out_dtypes),
+        emit=_counting(_emitter(cfg, sums, closed_state, out_dtypes)),
     )
+
+
+def _with_count(state: AccumulateState) -> AccumulateState:
+    """``state`` with an ``optimizer_step`` (a state of an earlier version
+    has none: its windows closed so far, the best it can tell)."""
+    if state.optimizer_step is not None:
+        return state
+    return state._replace(
+        optimizer_step=jnp.asarray(state.gradient_step, jnp.int32)
+    )
+
+
+def _counting(
+    emit: Callable[[], gating.Emission],
+) -> Callable[[], gating.Emission]:
+    """``emit`` with the window counted in ``optimizer_step`` where it
+    steps the followers (its ``updated`` flag; a later gate that drops the
+    window takes it back: ``windows.refused``)."""
+
+    def counted() -> gating.Emission:
+        out = emit()
+        s = out.state
+        count = jnp.where(
+            s.updated, optax.safe_increment(s.optimizer_step), s.optimizer_step
+        )
+        return out._replace(state=s._replace(optimizer_step=count))
+
+    return counted
 
 
 def _upgraded(state: AccumulateState) -> AccumulateState:

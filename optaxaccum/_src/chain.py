@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, gating, utils
+from optaxaccum._src import base, gating, utils, windows
 from optaxaccum._src.windows import warn_if_wrapped
 
 __all__ = ["chain", "apply_gradients", "flush"]
@@ -105,6 +105,10 @@ def chain(
         args = extra_args  # as they are, unless some to filter or add
         if extra_args or window is not None:
             args = gating.args_for(gate_declared, extra_args, window)
+        # A loss scale after the gate: the gradients come scaled by it.
+        scale = windows.gradient_scale(state[gate_at + 1 :])
+        if scale is not None:
+            ctx = ctx._replace(gradient_scale=scale)
         res = gating.decision_of(
             gate.gate_update(updates, state[gate_at], params, ctx, **args)
         )

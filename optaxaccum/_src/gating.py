@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base, utils
+from optaxaccum._src import base, utils, windows
 from optaxaccum._src.base import GateFlushFn, GateUpdateFn
 
 __all__ = ["GatedTransformation", "is_gate"]
@@ -76,13 +76,16 @@ class Emission(NamedTuple):
         """The emission of a branch that does not step the followers: zero
         updates and window weight shaped as in ``shapes`` (an emission's
         shapes), ``state``, ``opened`` and ``passed`` as given."""
-        updates, weight = utils.zeros_of((shapes.updates, shapes.window_weight))
+        updates, weight, noise = utils.zeros_of(
+            (shapes.updates, shapes.window_weight, shapes.noise)
+        )
         return cls(
             updates=updates,
             state=state,
             opened=opened,
             window_weight=weight,
             passed=passed,
+            noise=noise,  # as the branch that opens gives it (no step reads it)
         )
 
     def with_flags(self) -> Emission:
@@ -499,7 +502,10 @@ def then_gate(res, head, tail_state, rest, params, extra_args) -> Decision:
             utils.declared_extra_args(rest), extra_args, out.window_weight
         )
         e = through_gate(out, tail_state, rest, params, args)
-        return e._replace(state=(*head, out.state, *e.state))
+        # Where the later gates did not step (a loss scale dropped the
+        # window), this gate's windows say so.
+        own = windows.refused(res.state, out.state, e.opened)
+        return e._replace(state=(*head, own, *e.state))
 
     may_open = utils.either(res.may_open, res.empty)
     return Decision(state=state, may_open=may_open, emit=emit)

@@ -46,6 +46,9 @@ class DynamicLossScaleState(NamedTuple):
     factor: jax.Array  # shape=(), float32
     min_scale: jax.Array  # shape=(), float32
 
+    # An accumulate before it gets scaled gradients (windows.py); no field.
+    _scales_gradients = True
+
 
 class StaticLossScaleState(NamedTuple):
     """State of :func:`static_loss_scale`.
@@ -55,6 +58,8 @@ class StaticLossScaleState(NamedTuple):
     """
 
     scale: jax.Array  # shape=(), float32
+
+    _scales_gradients = True  # as DynamicLossScaleState's; no field
 
 
 def _check_float32(name: str, value: Any, *, lower: float) -> np.float32:
