@@ -7,6 +7,8 @@ with an overflowing micro-batch dropped, the scale halved, ``period``
 counted in windows), and ``jmp.DynamicLossScale`` adjusted once per window.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,9 @@ def _batches(n, overflow=(), seed=0):
 def _window_tx(opt, *extra):
     return oa.chain(
         oa.accumulate(K),
-        oa.dynamic_loss_scale(INIT, period=PERIOD, factor=FACTOR, min_scale=MIN),
+        oa.dynamic_loss_scale(
+            INIT, period=PERIOD, factor=FACTOR, min_scale=MIN
+        ),
         *extra,
         opt,
     )
@@ -222,9 +226,7 @@ def test_checkpoint_round_trip_mid_window():
 def test_apply_if_finite_after_the_accumulate_drops_windows():
     """Without a loss scale: a non-finite window is not applied; has_updated
     and optimizer_step say the optimizer did not step."""
-    tx = oa.chain(
-        oa.accumulate(2), optax.apply_if_finite(optax.adam(0.1), 3)
-    )
+    tx = oa.chain(oa.accumulate(2), optax.apply_if_finite(optax.adam(0.1), 3))
     params = jnp.zeros(2)
     s = tx.init(params)
     grads = [[1.0, 2.0], [1.0, 1.0], [jnp.nan, 1.0], [1.0, 1.0], [2.0, 1.0]]
@@ -275,17 +277,24 @@ def test_window_loss_scale_across_devices(mapper):
     else:
         mesh = jax.make_mesh((N,), ("d",), devices=jax.devices()[:N])
         P = jax.sharding.PartitionSpec
-        specs = oa.map_accumulators(jax.tree.map(lambda _: P(), state),
-                                    lambda _: P("d"))
+        specs = oa.map_accumulators(
+            jax.tree.map(lambda _: P(), state), lambda _: P("d")
+        )
 
         def mapped(p, s, x):
             s = oa.map_accumulators(s, lambda a: a[0])
             p, s = step(p, s, x[0], varying=True)
             return p, oa.map_accumulators(s, lambda a: a[None])
 
-        fn = jax.jit(jax.shard_map(mapped, mesh=mesh,
-                                   in_specs=(P(), specs, P("d")),
-                                   out_specs=(P(), specs)))
+        fn = jax.jit(
+            jax.shard_map(
+                mapped,
+                mesh=mesh,
+                in_specs=(P(), specs, P("d")),
+                out_specs=(P(), specs),
+            )
+        )
+
         def put(tree, spec):
             return jax.tree.map(
                 lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp)),
@@ -302,12 +311,127 @@ def test_window_loss_scale_across_devices(mapper):
         p, s = fn(p, s, x)
         flags.append(bool(np.all(oa.has_updated(s))))
     assert flags == [False, True, False, False, False, True]
-    ref, sgd = params, optax.sgd(0.1)
+    ref = params
     for w in (0, 2):  # window 1 dropped
         window = xs[2 * w : 2 * w + 2].reshape(-1, 3)
         g = sum(jax.grad(_loss)(ref, x) for x in window) / len(window)
         ref = ref - 0.1 * g
-    np.testing.assert_allclose(unrep(p) if mapper == "pmap" else p, ref,
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        unrep(p) if mapper == "pmap" else p, ref, rtol=1e-5
+    )
     assert np.all(np.asarray(oa.loss_scale(s)) == INIT / FACTOR)
     assert np.all(np.asarray(oa.optimizer_step(s)) == 2)
+
+
+@pytest.mark.devices(N)
+def test_window_loss_scale_on_a_jit_mesh():
+    """Under jax.jit on an explicit data mesh (unreduced gradients, one
+    reduction per window): as the single-device run on the whole batch."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh(
+        (N,), ("data",), (AxisType.Explicit,), devices=jax.devices()[:N]
+    )
+    tx = oa.chain(
+        oa.accumulate(K, axis_name="data"),
+        oa.dynamic_loss_scale(INIT, period=PERIOD),
+        optax.adam(0.1),
+    )
+    xs = _batches(4 * K * N, (5 * N + 2,)).reshape(4 * K, N, 3)
+
+    def batch_loss(p, xb, on_mesh=False):
+        if on_mesh:  # a reduced param broadcast to the sharded batch
+            p = jnp.broadcast_to(oa.fsdp_gather(p, ("data",)), xb.shape)
+            p = jax.reshard(p, jax.typeof(xb).sharding.spec)
+        else:
+            p = jnp.broadcast_to(p, xb.shape)
+        return jnp.mean(jax.vmap(_loss)(p, xb))
+
+    def step(p, s, xb):
+        def scaled(f, argnums, has_aux):
+            return oa.scaled_value_and_grad(
+                f, s, argnums=argnums, has_aux=has_aux
+            )
+
+        vg = oa.unreduced_value_and_grad(
+            functools.partial(batch_loss, on_mesh=True),
+            "data",
+            value_and_grad=scaled,
+        )
+        _, g = vg(p, xb)
+        return oa.apply_gradients(tx, g, s, p)
+
+    params = jnp.array([1.0, -2.0, 0.5])
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+        s = jax.jit(tx.init)(p)
+        fn = jax.jit(step)
+        for xb in xs:
+            p, s = fn(p, s, jax.device_put(xb, NamedSharding(mesh, P("data"))))
+    # The reference: micro-batch t is the mean over its N examples.
+    ref_tx = _window_tx(optax.adam(0.1))
+    state, ref = ref_tx.init(params), params
+    for xb in xs:
+        _, g = oa.scaled_value_and_grad(batch_loss, state)(ref, xb)
+        ref, state = oa.apply_gradients(ref_tx, g, state, ref)
+    np.testing.assert_allclose(np.asarray(p), ref, rtol=2e-5, atol=1e-6)
+    assert int(oa.optimizer_step(s)) == int(oa.optimizer_step(state)) == 3
+    assert float(oa.loss_scale(s)) == float(oa.loss_scale(state))
+
+
+# ----------------------------------------------------------------- Flax
+
+
+def _fused_reference(tx, params, xs):
+    *_, (p, s) = _run(tx, params, xs)
+    return p, s
+
+
+def test_window_loss_scale_in_flax_train_state():
+    from optaxaccum.flax import TrainState
+
+    tx = _window_tx(optax.adam(0.1))
+    params = jnp.array([1.0, -2.0, 0.5])
+    xs = _batches(3 * K, (4,))
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    @jax.jit
+    def step(state, x):
+        _, g = oa.scaled_value_and_grad(_loss, state.opt_state)(state.params, x)
+        return state.apply_gradients(grads=g)
+
+    for x in xs:
+        state = step(state, x)
+    want_p, want_s = _fused_reference(tx, params, xs)
+    np.testing.assert_allclose(state.params, want_p, rtol=1e-6)
+    assert int(state.optimizer_step) == 2 and int(state.step) == 3 * K
+    assert float(oa.loss_scale(state.opt_state)) == float(oa.loss_scale(want_s))
+
+
+def test_window_loss_scale_in_nnx_optimizer():
+    from flax import nnx
+
+    from optaxaccum.flax.nnx import Optimizer
+
+    class Vec(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.array([1.0, -2.0, 0.5]))
+
+    model = Vec()
+    tx = _window_tx(optax.adam(0.1))
+    opt = Optimizer(model, tx, wrt=nnx.Param)
+    xs = _batches(3 * K, (4,))
+
+    @nnx.jit
+    def step(model, opt, x):
+        scale = oa.loss_scale(nnx.as_pure(opt.opt_state))
+        grads = nnx.grad(lambda m: _loss(m.w[...], x) * scale)(model)
+        opt.update(model, grads)
+
+    for x in xs:
+        step(model, opt, x)
+    want_p, want_s = _fused_reference(tx, jnp.array([1.0, -2.0, 0.5]), xs)
+    np.testing.assert_allclose(model.w[...], want_p, rtol=1e-6)
+    assert int(oa.optimizer_step(opt.opt_state)) == 2
+    assert float(oa.loss_scale(opt.opt_state)) == float(oa.loss_scale(want_s))

@@ -27,7 +27,11 @@ __all__ = ["AccumulateState", "accumulate", "map_accumulators"]
 _NEEDS_WEIGHT_MSG = (
     "oa.accumulate(..., summed_gradients=True) adds each call's gradient as "
     "the sum over its micro-batch: pass the micro-batch's count (examples "
-    "or tokens) as accum_weight=..., got no accum_weight"
+    "or tokens) as accum_weight=..., got no accum_weight. A wrapper that "
+    "does not forward extra keywords to tx.update drops it: "
+    "flax.training.train_state.TrainState.apply_gradients(grads=..., "
+    "accum_weight=n) does; use optaxaccum.flax.TrainState (or "
+    "oa.apply_gradients(tx, grads, opt_state, params, accum_weight=n))"
 )
 
 
