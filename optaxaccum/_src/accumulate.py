@@ -285,9 +285,14 @@ def _gate_update(
     window's total, if given); decides whether the window closes."""
     del params, extra_args  # the caller checks extra args (near-misses)
     state, sums = _checked_input(cfg, updates, state)
-    state = _with_count(state)._replace(
-        noise_scale=noise_scale.at_scale(state.noise_scale, ctx.gradient_scale)
-    )
+    if state.optimizer_step is None:  # a state of an earlier version
+        state = _with_count(state)
+    if state.noise_scale is not None:  # divides a loss scale after it out
+        state = state._replace(
+            noise_scale=noise_scale.at_scale(
+                state.noise_scale, ctx.gradient_scale
+            )
+        )
     accum_weight, summed = _call_weight(cfg, ctx, accum_weight)
     acc, (weight, low), noise, counted = _add(
         cfg, sums, state, updates, accum_weight, ctx.passed, summed
@@ -324,15 +329,15 @@ def _gate_update(
         return gating.Decision(
             state=new_state,
             may_open=closing & nonzero,
-            emit=_counting(
-                _emitter(cfg, sums, new_state, out_dtypes, weight_checked=True)
+            emit=_emitter(
+                cfg, sums, new_state, out_dtypes, weight_checked=True
             ),
             empty=closing & ~nonzero,
         )
     return gating.Decision(
         state=new_state,
         may_open=closing,
-        emit=_counting(_emitter(cfg, sums, new_state, out_dtypes)),
+        emit=_emitter(cfg, sums, new_state, out_dtypes),
     )
 
 
@@ -532,6 +537,13 @@ def _emitter(
                 weight_low=jax.tree.map(jnp.zeros_like, state.weight_low),
                 updated=updated,
                 noise_scale=noise,
+                # Counted where the followers step (a later gate that
+                # drops the window takes it back: windows.refused).
+                optimizer_step=jnp.where(
+                    updated,
+                    optax.safe_increment(state.optimizer_step),
+                    state.optimizer_step,
+                ),
             ),
             opened=opened,
             window_weight=follower_weight,
@@ -549,7 +561,8 @@ def _gate_flush(
     params = _gradient_params(params)
     if state.weight_low is None:  # a state of an earlier version
         state = _upgraded(state)
-    state = _with_count(state)
+    if state.optimizer_step is None:  # a state of an earlier version
+        state = _with_count(state)
     sums = reducer.of(cfg.axis_name, state.acc, cfg.shard_update)
     sums.check_axes("oa.flush", state.acc)
     utils.check_same_structure(
@@ -563,36 +576,16 @@ def _gate_flush(
     return gating.Decision(
         state=state,
         may_open=state.mini_step > 0,
-        emit=_counting(_emitter(cfg, sums, closed_state, out_dtypes)),
+        emit=_emitter(cfg, sums, closed_state, out_dtypes),
     )
 
 
 def _with_count(state: AccumulateState) -> AccumulateState:
-    """``state`` with an ``optimizer_step`` (a state of an earlier version
-    has none: its windows closed so far, the best it can tell)."""
-    if state.optimizer_step is not None:
-        return state
+    """A state of an earlier version (no ``optimizer_step``) with one: its
+    windows closed so far, the best it can tell."""
     return state._replace(
         optimizer_step=jnp.asarray(state.gradient_step, jnp.int32)
     )
-
-
-def _counting(
-    emit: Callable[[], gating.Emission],
-) -> Callable[[], gating.Emission]:
-    """``emit`` with the window counted in ``optimizer_step`` where it
-    steps the followers (its ``updated`` flag; a later gate that drops the
-    window takes it back: ``windows.refused``)."""
-
-    def counted() -> gating.Emission:
-        out = emit()
-        s = out.state
-        count = jnp.where(
-            s.updated, optax.safe_increment(s.optimizer_step), s.optimizer_step
-        )
-        return out._replace(state=s._replace(optimizer_step=count))
-
-    return counted
 
 
 def _upgraded(state: AccumulateState) -> AccumulateState:

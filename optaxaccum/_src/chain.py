@@ -85,6 +85,7 @@ def chain(
     plain = rest is not None and not gating.is_gate(rest)
     then = gating.rule_for(rest)  # how the gate composes with the rest
     asks_units = gating.UNWEIGHTED_ARG in declared  # oa.scale_by_window's
+    scaled = windows.scales_gradients(transforms[gate_at + 1 :])
 
     def gate_update_fn(updates, state, params, ctx, **extra_args):
         _check_chain_state(state, n)
@@ -105,9 +106,8 @@ def chain(
         args = extra_args  # as they are, unless some to filter or add
         if extra_args or window is not None:
             args = gating.args_for(gate_declared, extra_args, window)
-        # A loss scale after the gate: the gradients come scaled by it.
-        scale = windows.gradient_scale(state[gate_at + 1 :])
-        if scale is not None:
+        if scaled:  # a loss scale after the gate: the gradients are scaled
+            scale = windows.gradient_scale(state[gate_at + 1 :])
             ctx = ctx._replace(gradient_scale=scale)
         res = gating.decision_of(
             gate.gate_update(updates, state[gate_at], params, ctx, **args)
@@ -118,6 +118,8 @@ def chain(
         tail = state[gate_at + 1 :]
         return then(res, new_head, tail, rest, params, extra_args)
 
+    if scaled or windows.scales_gradients(transforms[: gate_at + 1]):
+        windows.mark_scales_gradients(gate_update_fn)  # for a chain around
     return gating.GatedTransformation(
         _init(transforms),
         utils.with_signature(gate_update_fn, declared, gate=True),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, reducer, utils
+from optaxaccum._src import base, reducer, utils, windows
 from optaxaccum._src.gating import GatedTransformation
 
 __all__ = [
@@ -225,6 +225,7 @@ def dynamic_loss_scale(
             emit=emitted,
         )
 
+    windows.mark_scales_gradients(gate_update_fn)  # for an accumulate before
     return GatedTransformation(init_fn, gate_update_fn, None)
 
 
@@ -289,6 +290,7 @@ def static_loss_scale(scale: float) -> optax.GradientTransformationExtraArgs:
         del params, extra_args
         return _unscale(updates, state.scale, reducer.of(None, updates)), state
 
+    windows.mark_scales_gradients(update_fn)  # for an accumulate before
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

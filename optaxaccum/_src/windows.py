@@ -190,6 +190,29 @@ def refused(closed_state: Any, emitted: Any, stepped: Any) -> Any:
     return jax.tree.map(one, emitted, closed_state, is_leaf=_is_window)
 
 
+# Set on a loss scale's update (or gate_update) function: the gradients
+# before it come multiplied by its state's ``scale``.
+SCALES_GRADIENTS = "_oa_scales_gradients"
+
+
+def scales_gradients(transforms: Any) -> bool:
+    """Whether one of ``transforms`` (a chain's elements) is a loss scale,
+    or a chain holding one: known when the chain is built, so that a chain
+    without one reads no state for it (:func:`gradient_scale`)."""
+    for t in transforms:
+        fns = (getattr(t, "update", None), getattr(t, "gate_update", None))
+        if any(getattr(f, SCALES_GRADIENTS, False) for f in fns):
+            return True
+    return False
+
+
+def mark_scales_gradients(fn: Any) -> Any:
+    """``fn`` (an update or gate_update function) marked as a loss scale's
+    (:func:`scales_gradients`)."""
+    fn.__dict__[SCALES_GRADIENTS] = True
+    return fn
+
+
 def gradient_scale(states: Any) -> Any:
     """The scale of the gradients that reach the elements whose states are
     ``states``' predecessors: the ``scale`` of the first loss-scale state
