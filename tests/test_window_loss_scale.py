@@ -151,7 +151,7 @@ def test_noise_scale_estimates_the_unscaled_gradients():
     """The accumulate's noise scale with scaled gradients equals that of
     the same run unscaled; an overflowing window is dropped from it."""
     params = jnp.array([1.0, -2.0, 0.5])
-    xs = _batches(4 * K, (K,))  # window 1 overflows
+    xs = _batches(4 * K + 2, (K,))  # window 1 overflows; 2 left to flush
     ours = oa.chain(
         oa.accumulate(K, noise_scale_decay=0.5),
         oa.dynamic_loss_scale(INIT, period=100),
@@ -161,6 +161,8 @@ def test_noise_scale_estimates_the_unscaled_gradients():
     *_, (p, s) = _run(ours, params, xs)
     finite = np.concatenate([xs[:K], xs[2 * K :]])
     *_, (rp, rs) = _run(plain, params, finite)
+    _, s = oa.flush(ours, s, p)  # the last window, closed by flush
+    _, rs = oa.flush(plain, rs, rp)
     np.testing.assert_allclose(p, rp, rtol=1e-6)
     got, want = oa.noise_scale(s), oa.noise_scale(rs)
     for a, b in zip(got, want, strict=True):

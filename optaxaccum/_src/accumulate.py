@@ -279,20 +279,17 @@ def _gate_update(
     ctx: base.GateContext,
     *,
     accum_weight: Any = None,
+    window_loss_scale: Any = None,
     **extra_args: Any,
 ) -> gating.Decision:
     """Adds one micro-batch (of weight ``ctx.window_weight``, an earlier
-    window's total, if given); decides whether the window closes."""
+    window's total, if given); decides whether the window closes. A loss
+    scale after it in the chain tells it its scale (``window_loss_scale``:
+    the gradients come multiplied by it)."""
     del params, extra_args  # the caller checks extra args (near-misses)
     state, sums = _checked_input(cfg, updates, state)
-    if state.optimizer_step is None:  # a state of an earlier version
-        state = _with_count(state)
-    if state.noise_scale is not None:  # divides a loss scale after it out
-        state = state._replace(
-            noise_scale=noise_scale.at_scale(
-                state.noise_scale, ctx.gradient_scale
-            )
-        )
+    if state.optimizer_step is None or state.noise_scale is not None:
+        state = _prepared(state, window_loss_scale)
     accum_weight, summed = _call_weight(cfg, ctx, accum_weight)
     acc, (weight, low), noise, counted = _add(
         cfg, sums, state, updates, accum_weight, ctx.passed, summed
@@ -300,7 +297,7 @@ def _gate_update(
     mini_step = utils.select(counted, state.mini_step + 1, state.mini_step)
     closes = cfg.closes(state, mini_step, (weight, low), sums)
     closing = utils.both(counted, closes)
-    new_state = AccumulateState(
+    new_state = state._replace(  # its optimizer_step as it was
         mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
         gradient_step=jnp.where(
             closing,
@@ -316,7 +313,6 @@ def _gate_update(
         # the call was dropped: the flag answers for the last call.
         updated=jnp.zeros_like(state.updated),
         noise_scale=noise,
-        optimizer_step=state.optimizer_step,
     )
     out_dtypes = jax.tree.map(jnp.result_type, updates)
     if cfg.axis_name is None and not cfg.summed_gradients:
@@ -583,8 +579,20 @@ def _gate_flush(
 def _with_count(state: AccumulateState) -> AccumulateState:
     """A state of an earlier version (no ``optimizer_step``) with one: its
     windows closed so far, the best it can tell."""
+    count = jnp.asarray(state.gradient_step, jnp.int32)
+    return state._replace(optimizer_step=count)
+
+
+def _prepared(state: AccumulateState, scale: Any) -> AccumulateState:
+    """``state`` with an ``optimizer_step`` (:func:`_with_count`), its
+    noise scale told the loss scale of this call's gradients (``scale``, or
+    ``None``: unscaled)."""
+    if state.optimizer_step is None:
+        state = _with_count(state)
+    if state.noise_scale is None:
+        return state
     return state._replace(
-        optimizer_step=jnp.asarray(state.gradient_step, jnp.int32)
+        noise_scale=noise_scale.at_scale(state.noise_scale, scale)
     )
 
 

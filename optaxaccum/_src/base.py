@@ -34,16 +34,10 @@ class GateContext(NamedTuple):
         the window that an earlier :func:`accumulate` just closed, which this
         call stands for (a gate that weighs calls uses it instead of
         ``accum_weight``).
-      gradient_scale: ``None``, or the factor the incoming gradients come
-        multiplied by (a float32 scalar): the scale of a loss scale later
-        in the chain, which divides it out of the window's result. A gate
-        that keeps statistics of the gradients (the accumulate's noise
-        scale) divides it out of them.
     """
 
     passed: Any = True
     window_weight: Any = None
-    gradient_scale: Any = None
 
 
 class Emitted(NamedTuple):

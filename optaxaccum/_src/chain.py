@@ -106,9 +106,10 @@ def chain(
         args = extra_args  # as they are, unless some to filter or add
         if extra_args or window is not None:
             args = gating.args_for(gate_declared, extra_args, window)
-        if scaled:  # a loss scale after the gate: the gradients are scaled
+        if scaled and gating.LOSS_SCALE_ARG in gate_declared:
+            # A loss scale after the gate: the gradients come scaled by it.
             scale = windows.gradient_scale(state[gate_at + 1 :])
-            ctx = ctx._replace(gradient_scale=scale)
+            args = {**args, gating.LOSS_SCALE_ARG: scale}
         res = gating.decision_of(
             gate.gate_update(updates, state[gate_at], params, ctx, **args)
         )

@@ -366,6 +366,11 @@ decision_of = Decision.of
 # sets it; oa.flush does not (it passes no weight of its own).
 UNWEIGHTED_ARG = "window_unweighted"
 
+# The keyword under which a gate that declares it by name (an accumulate)
+# learns the scale of its gradients: that of a loss scale after it in the
+# chain, which divides it out of the window (its noise scale does too).
+LOSS_SCALE_ARG = "window_loss_scale"
+
 
 def args_for(
     declared: frozenset[str], extra_args: dict[str, Any], window: Any
@@ -380,7 +385,8 @@ def args_for(
     No other keyword reaches it: optax's linesearches hand unknown keywords
     to ``value_fn``."""
     args = extra_args
-    for k in ("accum_weight", base.WINDOW_NOISE_ARG, UNWEIGHTED_ARG):
+    private = (base.WINDOW_NOISE_ARG, UNWEIGHTED_ARG, LOSS_SCALE_ARG)
+    for k in ("accum_weight", *private):
         if k in args and k not in declared:
             args = {n: v for n, v in args.items() if n != k}
     if window is None or "accum_weight" not in declared:

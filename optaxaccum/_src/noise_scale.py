@@ -107,8 +107,9 @@ def init(decay: float | None, dtype: Any, sums: Any) -> NoiseScaleState | None:
 
 def at_scale(state: NoiseScaleState | None, scale: Any) -> Any:
     """``state`` told that its gradients come multiplied by ``scale`` (a
-    later loss scale's, ``base.GateContext.gradient_scale``; ``None``: 1).
-    A scalar written on each call; read when the window closes."""
+    later loss scale's, passed to the accumulate as
+    ``gating.LOSS_SCALE_ARG``; ``None``: 1). A scalar written on each call;
+    read when the window closes."""
     if state is None:
         return None
     scale = 1.0 if scale is None else scale
