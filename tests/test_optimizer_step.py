@@ -169,3 +169,31 @@ def test_flax_train_state_dropping_accum_weight_is_explained():
     ours = _linen_state(state.tx).replace(params=params)
     ours = ours.apply_gradients(grads=grads, accum_weight=3.0)
     assert int(ours.step) == 1
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_nested_accumulates_before_a_loss_scale_count_as_one(flush):
+    """``oa.chain(acc(2), acc(3), loss scale, opt)`` steps, drops and counts
+    as ``oa.chain(acc(6), loss scale, opt)``, flush included."""
+
+    def tx(*accs):
+        return oa.chain(*accs, oa.dynamic_loss_scale(4.0), optax.adam(0.1))
+
+    grads = [jnp.full(2, 4.0 * (i + 1)) for i in range(16)]
+    grads[8] = jnp.array([jnp.inf, 1.0])  # the second big window overflows
+    runs = []
+    for t in (tx(oa.accumulate(2), oa.accumulate(3)), tx(oa.accumulate(6))):
+        params = jnp.zeros(2)
+        s = t.init(params)
+        seen = []
+        for g in grads:
+            params, s = oa.apply_gradients(t, g, s, params)
+            seen.append((bool(oa.has_updated(s)), int(oa.optimizer_step(s))))
+        if flush:
+            u, s = oa.flush(t, s, params)
+            seen.append((bool(oa.has_updated(s)), int(oa.optimizer_step(s))))
+        runs.append((seen, params, float(oa.loss_scale(s))))
+    (got, p, scale), (want, p1, scale1) = runs
+    assert got == want and scale == scale1 == 2.0
+    np.testing.assert_allclose(p, p1, rtol=1e-6)
+    assert want[-1][1] == (2 if flush else 1)

@@ -510,7 +510,9 @@ def then_gate(res, head, tail_state, rest, params, extra_args) -> Decision:
         e = through_gate(out, tail_state, rest, params, args)
         # Where the later gates did not step (a loss scale dropped the
         # window), this gate's windows say so.
-        own = windows.refused(res.state, out.state, e.opened)
+        own = windows.refused(
+            res.state, out.state, e.opened, tail_state, e.state
+        )
         return e._replace(state=(*head, own, *e.state))
 
     may_open = utils.either(res.may_open, res.empty)

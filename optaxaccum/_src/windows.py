@@ -136,7 +136,10 @@ def optimizer_step(state: optax.OptState) -> jax.Array:
       2
     """
     warn_if_wrapped(state)
-    found = _find_window(state, "oa.optimizer_step")
+    _find_window(state, "oa.optimizer_step")  # raises if there is none
+    # The last (innermost) window state: of nested accumulates, the one
+    # whose window is the whole window (the optimizer follows it).
+    found = _window_states(state)[-1]
     count = getattr(found, "optimizer_step", None)
     if count is None:  # oa.MultiSteps (a state of an earlier version)
         count = found.gradient_step
@@ -165,15 +168,24 @@ def _finite_checks(state: Any) -> list[Any]:
     return found
 
 
-def refused(closed_state: Any, emitted: Any, stepped: Any) -> Any:
+def refused(
+    closed_state: Any, emitted: Any, stepped: Any, old_tail: Any, new_tail: Any
+) -> Any:
     """A closing gate's emitted state ``emitted`` after the gates that
-    follow it decided: where they did not step (``stepped`` false: a loss
-    scale dropped the window, a later window is still open), each window
+    follow it decided (their states went from ``old_tail`` to
+    ``new_tail``): where they dropped the window (``stepped`` false and no
+    window among them counted it: a loss scale refused it), each window
     state in it says so (``updated`` false, its ``optimizer_step`` as in
     ``closed_state``, the gate's state where it stays closed); the rest of
-    the emitted state (the zeroed accumulator) stays."""
+    the emitted state (the zeroed accumulator) stays. A window that a later
+    accumulate counted was not dropped: nested accumulates answer together
+    (:func:`has_updated`, :func:`optimizer_step`)."""
     if stepped is True:
         return emitted
+    later = list(zip(_window_states(old_tail), _window_states(new_tail)))
+    stepped = functools.reduce(
+        jnp.logical_or, [_moved(old, new) for old, new in later], stepped
+    )
 
     def one(e, c):
         if not _is_window(e):
