@@ -136,8 +136,12 @@ def dynamic_loss_scale(
     untouched, an :func:`accumulate` does not count the micro-batch) and
     :math:`s \leftarrow \max(s_{\min}, s / f)`: jmp's schedule. A call
     with ``accum_weight=0`` (padding) carries no data: it passes on, the
-    scale and counter stay. Place it first in an :func:`chain`
-    (docs/concepts.md, "Loss scaling first").
+    scale and counter stay. Before an :func:`accumulate` it checks each
+    micro-batch; after it, ``oa.chain(oa.accumulate(k),
+    oa.dynamic_loss_scale(), opt)``, once per window (the scale fixed in
+    the window, a window with an overflow dropped, ``period`` in windows:
+    PyTorch's ``GradScaler``), with no work on the micro-steps
+    (docs/concepts.md, "Once per window, or per micro-batch").
 
     Args:
       init_scale: the initial loss scale, finite and ``> 0``.
