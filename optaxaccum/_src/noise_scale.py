@@ -100,9 +100,17 @@ def init(decay: float | None, dtype: Any, sums: Any) -> NoiseScaleState | None:
     if decay is None:
         return None
     # One buffer per field: a state donated to jit may not alias a buffer.
-    averages = (jnp.zeros([], dtype) for _ in range(4))
-    scale = jnp.ones([], jnp.float32)
-    return NoiseScaleState(sums.sum_zeros(dtype), *averages, scale)
+    micro_batches, trace_cov, grad_sq, norm = (
+        jnp.zeros([], dtype) for _ in range(4)
+    )
+    return NoiseScaleState(
+        sums.sum_zeros(dtype),
+        micro_batches,
+        trace_cov,
+        grad_sq,
+        norm,
+        gradient_scale=jnp.ones([], jnp.float32),
+    )
 
 
 def at_scale(state: NoiseScaleState | None, scale: Any) -> Any:
