@@ -54,7 +54,8 @@ class AccumulateState(NamedTuple):
         overflow float16); 0 between windows.
       updated: whether the most recent call that reached this transformation
         closed a window and stepped the followers (false on a call it
-        dropped, or that an earlier gate refused); ``shape=(), bool``.
+        dropped, that an earlier gate refused, or whose window a later gate
+        dropped); ``shape=(), bool``.
       noise_scale: the gradient noise scale's sums and averages
         (``noise_scale_decay``); ``None`` (no leaves) when off.
       weight_low: what rounding left out of ``weight`` (a compensated sum:

@@ -14,7 +14,9 @@ does not run leaves its followers' states bit-for-bit unchanged (the
 chain's contract), so a stored "counted" flag could not be cleared on a
 call that it refused. "The window's position or count moved" is exactly
 "the call counted". The ``updated`` flag is the one field that every call
-reaching the window sets, a dropped one included (to false).
+reaching the window sets, a dropped one included (to false); a gate after
+the window that drops it (a loss scale checking once per window) clears it
+and takes back the window's ``optimizer_step`` (:func:`refused`).
 """
 
 from __future__ import annotations
@@ -59,8 +61,11 @@ def has_updated(state: optax.OptState) -> jax.Array:
     A micro-batch dropped right after a closing call (``skip_nonfinite``,
     an overflow of the loss scale, ``oa.MultiSteps``' skip function) did
     not step it: false there, so a loop that counts windows with it counts
-    each once. (A call that a lazy gate of your own refuses before the
-    accumulate does not reach it, and leaves the answer as it was.)
+    each once. A window dropped after it closed (by a loss scale after the
+    accumulate, or by an ``optax.apply_if_finite`` around the optimizer,
+    that found it non-finite) did not step it either: false. (A call
+    that a lazy gate of your own refuses before the accumulate does not
+    reach it, and leaves the answer as it was.)
 
     With nested accumulates (``oa.chain(oa.accumulate(a),
     oa.accumulate(b), opt)``) it answers as one ``oa.accumulate(a * b)``
@@ -226,10 +231,11 @@ def mark_scales_gradients(fn: Any) -> Any:
 
 
 def gradient_scale(states: Any) -> Any:
-    """The scale of the gradients that reach the elements whose states are
-    ``states``' predecessors: the ``scale`` of the first loss-scale state
-    in ``states`` (one whose class sets ``_scales_gradients = True``: it
-    will divide the scale out), or ``None``."""
+    """The factor by which the gradients entering a gate are multiplied,
+    given the states of the elements after it (``states``): the ``scale``
+    of the first loss-scale state among them (a class that sets
+    ``_scales_gradients = True``; it divides the scale out later), or
+    ``None``."""
 
     def scales(x):
         return getattr(type(x), "_scales_gradients", False) is True
