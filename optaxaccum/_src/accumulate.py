@@ -18,6 +18,7 @@ from optaxaccum._src import (
     noise_scale,
     reducer,
     utils,
+    windows,
 )
 from optaxaccum._src import shard_update as _shard_update
 from optaxaccum._src.gating import GatedTransformation
@@ -577,47 +578,6 @@ def _gate_flush(
     )
 
 
-# The state types whose earlier layout :func:`upgraded` converts: type ->
-# (whether a state of it has the earlier layout, its conversion).
-# multisteps.py adds MultiStepsState.
-EARLIER_LAYOUTS: dict[type, tuple[Callable[[Any], bool], Callable]] = {}
-
-
-def upgraded(state: Any) -> Any:
-    """``state`` (an optimizer state) with each state of an earlier version
-    in it converted as this version keeps it. A chain converts its state
-    before it branches: a state that one branch converts (a nested
-    accumulate's) and the other passes on must have one tree.
-
-    Looks through plain tuples (the states of ``oa.chain`` and
-    ``optax.chain``, nested), where a gate's state sits in a chain's; not
-    into other states, whose leaves it would only walk.
-
-    Args:
-      state: an optimizer state.
-
-    Returns:
-      ``state`` itself if nothing in it has an earlier layout, else
-      ``state`` with those converted.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from optaxaccum._src import accumulate as acc
-      >>> old = acc.accumulate(2).init(jnp.zeros(1))._replace(weight_low=None)
-      >>> acc.upgraded((old,))[0].weight_low
-      Array(0., dtype=float32)
-    """
-    known = EARLIER_LAYOUTS.get(type(state))
-    if known is not None:
-        is_earlier, conversion = known
-        return conversion(state) if is_earlier(state) else state
-    if type(state) is not tuple:
-        return state
-    parts = tuple(upgraded(s) for s in state)
-    same = all(p is s for p, s in zip(parts, state))
-    return state if same else parts
-
-
 def _with_count(state: AccumulateState) -> AccumulateState:
     """A state of an earlier version (no ``optimizer_step``) with one: its
     windows closed so far, the best it can tell."""
@@ -675,7 +635,7 @@ def _layout(state: AccumulateState) -> AccumulateState:
     return state
 
 
-EARLIER_LAYOUTS[AccumulateState] = (_is_earlier, _layout)
+windows.EARLIER_LAYOUTS[AccumulateState] = (_is_earlier, _layout)
 
 
 def _gradient_params(params: Any) -> Any:

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import accumulate as _accumulate
 from optaxaccum._src import base, gating, utils, windows
 from optaxaccum._src.windows import warn_if_wrapped
 
@@ -94,7 +93,7 @@ def chain(
     def gate_update_fn(updates, state, params, ctx, **extra_args):
         _check_chain_state(state, n)
         if convert:
-            state = _accumulate.upgraded(state)
+            state = windows.upgraded(state)
         window, new_head = ctx.window_weight, ()
         if asks_units and window is None and "accum_weight" not in extra_args:
             # The call weighs its micro-batch 1: tell the followers that ask.
@@ -225,7 +224,7 @@ def _flush_fn(transforms) -> base.GateFlushFn | None:
     def gate_flush_fn(state, params, **extra_args):
         _check_chain_state(state, n)
         if convert:
-            state = _accumulate.upgraded(state)
+            state = windows.upgraded(state)
         res = gating.decision_of(
             flush_fn(state[flush_at], params, **extra_args)
         )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -364,3 +365,45 @@ def warn_if_wrapped(state: Any) -> None:
                 stacklevel=3,
             )
             return
+
+
+# The state types whose earlier layout :func:`upgraded` converts: type ->
+# (whether a state of it has the earlier layout, its conversion).
+# accumulate.py and multisteps.py add theirs (this module imports neither).
+EARLIER_LAYOUTS: dict[type, tuple[Callable[[Any], bool], Callable]] = {}
+
+
+def upgraded(state: Any) -> Any:
+    """``state`` (an optimizer state) with each state of an earlier version
+    in it converted as this version keeps it. A chain converts its state
+    before it branches: a state that one branch converts (a nested
+    accumulate's) and the other passes on must have one tree.
+
+    Looks through plain tuples (the states of ``oa.chain`` and
+    ``optax.chain``, nested), where a gate's state sits in a chain's; not
+    into other states, whose leaves it would only walk.
+
+    Args:
+      state: an optimizer state.
+
+    Returns:
+      ``state`` itself if nothing in it has an earlier layout, else
+      ``state`` with those converted.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optaxaccum as oa
+      >>> from optaxaccum._src import windows
+      >>> old = oa.accumulate(2).init(jnp.zeros(1))._replace(weight_low=None)
+      >>> windows.upgraded((old,))[0].weight_low
+      Array(0., dtype=float32)
+    """
+    known = EARLIER_LAYOUTS.get(type(state))
+    if known is not None:
+        is_earlier, conversion = known
+        return conversion(state) if is_earlier(state) else state
+    if type(state) is not tuple:
+        return state
+    parts = tuple(upgraded(s) for s in state)
+    same = all(p is s for p, s in zip(parts, state))
+    return state if same else parts
