@@ -62,7 +62,7 @@ from optaxaccum._src.window_scale import (
     scale_by_window,
     window_progress,
 )
-from optaxaccum._src.windows import has_updated
+from optaxaccum._src.windows import has_updated, optimizer_step
 
 __version__ = "0.1.0"
 
@@ -98,6 +98,7 @@ __all__ = [
     "microbatched_value_and_grad",
     "noise_scale",
     "overlap_compiler_options",
+    "optimizer_step",
     "plan_microbatches",
     "reshard_state",
     "scaled_value_and_grad",

@@ -18,6 +18,7 @@ from optaxaccum._src import (
     noise_scale,
     reducer,
     utils,
+    windows,
 )
 from optaxaccum._src import shard_update as _shard_update
 from optaxaccum._src.gating import GatedTransformation
@@ -27,7 +28,11 @@ __all__ = ["AccumulateState", "accumulate", "map_accumulators"]
 _NEEDS_WEIGHT_MSG = (
     "oa.accumulate(..., summed_gradients=True) adds each call's gradient as "
     "the sum over its micro-batch: pass the micro-batch's count (examples "
-    "or tokens) as accum_weight=..., got no accum_weight"
+    "or tokens) as accum_weight=..., got no accum_weight. A wrapper that "
+    "does not forward extra keywords to tx.update drops it: "
+    "flax.training.train_state.TrainState.apply_gradients(grads=..., "
+    "accum_weight=n) does; use optaxaccum.flax.TrainState (or "
+    "oa.apply_gradients(tx, grads, opt_state, params, accum_weight=n))"
 )
 
 
@@ -50,7 +55,8 @@ class AccumulateState(NamedTuple):
         overflow float16); 0 between windows.
       updated: whether the most recent call that reached this transformation
         closed a window and stepped the followers (false on a call it
-        dropped, or that an earlier gate refused); ``shape=(), bool``.
+        dropped, that an earlier gate refused, or whose window a later gate
+        dropped); ``shape=(), bool``.
       noise_scale: the gradient noise scale's sums and averages
         (``noise_scale_decay``); ``None`` (no leaves) when off.
       weight_low: what rounding left out of ``weight`` (a compensated sum:
@@ -58,6 +64,10 @@ class AccumulateState(NamedTuple):
         up to about ``2**48``; under ``pmap``/``shard_map`` each device's);
         ``shape=()``, ``weight``'s dtype. ``None`` in a state of an earlier
         version, which its first update or flush converts.
+      optimizer_step: how many times the followers stepped: the closed
+        windows that were not dropped (:func:`optimizer_step`);
+        ``shape=(), int32``. ``None`` in a state of an earlier version, which
+        its first update or flush converts (to ``gradient_step``).
     """
 
     mini_step: jax.Array  # shape=(), int32
@@ -67,6 +77,7 @@ class AccumulateState(NamedTuple):
     updated: jax.Array  # shape=(), bool
     noise_scale: Any = None  # noise_scale.NoiseScaleState, or None (off)
     weight_low: Any = None  # shape=(), weight's dtype; None: a plain sum
+    optimizer_step: Any = None  # shape=(), int32; None: an earlier version
 
     _holds_window = True  # found by oa.has_updated (windows.py); no field
     # Zeroed in place where a window closes (utils.ordered_after); no field
@@ -260,6 +271,7 @@ def _init(cfg: _Config, params: optax.Params) -> AccumulateState:
             cfg.noise_scale_decay, _weight_dtype(cfg, params), sums
         ),
         weight_low=jnp.zeros([], _weight_dtype(cfg, params)),
+        optimizer_step=jnp.zeros([], jnp.int32),
     )
 
 
@@ -271,12 +283,17 @@ def _gate_update(
     ctx: base.GateContext,
     *,
     accum_weight: Any = None,
+    window_loss_scale: Any = None,
     **extra_args: Any,
 ) -> gating.Decision:
     """Adds one micro-batch (of weight ``ctx.window_weight``, an earlier
-    window's total, if given); decides whether the window closes."""
+    window's total, if given); decides whether the window closes. A loss
+    scale after it in the chain tells it its scale (``window_loss_scale``:
+    the gradients come multiplied by it)."""
     del params, extra_args  # the caller checks extra args (near-misses)
     state, sums = _checked_input(cfg, updates, state)
+    if state.optimizer_step is None or state.noise_scale is not None:
+        state = _prepared(state, window_loss_scale)
     accum_weight, summed = _call_weight(cfg, ctx, accum_weight)
     acc, (weight, low), noise, counted = _add(
         cfg, sums, state, updates, accum_weight, ctx.passed, summed
@@ -284,7 +301,7 @@ def _gate_update(
     mini_step = utils.select(counted, state.mini_step + 1, state.mini_step)
     closes = cfg.closes(state, mini_step, (weight, low), sums)
     closing = utils.both(counted, closes)
-    new_state = AccumulateState(
+    new_state = state._replace(  # its optimizer_step as it was
         mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
         gradient_step=jnp.where(
             closing,
@@ -520,6 +537,13 @@ def _emitter(
                 weight_low=jax.tree.map(jnp.zeros_like, state.weight_low),
                 updated=updated,
                 noise_scale=noise,
+                # Counted where the followers step (a later gate that
+                # drops the window takes it back: windows.refused).
+                optimizer_step=jnp.where(
+                    updated,
+                    optax.safe_increment(state.optimizer_step),
+                    state.optimizer_step,
+                ),
             ),
             opened=opened,
             window_weight=follower_weight,
@@ -537,6 +561,8 @@ def _gate_flush(
     params = _gradient_params(params)
     if state.weight_low is None:  # a state of an earlier version
         state = _upgraded(state)
+    if state.optimizer_step is None:  # a state of an earlier version
+        state = _with_count(state)
     sums = reducer.of(cfg.axis_name, state.acc, cfg.shard_update)
     sums.check_axes("oa.flush", state.acc)
     utils.check_same_structure(
@@ -554,45 +580,24 @@ def _gate_flush(
     )
 
 
-# The state types whose earlier layout :func:`upgraded` converts: type ->
-# (whether a state of it has the earlier layout, its conversion).
-# multisteps.py adds MultiStepsState.
-EARLIER_LAYOUTS: dict[type, tuple[Callable[[Any], bool], Callable]] = {}
+def _with_count(state: AccumulateState) -> AccumulateState:
+    """A state of an earlier version (no ``optimizer_step``) with one: its
+    windows closed so far, the best it can tell."""
+    count = jnp.asarray(state.gradient_step, jnp.int32)
+    return state._replace(optimizer_step=count)
 
 
-def upgraded(state: Any) -> Any:
-    """``state`` (an optimizer state) with each state of an earlier version
-    in it converted as this version keeps it. A chain converts its state
-    before it branches: a state that one branch converts (a nested
-    accumulate's) and the other passes on must have one tree.
-
-    Looks through plain tuples (the states of ``oa.chain`` and
-    ``optax.chain``, nested), where a gate's state sits in a chain's; not
-    into other states, whose leaves it would only walk.
-
-    Args:
-      state: an optimizer state.
-
-    Returns:
-      ``state`` itself if nothing in it has an earlier layout, else
-      ``state`` with those converted.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from optaxaccum._src import accumulate as acc
-      >>> old = acc.accumulate(2).init(jnp.zeros(1))._replace(weight_low=None)
-      >>> acc.upgraded((old,))[0].weight_low
-      Array(0., dtype=float32)
-    """
-    known = EARLIER_LAYOUTS.get(type(state))
-    if known is not None:
-        is_earlier, conversion = known
-        return conversion(state) if is_earlier(state) else state
-    if type(state) is not tuple:
+def _prepared(state: AccumulateState, scale: Any) -> AccumulateState:
+    """``state`` with an ``optimizer_step`` (:func:`_with_count`), its
+    noise scale told the loss scale of this call's gradients (``scale``, or
+    ``None``: unscaled)."""
+    if state.optimizer_step is None:
+        state = _with_count(state)
+    if state.noise_scale is None:
         return state
-    parts = tuple(upgraded(s) for s in state)
-    same = all(p is s for p, s in zip(parts, state))
-    return state if same else parts
+    return state._replace(
+        noise_scale=noise_scale.at_scale(state.noise_scale, scale)
+    )
 
 
 def _upgraded(state: AccumulateState) -> AccumulateState:
@@ -612,7 +617,27 @@ def _upgraded(state: AccumulateState) -> AccumulateState:
     )
 
 
-EARLIER_LAYOUTS[AccumulateState] = (lambda s: s.weight_low is None, _upgraded)
+def _is_earlier(state: AccumulateState) -> bool:
+    """Whether ``state`` lacks a field of this version (``weight_low``,
+    ``optimizer_step``, its noise scale's ``gradient_scale``)."""
+    noise = state.noise_scale
+    unscaled = noise is not None and noise.gradient_scale is None
+    return state.weight_low is None or state.optimizer_step is None or unscaled
+
+
+def _layout(state: AccumulateState) -> AccumulateState:
+    """``state`` with every field of this version (:func:`_is_earlier`)."""
+    if state.weight_low is None:
+        state = _upgraded(state)
+    if state.optimizer_step is None:
+        state = _with_count(state)
+    noise = state.noise_scale
+    if noise is not None and noise.gradient_scale is None:
+        state = state._replace(noise_scale=noise_scale.at_scale(noise, None))
+    return state
+
+
+windows.EARLIER_LAYOUTS[AccumulateState] = (_is_earlier, _layout)
 
 
 def _gradient_params(params: Any) -> Any:

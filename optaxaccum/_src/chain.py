@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import accumulate as _accumulate
-from optaxaccum._src import base, gating, utils
+from optaxaccum._src import base, gating, utils, windows
 from optaxaccum._src.windows import warn_if_wrapped
 
 __all__ = ["chain", "apply_gradients", "flush"]
@@ -89,11 +88,12 @@ def chain(
     convert = rest is not None and not plain
     then = gating.rule_for(rest)  # how the gate composes with the rest
     asks_units = gating.UNWEIGHTED_ARG in declared  # oa.scale_by_window's
+    scaled = windows.scales_gradients(transforms[gate_at + 1 :])
 
     def gate_update_fn(updates, state, params, ctx, **extra_args):
         _check_chain_state(state, n)
         if convert:
-            state = _accumulate.upgraded(state)
+            state = windows.upgraded(state)
         window, new_head = ctx.window_weight, ()
         if asks_units and window is None and "accum_weight" not in extra_args:
             # The call weighs its micro-batch 1: tell the followers that ask.
@@ -111,6 +111,10 @@ def chain(
         args = extra_args  # as they are, unless some to filter or add
         if extra_args or window is not None:
             args = gating.args_for(gate_declared, extra_args, window)
+        if scaled and gating.LOSS_SCALE_ARG in gate_declared:
+            # A loss scale after the gate: the gradients come scaled by it.
+            scale = windows.gradient_scale(state[gate_at + 1 :])
+            args = {**args, gating.LOSS_SCALE_ARG: scale}
         res = gating.decision_of(
             gate.gate_update(updates, state[gate_at], params, ctx, **args)
         )
@@ -120,6 +124,8 @@ def chain(
         tail = state[gate_at + 1 :]
         return then(res, new_head, tail, rest, params, extra_args)
 
+    if scaled or windows.scales_gradients(transforms[: gate_at + 1]):
+        windows.mark_scales_gradients(gate_update_fn)  # for a chain around
     return gating.GatedTransformation(
         _init(transforms),
         utils.with_signature(gate_update_fn, declared, gate=True),
@@ -218,7 +224,7 @@ def _flush_fn(transforms) -> base.GateFlushFn | None:
     def gate_flush_fn(state, params, **extra_args):
         _check_chain_state(state, n)
         if convert:
-            state = _accumulate.upgraded(state)
+            state = windows.upgraded(state)
         res = gating.decision_of(
             flush_fn(state[flush_at], params, **extra_args)
         )

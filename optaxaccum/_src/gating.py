@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base, utils
+from optaxaccum._src import base, utils, windows
 from optaxaccum._src.base import GateFlushFn, GateUpdateFn
 
 __all__ = ["GatedTransformation", "is_gate"]
@@ -76,13 +76,16 @@ class Emission(NamedTuple):
         """The emission of a branch that does not step the followers: zero
         updates and window weight shaped as in ``shapes`` (an emission's
         shapes), ``state``, ``opened`` and ``passed`` as given."""
-        updates, weight = utils.zeros_of((shapes.updates, shapes.window_weight))
+        updates, weight, noise = utils.zeros_of(
+            (shapes.updates, shapes.window_weight, shapes.noise)
+        )
         return cls(
             updates=updates,
             state=state,
             opened=opened,
             window_weight=weight,
             passed=passed,
+            noise=noise,  # as the branch that opens gives it (no step reads it)
         )
 
     def with_flags(self) -> Emission:
@@ -363,6 +366,11 @@ decision_of = Decision.of
 # sets it; oa.flush does not (it passes no weight of its own).
 UNWEIGHTED_ARG = "window_unweighted"
 
+# The keyword under which a gate that declares it by name (an accumulate)
+# learns the scale of its gradients: that of a loss scale after it in the
+# chain, which divides it out of the window (its noise scale does too).
+LOSS_SCALE_ARG = "window_loss_scale"
+
 
 def args_for(
     declared: frozenset[str], extra_args: dict[str, Any], window: Any
@@ -377,7 +385,8 @@ def args_for(
     No other keyword reaches it: optax's linesearches hand unknown keywords
     to ``value_fn``."""
     args = extra_args
-    for k in ("accum_weight", base.WINDOW_NOISE_ARG, UNWEIGHTED_ARG):
+    private = (base.WINDOW_NOISE_ARG, UNWEIGHTED_ARG, LOSS_SCALE_ARG)
+    for k in ("accum_weight", *private):
         if k in args and k not in declared:
             args = {n: v for n, v in args.items() if n != k}
     if window is None or "accum_weight" not in declared:
@@ -499,7 +508,12 @@ def then_gate(res, head, tail_state, rest, params, extra_args) -> Decision:
             utils.declared_extra_args(rest), extra_args, out.window_weight
         )
         e = through_gate(out, tail_state, rest, params, args)
-        return e._replace(state=(*head, out.state, *e.state))
+        # Where the later gates did not step (a loss scale dropped the
+        # window), this gate's windows say so.
+        own = windows.refused(
+            res.state, out.state, e.opened, tail_state, e.state
+        )
+        return e._replace(state=(*head, own, *e.state))
 
     may_open = utils.either(res.may_open, res.empty)
     return Decision(state=state, may_open=may_open, emit=emit)

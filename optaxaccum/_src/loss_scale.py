@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, reducer, utils
+from optaxaccum._src import base, reducer, utils, windows
 from optaxaccum._src.gating import GatedTransformation
 
 __all__ = [
@@ -46,6 +46,9 @@ class DynamicLossScaleState(NamedTuple):
     factor: jax.Array  # shape=(), float32
     min_scale: jax.Array  # shape=(), float32
 
+    # An accumulate before it gets scaled gradients (windows.py); no field.
+    _scales_gradients = True
+
 
 class StaticLossScaleState(NamedTuple):
     """State of :func:`static_loss_scale`.
@@ -55,6 +58,8 @@ class StaticLossScaleState(NamedTuple):
     """
 
     scale: jax.Array  # shape=(), float32
+
+    _scales_gradients = True  # as DynamicLossScaleState's; no field
 
 
 def _check_float32(name: str, value: Any, *, lower: float) -> np.float32:
@@ -131,8 +136,12 @@ def dynamic_loss_scale(
     untouched, an :func:`accumulate` does not count the micro-batch) and
     :math:`s \leftarrow \max(s_{\min}, s / f)`: jmp's schedule. A call
     with ``accum_weight=0`` (padding) carries no data: it passes on, the
-    scale and counter stay. Place it first in an :func:`chain`
-    (docs/concepts.md, "Loss scaling first").
+    scale and counter stay. Before an :func:`accumulate` it checks each
+    micro-batch; after it, ``oa.chain(oa.accumulate(k),
+    oa.dynamic_loss_scale(), opt)``, once per window (the scale fixed in
+    the window, a window with an overflow dropped, ``period`` in windows:
+    PyTorch's ``GradScaler``), with no work on the micro-steps
+    (docs/concepts.md, "Once per window, or per micro-batch").
 
     Args:
       init_scale: the initial loss scale, finite and ``> 0``.
@@ -220,6 +229,7 @@ def dynamic_loss_scale(
             emit=emitted,
         )
 
+    windows.mark_scales_gradients(gate_update_fn)  # for an accumulate before
     return GatedTransformation(init_fn, gate_update_fn, None)
 
 
@@ -284,6 +294,7 @@ def static_loss_scale(scale: float) -> optax.GradientTransformationExtraArgs:
         del params, extra_args
         return _unscale(updates, state.scale, reducer.of(None, updates)), state
 
+    windows.mark_scales_gradients(update_fn)  # for an accumulate before
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

@@ -65,14 +65,14 @@ class MultiStepsState(NamedTuple):
 def _upgraded(state: MultiStepsState) -> MultiStepsState:
     """A state of an earlier version (no ``acc_weight_low``) as this
     version keeps it (as :class:`AccumulateState`'s)."""
-    acc = _accumulate.upgraded(_Views(False).inner(state)[0])
+    acc = windows.upgraded(_Views(False).inner(state)[0])
     return state._replace(
         acc_grads=acc.acc, acc_weight=acc.weight, acc_weight_low=acc.weight_low
     )
 
 
 # A chain converts one before it branches (it may be a chain's follower).
-_accumulate.EARLIER_LAYOUTS[MultiStepsState] = (
+windows.EARLIER_LAYOUTS[MultiStepsState] = (
     lambda s: s.acc_weight_low is None and s.acc_weight is not None,
     _upgraded,
 )

@@ -51,6 +51,11 @@ class NoiseScaleState(NamedTuple):
       norm: the sum of the averages' weights, ``1 - decay**n`` after ``n``
         windows with ``k >= 2`` (0 before: the averages are then unset);
         dividing by it debiases them. ``shape=()``, the weight's dtype.
+      gradient_scale: the factor the window's gradients come multiplied by
+        (the scale of a loss scale after the accumulate, fixed inside a
+        window; 1 without one), divided out of the estimates;
+        ``shape=()``, float32. ``None`` in a state of an earlier version
+        (1).
     """
 
     sq_sum: jax.Array  # shape=(), weight dtype
@@ -58,6 +63,7 @@ class NoiseScaleState(NamedTuple):
     trace_cov: jax.Array  # shape=(), weight dtype
     grad_sq: jax.Array  # shape=(), weight dtype
     norm: jax.Array  # shape=(), weight dtype
+    gradient_scale: Any = None  # shape=(), float32; None: 1
 
 
 class NoiseScale(NamedTuple):
@@ -96,8 +102,28 @@ def init(decay: float | None, dtype: Any, sums: Any) -> NoiseScaleState | None:
     if decay is None:
         return None
     # One buffer per field: a state donated to jit may not alias a buffer.
-    averages = (jnp.zeros([], dtype) for _ in range(4))
-    return NoiseScaleState(sums.sum_zeros(dtype), *averages)
+    micro_batches, trace_cov, grad_sq, norm = (
+        jnp.zeros([], dtype) for _ in range(4)
+    )
+    return NoiseScaleState(
+        sums.sum_zeros(dtype),
+        micro_batches,
+        trace_cov,
+        grad_sq,
+        norm,
+        gradient_scale=jnp.ones([], jnp.float32),
+    )
+
+
+def at_scale(state: NoiseScaleState | None, scale: Any) -> Any:
+    """``state`` told that its gradients come multiplied by ``scale`` (a
+    later loss scale's, passed to the accumulate as
+    ``gating.LOSS_SCALE_ARG``; ``None``: 1). A scalar written on each call;
+    read when the window closes."""
+    if state is None:
+        return None
+    scale = 1.0 if scale is None else scale
+    return state._replace(gradient_scale=jnp.asarray(scale, jnp.float32))
 
 
 def micro_step(
@@ -160,8 +186,11 @@ def close(
     ``acc`` and ``weight`` are the window's sum and weight after the
     window's reduction by the reducer ``sums`` (``reducer.py``); this
     device's ``sq_sum`` and ``micro_batches`` are reduced here by it, in
-    the same closing branch (no collective on other micro-steps). Windows
-    with fewer than two counted micro-batches change nothing.
+    the same closing branch (no collective on other micro-steps). Both
+    estimates are quadratic in the gradients: divided by the square of the
+    state's ``gradient_scale``, they are those of the unscaled gradients.
+    Windows with fewer than two counted micro-batches, or whose estimates
+    are not finite (an overflow, which a loss scale drops), change nothing.
     """
     if state is None or decay is None:
         return state
@@ -180,6 +209,10 @@ def close(
     a = sq_sum / safe_w  # A = sum_i w_i |g_i|^2 / W
     trace_cov = safe_w * (a - mean_sq) / (safe_k - 1)
     grad_sq = (safe_k * mean_sq - a) / (safe_k - 1)
+    if state.gradient_scale is not None:  # the gradients of loss * scale
+        s = jnp.asarray(state.gradient_scale, dtype)
+        trace_cov, grad_sq = trace_cov / s / s, grad_sq / s / s
+    valid = valid & jnp.isfinite(trace_cov) & jnp.isfinite(grad_sq)
     keep = jnp.asarray(decay, dtype)
 
     def ema(old, new):

@@ -14,13 +14,16 @@ does not run leaves its followers' states bit-for-bit unchanged (the
 chain's contract), so a stored "counted" flag could not be cleared on a
 call that it refused. "The window's position or count moved" is exactly
 "the call counted". The ``updated`` flag is the one field that every call
-reaching the window sets, a dropped one included (to false).
+reaching the window sets, a dropped one included (to false); a gate after
+the window that drops it (a loss scale checking once per window) clears it
+and takes back the window's ``optimizer_step`` (:func:`refused`).
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,7 +35,10 @@ from optaxaccum._src import utils
 __all__ = [
     "closed",
     "counted",
+    "gradient_scale",
     "has_updated",
+    "optimizer_step",
+    "refused",
     "warn_if_wrapped",
     "window_updated",
 ]
@@ -56,8 +62,11 @@ def has_updated(state: optax.OptState) -> jax.Array:
     A micro-batch dropped right after a closing call (``skip_nonfinite``,
     an overflow of the loss scale, ``oa.MultiSteps``' skip function) did
     not step it: false there, so a loop that counts windows with it counts
-    each once. (A call that a lazy gate of your own refuses before the
-    accumulate does not reach it, and leaves the answer as it was.)
+    each once. A window dropped after it closed (by a loss scale after the
+    accumulate, or by an ``optax.apply_if_finite`` around the optimizer,
+    that found it non-finite) did not step it either: false. (A call
+    that a lazy gate of your own refuses before the accumulate does not
+    reach it, and leaves the answer as it was.)
 
     With nested accumulates (``oa.chain(oa.accumulate(a),
     oa.accumulate(b), opt)``) it answers as one ``oa.accumulate(a * b)``
@@ -90,9 +99,152 @@ def has_updated(state: optax.OptState) -> jax.Array:
     _find_window(state, "oa.has_updated")  # raises if there is none
     # Every nested window closed on the call: a later accumulate is reached
     # only where those before it closed, and a call that does not reach it
-    # leaves its flag as it was.
+    # leaves its flag as it was. An optax.apply_if_finite after the window
+    # did not step its optimizer on a window it found non-finite.
     flags = [window_updated(s) for s in _window_states(state)]
+    flags += [jnp.asarray(s.last_finite, bool) for s in _finite_checks(state)]
     return functools.reduce(jnp.logical_and, flags[1:], flags[0])
+
+
+def optimizer_step(state: optax.OptState) -> jax.Array:
+    """How many times the optimizer (the elements after the accumulate)
+    has stepped.
+
+    The closed windows that were not dropped: a window that a loss scale
+    after the accumulate (``oa.chain(oa.accumulate(k),
+    oa.dynamic_loss_scale(), opt)``) or an ``optax.apply_if_finite`` around
+    the optimizer found non-finite, or one of total weight 0, does not
+    count; a window closed by :func:`flush` does. With nested accumulates,
+    the count of their whole window. When the state's ``step`` counts
+    micro-batches (a Flax ``TrainState``), this is the step to give a
+    learning-rate schedule or a log (docs/concepts.md, "Counting steps").
+
+    Args:
+      state: the state of an :func:`accumulate`, of an :class:`MultiSteps`,
+        or of any (nested) chain containing one (the ``opt_state`` of a
+        Flax ``TrainState`` or of an ``nnx.Optimizer`` included).
+
+    Returns:
+      An int32 scalar array.
+
+    Raises:
+      ValueError: if ``state`` holds no :class:`AccumulateState` or
+        :class:`MultiStepsState`.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import optaxaccum as oa
+      >>> tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+      >>> state = tx.init(jnp.zeros(1))
+      >>> for _ in range(5):
+      ...   _, state = tx.update(jnp.ones(1), state)
+      >>> int(oa.optimizer_step(state))   # two windows of two
+      2
+    """
+    warn_if_wrapped(state)
+    _find_window(state, "oa.optimizer_step")  # raises if there is none
+    # The last (innermost) window state: of nested accumulates, the one
+    # whose window is the whole window (the optimizer follows it).
+    found = _window_states(state)[-1]
+    count = getattr(found, "optimizer_step", None)
+    if count is None:  # oa.MultiSteps (a state of an earlier version)
+        count = found.gradient_step
+    count = jnp.asarray(count, jnp.int32)
+    for check in _finite_checks(state):  # windows it did not step on
+        count = count - jnp.asarray(check.total_notfinite, jnp.int32)
+    return count
+
+
+def _finite_checks(state: Any) -> list[Any]:
+    """The states of the ``optax.apply_if_finite`` wrappers that follow the
+    first window state of ``state`` (after it in the state's order, none
+    inside them): they see each window once."""
+
+    def node(x):
+        return _is_window(x) or isinstance(x, optax.ApplyIfFiniteState)
+
+    found, seen_window = [], False
+    for s in jax.tree.leaves(state, is_leaf=node):
+        if _is_window(s):
+            seen_window = True
+        elif isinstance(s, optax.ApplyIfFiniteState) and seen_window:
+            inside = jax.tree.leaves(tuple(s), is_leaf=_is_window)
+            if not any(map(_is_window, inside)):
+                found.append(s)
+    return found
+
+
+def refused(
+    closed_state: Any, emitted: Any, stepped: Any, old_tail: Any, new_tail: Any
+) -> Any:
+    """A closing gate's emitted state ``emitted`` after the gates that
+    follow it decided (their states went from ``old_tail`` to
+    ``new_tail``): where they dropped the window (``stepped`` false and no
+    window among them counted it: a loss scale refused it), each window
+    state in it says so (``updated`` false, its ``optimizer_step`` as in
+    ``closed_state``, the gate's state where it stays closed); the rest of
+    the emitted state (the zeroed accumulator) stays. A window that a later
+    accumulate counted was not dropped: nested accumulates answer together
+    (:func:`has_updated`, :func:`optimizer_step`)."""
+    if stepped is True:
+        return emitted
+    later = list(zip(_window_states(old_tail), _window_states(new_tail)))
+    stepped = functools.reduce(
+        jnp.logical_or, [_moved(old, new) for old, new in later], stepped
+    )
+
+    def one(e, c):
+        if not _is_window(e):
+            return e
+        kept = {}
+        if getattr(e, "updated", None) is not None:
+            kept["updated"] = jnp.logical_and(e.updated, stepped)
+        if getattr(e, "optimizer_step", None) is not None:
+            kept["optimizer_step"] = jnp.where(
+                stepped, e.optimizer_step, c.optimizer_step
+            )
+        return e._replace(**kept)
+
+    return jax.tree.map(one, emitted, closed_state, is_leaf=_is_window)
+
+
+# Set on a loss scale's update (or gate_update) function: the gradients
+# before it come multiplied by its state's ``scale``.
+SCALES_GRADIENTS = "_oa_scales_gradients"
+
+
+def scales_gradients(transforms: Any) -> bool:
+    """Whether one of ``transforms`` (a chain's elements) is a loss scale,
+    or a chain holding one: known when the chain is built, so that a chain
+    without one reads no state for it (:func:`gradient_scale`)."""
+    for t in transforms:
+        fns = (getattr(t, "update", None), getattr(t, "gate_update", None))
+        if any(getattr(f, SCALES_GRADIENTS, False) for f in fns):
+            return True
+    return False
+
+
+def mark_scales_gradients(fn: Any) -> Any:
+    """``fn`` (an update or gate_update function) marked as a loss scale's
+    (:func:`scales_gradients`)."""
+    fn.__dict__[SCALES_GRADIENTS] = True
+    return fn
+
+
+def gradient_scale(states: Any) -> Any:
+    """The factor by which the gradients entering a gate are multiplied,
+    given the states of the elements after it (``states``): the ``scale``
+    of the first loss-scale state among them (a class that sets
+    ``_scales_gradients = True``; it divides the scale out later), or
+    ``None``."""
+
+    def scales(x):
+        return getattr(type(x), "_scales_gradients", False) is True
+
+    for s in jax.tree.leaves(states, is_leaf=scales):
+        if scales(s):
+            return s.scale
+    return None
 
 
 def window_updated(found: Any) -> jax.Array:
@@ -213,3 +365,45 @@ def warn_if_wrapped(state: Any) -> None:
                 stacklevel=3,
             )
             return
+
+
+# The state types whose earlier layout :func:`upgraded` converts: type ->
+# (whether a state of it has the earlier layout, its conversion).
+# accumulate.py and multisteps.py add theirs (this module imports neither).
+EARLIER_LAYOUTS: dict[type, tuple[Callable[[Any], bool], Callable]] = {}
+
+
+def upgraded(state: Any) -> Any:
+    """``state`` (an optimizer state) with each state of an earlier version
+    in it converted as this version keeps it. A chain converts its state
+    before it branches: a state that one branch converts (a nested
+    accumulate's) and the other passes on must have one tree.
+
+    Looks through plain tuples (the states of ``oa.chain`` and
+    ``optax.chain``, nested), where a gate's state sits in a chain's; not
+    into other states, whose leaves it would only walk.
+
+    Args:
+      state: an optimizer state.
+
+    Returns:
+      ``state`` itself if nothing in it has an earlier layout, else
+      ``state`` with those converted.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import optaxaccum as oa
+      >>> from optaxaccum._src import windows
+      >>> old = oa.accumulate(2).init(jnp.zeros(1))._replace(weight_low=None)
+      >>> windows.upgraded((old,))[0].weight_low
+      Array(0., dtype=float32)
+    """
+    known = EARLIER_LAYOUTS.get(type(state))
+    if known is not None:
+        is_earlier, conversion = known
+        return conversion(state) if is_earlier(state) else state
+    if type(state) is not tuple:
+        return state
+    parts = tuple(upgraded(s) for s in state)
+    same = all(p is s for p, s in zip(parts, state))
+    return state if same else parts

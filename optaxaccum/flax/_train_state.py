@@ -57,6 +57,14 @@ class TrainState(train_state.TrainState):
 
     batch_stats: Any = None
 
+    @property
+    def optimizer_step(self) -> Any:
+        """How many times the optimizer stepped (an int32 scalar array):
+        :func:`optaxaccum.optimizer_step` of ``opt_state``. ``step`` counts
+        micro-batches; give this one to a learning-rate schedule or a log.
+        """
+        return windows.optimizer_step(self.opt_state)
+
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
         """Applies one micro-batch's gradients through the fused path.
 

@@ -289,6 +289,13 @@ TRAIN = {
         lambda: oa.chain(oa.accumulate(K, summed_gradients=True), _adamw()),
         summed=True,
     ),
+    # The loss scale checked once per window: after the accumulate.
+    "window loss_scale": lambda m, f, b: _pure(
+        m,
+        f,
+        b,
+        lambda: oa.chain(oa.accumulate(K), oa.dynamic_loss_scale(), _adamw()),
+    ),
 }
 # Steps whose micro-step cannot be the GEMM's epilogue alone (a select or a
 # multiply by a traced value in front of the add): docs/gpu.md names them.
