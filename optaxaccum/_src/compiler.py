@@ -20,15 +20,14 @@ def fold_compiler_options() -> dict[str, bool]:
     micro-step that does not close its window moves no more bytes than the
     gradient's own computation.
 
-    A window's accumulator is zeroed in the closing branch of the step's
-    conditional; the branch every other call takes passes the donated
-    accumulator through. XLA's default copy insertion cannot prove that
-    pass-through safe when the accumulator was written by a fusion (XLA:CPU,
-    and XLA:GPU's Triton GEMMs) and copies every accumulator on every such
-    call; its region-based analysis proves it and elides the copy. cuBLAS
-    GEMMs (jaxlib >= 0.11) and XLA:TPU need no option. The options change
-    how buffers are assigned, not what is computed: results are bit-identical
-    (docs/gpu.md says what each backend compiles).
+    ``oa.apply_gradients`` needs none: its branch is a loop of 0 or 1
+    trips, updated in place with no option on XLA:CPU, XLA:GPU and XLA:TPU.
+    These options are for a step that branches with a conditional of its
+    own (``tx.update``'s ``lax.cond``): XLA's default copy insertion cannot
+    prove a conditional's pass-through of a value a fusion wrote safe and
+    copies it; its region-based analysis proves it and elides the copy. They
+    change how buffers are assigned, not what is computed: results are
+    bit-identical (docs/gpu.md says what each backend compiles).
 
     Returns:
       A new dict naming XLA:CPU's and XLA:GPU's
