@@ -396,10 +396,12 @@ def _apply(res: Any, params, with_updates: bool):
         return new_params, utils.ordered_after(state, new_params), updates
 
     def closed():
-        shapes = jax.eval_shape(opened)[2]  # None without with_updates
+        if not with_updates:  # nothing to shape: opened is not traced
+            return params, res.state, None
+        shapes = jax.eval_shape(opened)[2]
         return params, res.state, utils.zeros_of(shapes)
 
-    return utils.loop_or_call(res.may_open, opened, closed())
+    return utils.loop_or_call(res.may_open, opened, closed)
 
 
 def flush(

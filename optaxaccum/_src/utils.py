@@ -593,18 +593,18 @@ def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
 GATE_LOOP = "optaxaccum_gate"
 
 
-def loop_or_call(pred: Any, true_fn: Callable, carry: Any) -> Any:
-    """``true_fn()`` where ``pred``, else ``carry`` (a tree of
-    ``true_fn``'s structure and types): a ``lax.while_loop`` of 0 or 1
-    trips whose body reads ``carry`` in place, or a plain call (or
-    ``carry``) when ``pred`` is known now.
+def loop_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
+    """``true_fn()`` where ``pred``, else ``false_fn()`` (a tree of
+    ``true_fn``'s structure and types, made of the values ``true_fn``
+    starts from): a ``lax.while_loop`` of 0 or 1 trips whose carry is
+    ``false_fn()``, or a plain call when ``pred`` is known now.
 
     The fused step branches here. A conditional whose untaken branch
     passes through a value made before it (the accumulator after its add)
     makes XLA:CPU and XLA:GPU copy that value on every call unless the
     user passes compiler options; the carry of a loop is updated in place
     with no copy on XLA:CPU, XLA:GPU and XLA:TPU. ``true_fn`` closes over
-    the leaves of ``carry``: its body reads them from the loop's carry
+    the leaves of the carry: the loop's body reads them from its carry
     instead (the loop runs at most once, so they are the same values).
     XLA:GPU keeps the loop (its ``simplify-conditional`` pass turns only
     conditionals into selects). Where ``pred`` varies by device (inside
@@ -616,9 +616,9 @@ def loop_or_call(pred: Any, true_fn: Callable, carry: Any) -> Any:
         concrete = bool(pred)
     except jax.errors.ConcretizationTypeError:  # traced: decide at run time
         if getattr(jax.typeof(pred), "vma", None):
-            return cond_or_call(pred, true_fn, lambda: carry)
-        return _loop(pred, true_fn, carry)
-    return true_fn() if concrete else carry
+            return cond_or_call(pred, true_fn, false_fn)
+        return _loop(pred, true_fn, false_fn())
+    return true_fn() if concrete else false_fn()
 
 
 def _loop(pred: Any, true_fn: Callable, carry: Any) -> Any:
