@@ -607,7 +607,9 @@ def loop_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
     the leaves of the carry: the loop's body reads them from its carry
     instead (the loop runs at most once, so they are the same values).
     XLA:GPU keeps the loop (its ``simplify-conditional`` pass turns only
-    conditionals into selects). Where ``pred`` varies by device (inside
+    conditionals into selects). On a mesh (``jax.set_mesh``: the
+    partitioner may lay a loop's carry out otherwise than its inputs and
+    reshard it on every call) and where ``pred`` varies by device (inside
     ``shard_map``) this is :func:`cond_or_call`.
     """
     if pred is True:
@@ -615,7 +617,8 @@ def loop_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
     try:
         concrete = bool(pred)
     except jax.errors.ConcretizationTypeError:  # traced: decide at run time
-        if getattr(jax.typeof(pred), "vma", None):
+        on_mesh = not jax.sharding.get_abstract_mesh().empty
+        if on_mesh or getattr(jax.typeof(pred), "vma", None):
             return cond_or_call(pred, true_fn, false_fn)
         return _loop(pred, true_fn, false_fn())
     return true_fn() if concrete else false_fn()
