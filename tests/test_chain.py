@@ -174,8 +174,7 @@ def test_hlo_fused_non_closing_step_is_one_pass():
     # Scalars only (counters, flags, the window's weight in the loop's
     # carry): no copy of params or optimizer state.
     assert _hlo.count(always, "copy") == sum(
-        bool(re.search(r"= (s32|f32|pred)\[\] copy\(", line))
-        for line in always
+        bool(re.search(r"= (s32|f32|pred)\[\] copy\(", line)) for line in always
     )
     assert _hlo.count(branch, "sqrt") >= 1
 

@@ -435,6 +435,9 @@ def _add(
             state.mini_step == 0,
             counted,
         )
+        # The add written over the accumulator after the estimate's read
+        # of it (utils.ordered_after).
+        acc = utils.ordered_after_scalars(acc, noise)
     total = utils.select(counted, total, (state.weight, state.weight_low))
     return acc, total, noise, counted
 

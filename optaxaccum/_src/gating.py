@@ -140,12 +140,13 @@ class Decision(NamedTuple):
 
         def opened():
             out = self.emission()
-            return utils.mask(out.opened, out.updates), out.state
+            updates = utils.mask(out.opened, out.updates)
+            return updates, utils.ordered_after(out.state, updates)
 
         def closed():
             return utils.zeros_of(jax.eval_shape(opened)[0]), self.state
 
-        return utils.cond_or_call(self.may_open, opened, closed)
+        return utils.loop_or_call(self.may_open, opened, closed)
 
     def pass_window_on(self, window: Any, plain: bool) -> Decision:
         """A gate that closes no window of its own (a loss scale, a user's

@@ -599,7 +599,9 @@ def loop_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
     starts from): a ``lax.while_loop`` of 0 or 1 trips whose carry is
     ``false_fn()``, or a plain call when ``pred`` is known now.
 
-    The fused step branches here. A conditional whose untaken branch
+    The fused step and the plain protocol's top-level gate branch here
+    (nested decisions and flush use :func:`cond_or_call`). A conditional
+    whose untaken branch
     passes through a value made before it (the accumulator after its add)
     makes XLA:CPU and XLA:GPU copy that value on every call unless the
     user passes compiler options; the carry of a loop is updated in place
@@ -653,24 +655,38 @@ def _loop(pred: Any, true_fn: Callable, carry: Any) -> Any:
 
 def ordered_after(state: Any, params: Any) -> Any:
     """``state`` with each window's param-like sums (their fields named by
-    the state class's ``_param_sums``) ordered after ``params``: plus the
-    NaN-safe zero of the matching leaf of ``params``, an identity.
+    the state class's ``_param_sums``) ordered after ``params`` and after
+    the window state's other float scalars (the noise scale's averages):
+    plus their NaN-safe zero, an identity.
 
     XLA:CPU's copy insertion orders an in-place write after the reads of
     the same buffer only where data flows from them: a window's zeroed
-    accumulator, written over the one the optimizer reads, then needs no
-    copy. ``params`` (the new params) is what the optimizer made of that
-    read. Leaves whose structure does not match ``params`` stay as they
-    are."""
+    accumulator, written over the one the optimizer and the noise scale
+    read, then needs no copy. ``params`` (the new params) is what the
+    optimizer made of that read. Leaves whose shape or sharding differ from
+    ``params``' stay as they are; on a mesh (where the fused step branches
+    with a conditional, :func:`loop_or_call`) nothing changes."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return state
 
     def one(s):
         if not hasattr(type(s), "_param_sums"):
             return s
+        names = type(s)._param_sums
+        others = [v for k, v in s._asdict().items() if k not in names]
+        scalars = [
+            jnp.where(jnp.isfinite(x), x * 0, 0)
+            for x in jax.tree.leaves(others)
+            if jnp.ndim(x) == 0
+            and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+        ]
         fields = {}
-        for name in type(s)._param_sums:
+        for name in names:
             sums = getattr(s, name)
             if jax.tree.structure(sums) == jax.tree.structure(params):
-                sums = jax.tree.map(_after, sums, params)
+                sums = jax.tree.map(
+                    lambda a, p: _after(a, p, scalars), sums, params
+                )
             fields[name] = sums
         return s._replace(**fields)
 
@@ -679,10 +695,27 @@ def ordered_after(state: Any, params: Any) -> Any:
     )
 
 
-def _after(a: Any, p: Any) -> Any:
-    """``a`` plus the zero of ``p`` (``where(isfinite(p), p * 0, 0)``) in
-    ``a``'s dtype, where ``p`` is a float array of ``a``'s shape and
-    sharding (elsewhere ``a``: the sum needs no communication)."""
+def ordered_after_scalars(tree: Any, after: Any) -> Any:
+    """``tree`` plus the NaN-safe zeros of ``after``'s float scalars: its
+    in-place writes ordered after what computed them (off a mesh; see
+    :func:`ordered_after`)."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return tree
+    zeros = [
+        jnp.where(jnp.isfinite(x), x * 0, 0)
+        for x in jax.tree.leaves(after)
+        if jnp.ndim(x) == 0 and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
+    if not zeros:
+        return tree
+    zero = sum(zeros[1:], zeros[0])
+    return jax.tree.map(lambda a: a + zero.astype(a.dtype), tree)
+
+
+def _after(a: Any, p: Any, scalars: list) -> Any:
+    """``a`` plus the zero of ``p`` (``where(isfinite(p), p * 0, 0)``) and
+    the zeros ``scalars``, in ``a``'s dtype, where ``p`` is a float array of
+    ``a``'s shape and sharding (elsewhere ``a``)."""
     p = jnp.asarray(p)
     if not jnp.issubdtype(p.dtype, jnp.inexact) or p.shape != a.shape:
         return a
@@ -691,6 +724,8 @@ def _after(a: Any, p: Any) -> Any:
     zero = jnp.where(jnp.isfinite(p), p * 0, 0)
     if not jnp.issubdtype(a.dtype, jnp.complexfloating):
         zero = jnp.real(zero)
+    for s in scalars:
+        zero = zero + s.astype(zero.dtype)
     return a + zero.astype(a.dtype)
 
 

@@ -82,15 +82,16 @@ def test_gate_kept_with_followers_inside(name, target):
     assert where["outside"] == 0 and where["inside"] >= 1, where
 
 
-# The barrier-off control: XLA:GPU rewrites these gates (lax.cond: the
-# plain protocol, flush) into a select, so the check above can fail. (Some
-# other paths keep their conditional without barriers too, for reasons of
-# their own: a branch XLA counts as empty.)
-CONTROL = ("plain accumulate", "flush")
-# The fused step branches with a loop of 0 or 1 trips, which XLA:GPU keeps
-# with or without barriers.
+# The barrier-off control: XLA:GPU rewrites this gate (lax.cond: flush)
+# into a select, so the check above can fail. (Some other paths keep their
+# conditional without barriers too, for reasons of their own: a branch XLA
+# counts as empty.)
+CONTROL = ("flush",)
+# The fused step and the plain protocol branch with a loop of 0 or 1 trips,
+# which XLA:GPU keeps with or without barriers.
 FUSED_LOOPS = (
     "fused accumulate",
+    "plain accumulate",
     "fused noise_scale",
     "fused nested_gates",
     "fused MultiSteps",
