@@ -20,10 +20,10 @@ def fold_compiler_options() -> dict[str, bool]:
     micro-step that does not close its window moves no more bytes than the
     gradient's own computation.
 
-    ``oa.apply_gradients`` needs none: its branch is a loop of 0 or 1
-    trips, updated in place with no option on XLA:CPU, XLA:GPU and XLA:TPU.
-    These options are for a step that branches with a conditional of its
-    own (``tx.update``'s ``lax.cond``): XLA's default copy insertion cannot
+    ``oa.apply_gradients`` and ``tx.update`` need none: their gate's branch
+    is a loop of 0 or 1 trips, updated in place with no option on XLA:CPU,
+    XLA:GPU and XLA:TPU. These options are for steps that branch with a
+    conditional (on a mesh, a flush): XLA's default copy insertion cannot
     prove a conditional's pass-through of a value a fusion wrote safe and
     copies it; its region-based analysis proves it and elides the copy. They
     change how buffers are assigned, not what is computed: results are
