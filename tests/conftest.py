@@ -11,6 +11,9 @@ import os
 import jax
 
 NUM_CPU_DEVICES = 8
+# The scripts that write the saved fixtures run against other versions of
+# the code (or compilers): not test modules, and not doctested.
+collect_ignore_glob = ["fixtures/*"]
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)

@@ -10,8 +10,11 @@ barrier in the lowered program, ``tests/test_gather_once.py``).
 
 The step of examples/fsdp.py's model at a width where XLA:TPU repeats the
 gathers (``steps.fsdp_step``: 64 -> 8192 -> 10, 1024 rows per micro-batch,
-k = 4 on data=2 x fsdp=4). The control compiles it with the pin removed:
-the check can fail.
+k = 4 on data=2 x fsdp=4). Read as logical collectives (``hlo.overlaps``
+counts an all-gather XLA:TPU splits over the fusions of its async
+collective fusion once), libtpu 0.0.42.1 gathers each held weight once
+with the pin and without it; the default suite's check of the pin is the
+traced program's barrier (``tests/test_gather_once.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ if os.environ.get("OPTAXACCUM_GPU_COMPILE") != "1":
 import jax  # noqa: E402
 import jaxlib  # noqa: E402
 
-from optaxaccum._src import gather_once, hlo  # noqa: E402
+from optaxaccum._src import hlo  # noqa: E402
 from tests.gpu_compile import steps, targets  # noqa: E402
 
 pytestmark = pytest.mark.gpu_compile
@@ -63,21 +66,8 @@ def _weight_gathers() -> list[dict]:
     ]
 
 
-def _unpinned(leaf, how):
-    """The held copy without its pin."""
-    return jax.reshard(leaf.astype(how.dtype), how.held)
-
-
 def test_tpu_v5e_gathers_each_held_weight_once_per_step():
     """One all-gather per held weight per step, none inside the loop."""
     gathers = _weight_gathers()
     assert len(gathers) == HELD_WEIGHTS, gathers
     assert not any(r["loop"] for r in gathers), gathers
-
-
-def test_tpu_v5e_unpinned_copy_is_gathered_again_control(monkeypatch):
-    """The control: without the pin XLA:TPU gathers a held weight more
-    than once per step (into the peeled micro-batches and the scan)."""
-    monkeypatch.setattr(gather_once, "_gather", _unpinned)
-    gathers = _weight_gathers()
-    assert len(gathers) > HELD_WEIGHTS, gathers
