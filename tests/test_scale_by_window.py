@@ -205,8 +205,10 @@ _UNWEIGHTED_CALLS = {
 def test_a_window_without_weights_warns_naming_both(nest, call, jit):
     """Without ``accum_weight`` the window's weight counts micro-batches: a
     ``base_weight`` in examples would scale the wrong way (four
-    micro-batches of 16 against 16 examples: 0.25, not 4). The call warns
-    at trace time, naming ``accum_weight`` and ``base_weight``."""
+    micro-batches of 16 against 16 examples: 0.25, not 4). The window
+    warns when its closing work is traced (an eager fused call that does not
+    close its window does not trace it), naming ``accum_weight`` and
+    ``base_weight``."""
     inner = (oa.accumulate(2), optax.sgd(1.0))
     sbw = oa.scale_by_window(16, rule="linear")
     tx = {
@@ -219,8 +221,11 @@ def test_a_window_without_weights_warns_naming_both(nest, call, jit):
     params = jnp.zeros(1)
     step = _UNWEIGHTED_CALLS[call]
     step = jax.jit(step, static_argnums=0) if jit else step
+    state = tx.init(params)
     with pytest.warns(UserWarning, match="accum_weight") as record:
-        _, state = step(tx, jnp.ones(1), tx.init(params), params)
+        for _ in range(2):  # one window
+            out = step(tx, jnp.ones(1), state, params)
+            state = out[1] if call == "update" else out[0]
     assert "base_weight=16" in str(record[0].message)
 
 

@@ -393,7 +393,7 @@ def _apply(res: Any, params, with_updates: bool):
         new_params = optax.apply_updates(params, updates)
         new_params = utils.select(flag, new_params, params)
         updates = utils.mask(flag, updates) if with_updates else None
-        return new_params, utils.ordered_after(state, new_params), updates
+        return new_params, state, updates
 
     def closed():
         if not with_updates:  # nothing to shape: opened is not traced
@@ -401,7 +401,10 @@ def _apply(res: Any, params, with_updates: bool):
         shapes = jax.eval_shape(opened)[2]
         return params, res.state, utils.zeros_of(shapes)
 
-    return utils.loop_or_call(res.may_open, opened, closed)
+    def order(out):
+        return out[0], utils.ordered_after(out[1], out[0]), out[2]
+
+    return utils.loop_or_call(res.may_open, opened, closed, order)
 
 
 def flush(

@@ -140,13 +140,15 @@ class Decision(NamedTuple):
 
         def opened():
             out = self.emission()
-            updates = utils.mask(out.opened, out.updates)
-            return updates, utils.ordered_after(out.state, updates)
+            return utils.mask(out.opened, out.updates), out.state
 
         def closed():
             return utils.zeros_of(jax.eval_shape(opened)[0]), self.state
 
-        return utils.loop_or_call(self.may_open, opened, closed)
+        def order(out):
+            return out[0], utils.ordered_after(out[1], out[0])
+
+        return utils.loop_or_call(self.may_open, opened, closed, order)
 
     def pass_window_on(self, window: Any, plain: bool) -> Decision:
         """A gate that closes no window of its own (a loss scale, a user's

@@ -593,7 +593,9 @@ def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
 GATE_LOOP = "optaxaccum_gate"
 
 
-def loop_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
+def loop_or_call(
+    pred: Any, true_fn: Callable, false_fn: Callable, order: Any = None
+) -> Any:
     """``true_fn()`` where ``pred``, else ``false_fn()`` (a tree of
     ``true_fn``'s structure and types, made of the values ``true_fn``
     starts from): a ``lax.while_loop`` of 0 or 1 trips whose carry is
@@ -612,7 +614,9 @@ def loop_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
     conditionals into selects). On a mesh (``jax.set_mesh``: the
     partitioner may lay a loop's carry out otherwise than its inputs and
     reshard it on every call) and where ``pred`` varies by device (inside
-    ``shard_map``) this is :func:`cond_or_call`.
+    ``shard_map``) this is :func:`cond_or_call`. ``order`` (outputs ->
+    outputs, an identity in value) is applied to the loop body's outputs:
+    the in-place writes it orders (:func:`ordered_after`).
     """
     if pred is True:
         return true_fn()
@@ -622,7 +626,8 @@ def loop_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
         on_mesh = not jax.sharding.get_abstract_mesh().empty
         if on_mesh or getattr(jax.typeof(pred), "vma", None):
             return cond_or_call(pred, true_fn, false_fn)
-        return _loop(pred, true_fn, false_fn())
+        body = true_fn if order is None else lambda: order(true_fn())
+        return _loop(pred, body, false_fn())
     return true_fn() if concrete else false_fn()
 
 
@@ -637,6 +642,13 @@ def _loop(pred: Any, true_fn: Callable, carry: Any) -> Any:
             "loop_or_call: true_fn must return carry's structure, got "
             f"{jax.tree.structure(shapes)} and {treedef}"
         )
+    if any(
+        jax.typeof(c).weak_type != out.weak_type
+        for c, out in zip(leaves, jax.tree.leaves(shapes))
+    ):
+        # A loop would make such a state leaf strongly typed (the next call
+        # would then trace again); a conditional keeps it as it came.
+        return cond_or_call(pred, true_fn, lambda: carry)
     slot = {id(x): i for i, x in enumerate(leaves)}
     consts = list(closed.consts)
 
@@ -664,10 +676,7 @@ def ordered_after(state: Any, params: Any) -> Any:
     accumulator, written over the one the optimizer and the noise scale
     read, then needs no copy. ``params`` (the new params) is what the
     optimizer made of that read. Leaves whose shape or sharding differ from
-    ``params``' stay as they are; on a mesh (where the fused step branches
-    with a conditional, :func:`loop_or_call`) nothing changes."""
-    if not jax.sharding.get_abstract_mesh().empty:
-        return state
+    ``params``' stay as they are."""
 
     def one(s):
         if not hasattr(type(s), "_param_sums"):
