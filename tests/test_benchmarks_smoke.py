@@ -10,6 +10,7 @@ in ``test_multidevice.py``.
 import importlib.util
 import json
 import pathlib
+import sys
 
 import chex
 import jax
@@ -27,6 +28,9 @@ BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _load(name):
+    # Benchmarks import their siblings (_common imports _devices).
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
     path = BENCH_DIR / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
