@@ -142,10 +142,14 @@ def hlo_counts(text: str) -> dict[str, int]:
     def count(op: str) -> int:
         return sum(o in (op, f"{op}-start") for o in opcodes)
 
+    # The fused step's loop of 0 or 1 trips is a branch like a conditional.
+    loops = sum(
+        i.is_gate_loop for body in module.computations.values() for i in body
+    )
     return {
         "ops": len(opcodes),
         "fusions": count("fusion"),
-        "conditionals": count("conditional"),
+        "conditionals": count("conditional") + loops,
     }
 
 
