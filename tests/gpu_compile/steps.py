@@ -112,6 +112,24 @@ def _nnx():
     return step, (state, nnx.state(model, nnx.Param))
 
 
+def _cond_gate():
+    """A gate written with ``utils.cond_or_call`` (the branch of the
+    decisions inside a window's closing work, and of every gate on a mesh):
+    Adam behind a ``lax.cond``."""
+    from optaxaccum._src import utils
+
+    p = _params()
+
+    def step(params, state, grads, go):
+        def opened():
+            updates, new = ADAM.update(grads, state, params)
+            return optax.apply_updates(params, updates), new
+
+        return utils.cond_or_call(go, opened, lambda: (params, state))
+
+    return step, (p, ADAM.init(p), p, jnp.bool_(False))
+
+
 GATED = {
     **{f"fused {n}": (lambda n=n: _fused(n)) for n in CHAINS},
     **{f"plain {n}": (lambda n=n: _plain(n)) for n in CHAINS},
@@ -119,6 +137,7 @@ GATED = {
     "flush": _flush,
     "TrainState": _train_state,
     "nnx Optimizer": _nnx,
+    "cond gate": _cond_gate,
 }
 
 
