@@ -683,12 +683,7 @@ def ordered_after(state: Any, params: Any) -> Any:
             return s
         names = type(s)._param_sums
         others = [v for k, v in s._asdict().items() if k not in names]
-        scalars = [
-            jnp.where(jnp.isfinite(x), x * 0, 0)
-            for x in jax.tree.leaves(others)
-            if jnp.ndim(x) == 0
-            and jnp.issubdtype(jnp.result_type(x), jnp.floating)
-        ]
+        scalars = _scalar_zeros(others)
         fields = {}
         for name in names:
             sums = getattr(s, name)
@@ -710,15 +705,22 @@ def ordered_after_scalars(tree: Any, after: Any) -> Any:
     :func:`ordered_after`)."""
     if not jax.sharding.get_abstract_mesh().empty:
         return tree
-    zeros = [
-        jnp.where(jnp.isfinite(x), x * 0, 0)
-        for x in jax.tree.leaves(after)
-        if jnp.ndim(x) == 0 and jnp.issubdtype(jnp.result_type(x), jnp.floating)
-    ]
+    zeros = _scalar_zeros(after)
     if not zeros:
         return tree
     zero = sum(zeros[1:], zeros[0])
     return jax.tree.map(lambda a: a + zero.astype(a.dtype), tree)
+
+
+def _scalar_zeros(tree: Any) -> list:
+    """The NaN-safe zero (``where(isfinite(x), x * 0, 0)``) of each float
+    scalar leaf of ``tree``: values that depend on those leaves and add
+    nothing."""
+    return [
+        jnp.where(jnp.isfinite(x), x * 0, 0)
+        for x in jax.tree.leaves(tree)
+        if jnp.ndim(x) == 0 and jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
 
 
 def _after(a: Any, p: Any, scalars: list) -> Any:
