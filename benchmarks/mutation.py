@@ -931,6 +931,28 @@ MUTANTS = {
         "local = hi",
         ["tests/test_multidevice.py", "-k", "beyond_2_to_the_24"],
     ),
+    "summed_window_followers_branch": (  # Adam's moments copied
+        "gating.py",
+        "updates, tail = utils.select_or_call(out.opened, run, skip)",
+        "updates, tail = utils.cond_or_call(\n"
+        "            out.opened, run, lambda: skip(jax.eval_shape(run))\n"
+        "        )",
+        ["tests/test_micro_step.py", "-k", "closes_in_no_tree"],
+    ),
+    "window_followers_branch_again": (  # a copy of Adam's moments
+        "gating.py",
+        "updates, tail = utils.select_or_call(out.opened, run, skip)",
+        "updates, tail = utils.cond_or_call(\n"
+        "            out.opened, run, lambda: skip(jax.eval_shape(run))\n"
+        "        )",
+        ["tests/test_micro_step.py", "-k", "closes_in_no_more"],
+    ),
+    "moments_not_ordered": (
+        "utils.py",
+        "    if moments:\n        state = jax.tree.map(",
+        "    if False:\n        state = jax.tree.map(",
+        ["tests/test_micro_step.py", "-k", "closes_in_no_more"],
+    ),
 }
 
 

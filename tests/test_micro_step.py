@@ -349,3 +349,69 @@ def test_fused_step_holds_no_tree_without_and_with_options(form, options):
     tree = sum(x.size * 4 for x in jax.tree.leaves(params))
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < tree // 64, (temp, tree)
+
+
+# ------------------------------------------- the closing branch's memory
+
+
+def _temp_of(tx, params, extra):
+    """Temporary bytes of ``tx``'s fused donated step, no compiler option
+    (XLA:CPU; gradients passed in)."""
+    step = jax.jit(
+        lambda p, s, g, kw: oa.apply_gradients(tx, g, s, p, **kw),
+        donate_argnums=(0, 1),
+    )
+    compiled = step.lower(params, tx.init(params), params, extra).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_summed_weighted_window_closes_in_no_tree():
+    """A summed-gradient window (its weight traced) decides whether it is
+    empty before the step's branch: the fused step, closing branch
+    included, allocates no tree-sized temporary with no option."""
+    params = {"w": jnp.zeros((256, 256)), "v": jnp.zeros((128, 256))}
+    tx = oa.chain(oa.accumulate(4, summed_gradients=True), optax.adam(1e-3))
+    temp = _temp_of(tx, params, {"accum_weight": jnp.float32(8.0)})
+    tree = sum(x.size * 4 for x in jax.tree.leaves(params))
+    assert temp < tree // 64, (temp, tree)
+
+
+def test_window_loss_scale_closes_in_no_more_than_the_scale_alone():
+    """The loss scale after the accumulate decides on the window inside the
+    closing branch without a second copy of the optimizer's state: the
+    fused step holds no more than the loss scale in front of the
+    optimizer alone (no accumulation) holds, with no option."""
+    params = {"w": jnp.zeros((256, 256)), "v": jnp.zeros((128, 256))}
+    adam = optax.adam(1e-3)
+    windowed = oa.chain(oa.accumulate(4), oa.dynamic_loss_scale(), adam)
+    alone = oa.chain(oa.dynamic_loss_scale(), adam)
+    tree = sum(x.size * 4 for x in jax.tree.leaves(params))
+    temp = _temp_of(windowed, params, {})
+    assert temp <= _temp_of(alone, params, {}) + tree // 64, (temp, tree)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_empty_summed_window_resets_its_accumulator(jit):
+    """A summed window whose calls all weigh 0 closes empty: the optimizer
+    does not step, and the accumulator starts the next window from zero
+    (what those calls added is dropped), as a fresh window would."""
+    params = {"w": jnp.zeros((3, 4))}
+    tx = oa.chain(oa.accumulate(2, summed_gradients=True), optax.sgd(1.0))
+
+    def update(g, s, w):
+        return tx.update(g, s, params, accum_weight=w)
+
+    if jit:
+        update = jax.jit(update)
+    state = tx.init(params)
+    for seed in (0, 1):  # the empty window: gradients, weight 0
+        u, state = update(_grads(seed), state, jnp.float32(0.0))
+    assert not bool(oa.has_updated(state))
+    np.testing.assert_array_equal(u["w"], np.zeros((3, 4)))
+    np.testing.assert_array_equal(_acc_states(state)[0].acc["w"], 0)
+    fresh = tx.init(params)
+    for seed in (2, 3):
+        got, state = update(_grads(seed), state, jnp.float32(1.0))
+        want, fresh = update(_grads(seed), fresh, jnp.float32(1.0))
+    np.testing.assert_array_equal(got["w"], want["w"])
+    assert bool(oa.has_updated(state))

@@ -333,11 +333,13 @@ def _gate_update(
                 cfg, sums, new_state, out_dtypes, weight_checked=True
             ),
             empty=closing & ~nonzero,
+            branches=True,
         )
     return gating.Decision(
         state=new_state,
         may_open=closing,
         emit=_emitter(cfg, sums, new_state, out_dtypes),
+        branches=True,
     )
 
 

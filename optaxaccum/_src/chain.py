@@ -401,8 +401,9 @@ def _apply(res: Any, params, with_updates: bool):
         shapes = jax.eval_shape(opened)[2]
         return params, res.state, utils.zeros_of(shapes)
 
-    def order(out):
-        return out[0], utils.ordered_after(out[1], out[0]), out[2]
+    def order(out, in_loop):
+        state = utils.ordered_after(out[1], out[0], moments=in_loop)
+        return out[0], state, out[2]
 
     return utils.loop_or_call(res.may_open, opened, closed, order)
 

@@ -109,6 +109,10 @@ class Decision(NamedTuple):
     # followers do not step, but a later gate counts it as one call of
     # weight 0. emit is not called for it: state is the gate's state then.
     empty: Any = False
+    # A later gate's decision on this one's emission is a branch
+    # (lax.cond), not both computed and a select: this gate opens on few of
+    # the calls it sees (an accumulate: once per window).
+    branches: bool = False
 
     @classmethod
     def of(cls, result: Any) -> Decision:
@@ -145,8 +149,9 @@ class Decision(NamedTuple):
         def closed():
             return utils.zeros_of(jax.eval_shape(opened)[0]), self.state
 
-        def order(out):
-            return out[0], utils.ordered_after(out[1], out[0])
+        def order(out, in_loop):
+            state = utils.ordered_after(out[1], out[0], moments=in_loop)
+            return out[0], state
 
         return utils.loop_or_call(self.may_open, opened, closed, order)
 
@@ -184,13 +189,12 @@ class Decision(NamedTuple):
             flags = out.with_flags()
             return flags._replace(passed=None) if out.passed is True else flags
 
-        def empty():
-            shapes = jax.eval_shape(opened)
-            true = None if shapes.passed is None else jnp.asarray(True)
+        def empty(like):
+            true = None if like.passed is None else jnp.asarray(True)
             false = jnp.asarray(False)
-            return Emission.shut(shapes, self.state, opened=false, passed=true)
+            return Emission.shut(like, self.state, opened=false, passed=true)
 
-        out = utils.cond_or_call(self.may_open, opened, empty)
+        out = utils.select_or_call(self.may_open, opened, empty)
         return out._replace(passed=True if out.passed is None else out.passed)
 
 
@@ -487,10 +491,10 @@ def then_plain(res, head, tail_state, rest, params, extra_args) -> Decision:
             rest, out.updates, tail_state, params, out.window_weight, args
         )
 
-        def skip():
-            return utils.zeros_of(jax.eval_shape(run)[0]), tail_state
+        def skip(like):
+            return utils.zeros_of(like[0]), tail_state
 
-        updates, tail = utils.cond_or_call(out.opened, run, skip)
+        updates, tail = utils.select_or_call(out.opened, run, skip)
         return out._replace(updates=updates, state=(*head, out.state, *tail))
 
     return res._replace(state=state, emit=emit)
@@ -519,7 +523,9 @@ def then_gate(res, head, tail_state, rest, params, extra_args) -> Decision:
         return e._replace(state=(*head, own, *e.state))
 
     may_open = utils.either(res.may_open, res.empty)
-    return Decision(state=state, may_open=may_open, emit=emit)
+    return Decision(
+        state=state, may_open=may_open, emit=emit, branches=res.branches
+    )
 
 
 def through_gate(out, tail_state, rest, params, args) -> Emission:
@@ -543,12 +549,16 @@ def through_gate(out, tail_state, rest, params, args) -> Emission:
             passed=utils.flag_like(e.passed, pred),
         )
 
-    def closed():
+    def closed(like):
         false = utils.flag_like(False, pred)
-        shapes = jax.eval_shape(later.emission)
-        return Emission.shut(shapes, later.state, opened=false, passed=false)
+        return Emission.shut(like, later.state, opened=false, passed=false)
 
-    e = utils.cond_or_call(pred, opened, closed)
+    if later.branches:  # a later accumulate: it opens once per its window
+        e = utils.cond_or_call(
+            pred, opened, lambda: closed(jax.eval_shape(opened))
+        )
+    else:
+        e = utils.select_or_call(pred, opened, closed)
     if window is not None:
         return e
     return e._replace(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import math
 import numbers
@@ -35,6 +36,7 @@ __all__ = [
     "cond_or_call",
     "loop_or_call",
     "ordered_after",
+    "select_or_call",
     "declared_extra_args",
     "divide_or",
     "either",
@@ -587,6 +589,30 @@ def cond_or_call(pred: Any, true_fn: Callable, false_fn: Callable) -> Any:
     return true_fn() if concrete else false_fn()
 
 
+def select_or_call(
+    pred: Any, true_fn: Callable, false_fn: Callable[[Any], Any]
+) -> Any:
+    """``true_fn()`` where ``pred``, else ``false_fn(like)`` (``like``:
+    ``true_fn``'s outputs, or their shapes, to shape its zeros): a plain
+    call when ``pred`` is known now; where it is traced, both, then a
+    select of each leaf.
+
+    Decisions inside a gate's branch (a loss scale after the accumulate,
+    the followers of a window that may not step) are made this way: the
+    optimizer's work there runs on every window, and where it does not
+    step, its old state is selected in the same elementwise pass that
+    would have overwritten it, in place (a conditional whose untaken branch
+    passes the old state through makes XLA copy it)."""
+    if pred is True:
+        return true_fn()
+    try:
+        concrete = bool(pred)
+    except jax.errors.ConcretizationTypeError:  # traced: decide at run time
+        out = true_fn()
+        return select(pred, out, false_fn(out))
+    return true_fn() if concrete else false_fn(jax.eval_shape(true_fn))
+
+
 # The name scope of the fused step's loop of 0 or 1 trips: a reader of
 # compiled programs (``op_name``) counts its body as a branch, not as code
 # that runs on every call.
@@ -614,9 +640,10 @@ def loop_or_call(
     conditionals into selects). On a mesh (``jax.set_mesh``: the
     partitioner may lay a loop's carry out otherwise than its inputs and
     reshard it on every call) and where ``pred`` varies by device (inside
-    ``shard_map``) this is :func:`cond_or_call`. ``order`` (outputs ->
-    outputs, an identity in value) is applied to the loop body's outputs:
-    the in-place writes it orders (:func:`ordered_after`).
+    ``shard_map``) this is :func:`cond_or_call`. ``order`` (``(outputs,
+    in_loop) -> outputs``, an identity in value; ``in_loop`` false where a
+    conditional stands in for the loop) is applied to the loop body's
+    outputs: the in-place writes it orders (:func:`ordered_after`).
     """
     if pred is True:
         return true_fn()
@@ -626,16 +653,19 @@ def loop_or_call(
         on_mesh = not jax.sharding.get_abstract_mesh().empty
         if on_mesh or getattr(jax.typeof(pred), "vma", None):
             return cond_or_call(pred, true_fn, false_fn)
-        body = true_fn if order is None else lambda: order(true_fn())
-        return _loop(pred, body, false_fn())
+        return _loop(pred, true_fn, false_fn(), order)
     return true_fn() if concrete else false_fn()
 
 
-def _loop(pred: Any, true_fn: Callable, carry: Any) -> Any:
+def _loop(pred: Any, true_fn: Callable, carry: Any, order: Any) -> Any:
     """:func:`loop_or_call` of a traced ``pred``: ``true_fn`` traced once
     (``jax.make_jaxpr``), its values closed over that are leaves of
     ``carry`` read from the loop's carry."""
-    closed, shapes = jax.make_jaxpr(true_fn, return_shape=True)()
+
+    def ordered(in_loop):
+        return true_fn if order is None else lambda: order(true_fn(), in_loop)
+
+    closed, shapes = jax.make_jaxpr(ordered(True), return_shape=True)()
     leaves, treedef = jax.tree.flatten(carry)
     if jax.tree.structure(shapes) != treedef:
         raise TypeError(
@@ -648,7 +678,7 @@ def _loop(pred: Any, true_fn: Callable, carry: Any) -> Any:
     ):
         # A loop would make such a state leaf strongly typed (the next call
         # would then trace again); a conditional keeps it as it came.
-        return cond_or_call(pred, true_fn, lambda: carry)
+        return cond_or_call(pred, ordered(False), lambda: carry)
     slot = {id(x): i for i, x in enumerate(leaves)}
     consts = list(closed.consts)
 
@@ -665,21 +695,50 @@ def _loop(pred: Any, true_fn: Callable, carry: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-def ordered_after(state: Any, params: Any) -> Any:
-    """``state`` with each window's param-like sums (their fields named by
-    the state class's ``_param_sums``) ordered after ``params`` and after
-    the window state's other float scalars (the noise scale's averages):
-    plus their NaN-safe zero, an identity.
+def ordered_after(state: Any, params: Any, moments: bool = True) -> Any:
+    """``state`` with its in-place writes ordered after the reads of the
+    buffers they overwrite: each param-shaped tree of the optimizer's state
+    (Adam's moments) after ``params`` (the new params), and each window's
+    param-like sums (their fields named by the state class's
+    ``_param_sums``) after both and after the window state's other float
+    scalars (the noise scale's averages). Each plus a NaN-safe zero of what
+    it is ordered after: an identity. Without ``moments``, only the window
+    sums, after ``params`` (in a conditional's branch, where ordering the
+    moments too makes XLA copy them).
 
     XLA:CPU's copy insertion orders an in-place write after the reads of
     the same buffer only where data flows from them: a window's zeroed
     accumulator, written over the one the optimizer and the noise scale
-    read, then needs no copy. ``params`` (the new params) is what the
-    optimizer made of that read. Leaves whose shape or sharding differ from
-    ``params``' stay as they are."""
+    read, then needs no copy; nor does a moment the new params were
+    computed from. Leaves whose shape or sharding differ from ``params``'
+    stay as they are."""
+    treedef = jax.tree.structure(params)
 
-    def one(s):
-        if not hasattr(type(s), "_param_sums"):
+    def windowed(s):
+        return hasattr(type(s), "_param_sums")
+
+    def param_like(s):
+        return not windowed(s) and jax.tree.structure(s) == treedef
+
+    def ordered_moment(s):
+        if not param_like(s):
+            return s
+        return jax.tree.map(lambda a, p: _after(a, p, []), s, params)
+
+    def is_leaf(s):
+        return windowed(s) or param_like(s)
+
+    trees = []
+    if moments:
+        state = jax.tree.map(ordered_moment, state, is_leaf=is_leaf)
+        nodes = jax.tree.leaves(state, is_leaf=is_leaf)
+        trees = [s for s in nodes if param_like(s)]
+    token = functools.reduce(
+        lambda t, s: jax.tree.map(_after_ordered, t, s), trees, params
+    )
+
+    def sums_of(s):
+        if not windowed(s):
             return s
         names = type(s)._param_sums
         others = [v for k, v in s._asdict().items() if k not in names]
@@ -687,16 +746,22 @@ def ordered_after(state: Any, params: Any) -> Any:
         fields = {}
         for name in names:
             sums = getattr(s, name)
-            if jax.tree.structure(sums) == jax.tree.structure(params):
+            if jax.tree.structure(sums) == treedef:
                 sums = jax.tree.map(
-                    lambda a, p: _after(a, p, scalars), sums, params
+                    lambda a, p: _after(a, p, scalars), sums, token
                 )
             fields[name] = sums
         return s._replace(**fields)
 
-    return jax.tree.map(
-        one, state, is_leaf=lambda s: hasattr(type(s), "_param_sums")
-    )
+    return jax.tree.map(sums_of, state, is_leaf=windowed)
+
+
+def _after_ordered(a: Any, b: Any) -> Any:
+    """``_after(a, b)`` where ``b`` was ordered itself (not weakly typed:
+    ``_after`` leaves those as they are), else ``a``."""
+    if jax.typeof(b).weak_type:
+        return a
+    return _after(a, b, [])
 
 
 def ordered_after_scalars(tree: Any, after: Any) -> Any:
@@ -729,6 +794,8 @@ def _after(a: Any, p: Any, scalars: list) -> Any:
     ``a``'s shape and sharding (elsewhere ``a``)."""
     p = jnp.asarray(p)
     if not jnp.issubdtype(p.dtype, jnp.inexact) or p.shape != a.shape:
+        return a
+    if jax.typeof(a).weak_type:  # a sum would make it strongly typed
         return a
     if _spec(a) != _spec(p):
         return a

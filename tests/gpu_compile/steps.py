@@ -315,6 +315,13 @@ TRAIN = {
         b,
         lambda: oa.chain(oa.accumulate(K), oa.dynamic_loss_scale(), _adamw()),
     ),
+    # Non-finite windows dropped without a loss scale: optax's own gate.
+    "apply_if_finite": lambda m, f, b: _pure(
+        m,
+        f,
+        b,
+        lambda: oa.chain(oa.accumulate(K), optax.apply_if_finite(_adamw(), 5)),
+    ),
 }
 # Steps whose micro-step cannot be the GEMM's epilogue alone (a select or a
 # multiply by a traced value in front of the add): docs/gpu.md names them.
@@ -370,6 +377,13 @@ PREMISE_CHAINS = {
     ),
     "headline": lambda: oa.chain(
         oa.dynamic_loss_scale(), oa.agc(0.01), oa.accumulate(4), ADAM
+    ),
+    # Decided again inside the closing branch: the window's finiteness.
+    "window_loss_scale": lambda: oa.chain(
+        oa.accumulate(4), oa.dynamic_loss_scale(), ADAM
+    ),
+    "apply_if_finite": lambda: oa.chain(
+        oa.accumulate(4), optax.apply_if_finite(ADAM, 5)
     ),
 }
 

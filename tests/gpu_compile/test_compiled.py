@@ -287,7 +287,14 @@ def _temp(name, target, fused=True, weighted=False, setting="triton"):
 @pytest.mark.parametrize("setting", ["triton", "triton+options"])
 @pytest.mark.parametrize("target", ["h100", "h200", "tpu"])
 @pytest.mark.parametrize(
-    "name", ["accumulate", "loss_scale", "eager_gate_own_chain"]
+    "name",
+    [
+        "accumulate",
+        "loss_scale",
+        "eager_gate_own_chain",
+        "window_loss_scale",
+        "apply_if_finite",
+    ],
 )
 @pytest.mark.parametrize("weighted", [False, True])
 def test_fused_step_needs_no_tree_sized_temporary(
@@ -334,20 +341,15 @@ def _train_temp(api, target, setting):
     ("target", "setting"),
     [("h200", "triton"), ("h200", "cublas"), ("tpu", "none")],
 )
-@pytest.mark.parametrize(
-    "api", [a for a in steps.TRAIN if a != "summed weighted"]
-)
+@pytest.mark.parametrize("api", list(steps.TRAIN))
 def test_train_step_needs_no_tree_beyond_the_optimizer_alone(
     api, target, setting
 ):
     """With no compiler option, a train step that makes its gradients in
     the jit needs less than half a param tree of temporaries beyond the
-    same step with the optimizer alone (no accumulation)."""
-    if api == "window loss_scale":
-        pytest.xfail(
-            "the loss scale after the accumulate decides again in "
-            "the closing branch: about two trees (docs/gpu.md)"
-        )
+    same step with the optimizer alone (no accumulation), closing branch
+    included: a summed weighted window and the loss scale after the
+    accumulate too."""
     if target == "h200":
         target = _newest_gpu()
     model, _, _ = steps.MODELS["mlp"]()
