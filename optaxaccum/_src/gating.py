@@ -150,7 +150,7 @@ class Decision(NamedTuple):
             return utils.zeros_of(jax.eval_shape(opened)[0]), self.state
 
         def order(out, in_loop):
-            state = utils.ordered_after(out[1], out[0], moments=in_loop)
+            state = utils.ordered_after(out[1], out[0], moments=False)
             return out[0], state
 
         return utils.loop_or_call(self.may_open, opened, closed, order)
