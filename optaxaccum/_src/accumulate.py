@@ -318,27 +318,24 @@ def _gate_update(
         updated=jnp.zeros_like(state.updated),
         noise_scale=noise,
     )
-    out_dtypes = jax.tree.map(jnp.result_type, updates)
-    if cfg.axis_name is None and not cfg.summed_gradients:
-        # The weight is local: decide on it here so the chain branches once.
-        # A window of weight 0 is ``empty``: a later gate counts it (its
-        # accumulator is still zero: weight-0 calls add nothing). Summed
-        # gradients are added as they are, so such a window's emit runs:
-        # it zeroes the accumulator.
-        nonzero = weight != 0
-        return gating.Decision(
-            state=new_state,
-            may_open=closing & nonzero,
-            emit=_emitter(
-                cfg, sums, new_state, out_dtypes, weight_checked=True
-            ),
-            empty=closing & ~nonzero,
-            branches=True,
-        )
+    # A local weight (no axis, not summed) is decided on here so the chain
+    # branches once. A window of weight 0 is ``empty``: a later gate counts
+    # it (its accumulator is still zero: weight-0 calls add nothing). Summed
+    # gradients are added as they are, so such a window's emit runs: it
+    # zeroes the accumulator.
+    checked = cfg.axis_name is None and not cfg.summed_gradients
+    nonzero = (weight != 0) if checked else True
     return gating.Decision(
         state=new_state,
-        may_open=closing,
-        emit=_emitter(cfg, sums, new_state, out_dtypes),
+        may_open=utils.both(closing, nonzero),
+        emit=_emitter(
+            cfg,
+            sums,
+            new_state,
+            jax.tree.map(jnp.result_type, updates),
+            weight_checked=checked,
+        ),
+        empty=utils.both(closing, ~nonzero) if checked else False,
         branches=True,
     )
 
@@ -553,6 +550,7 @@ def _emitter(
             opened=opened,
             window_weight=follower_weight,
             noise=None if noise is None else noise_scale.estimates(noise),
+            branches=cfg.shard_update,
         )
 
     return emit

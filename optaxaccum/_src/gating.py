@@ -60,6 +60,11 @@ class Emission(NamedTuple):
     # closed the window, or None (off): the plain followers that declare
     # base.WINDOW_NOISE_ARG by name get it (oa.scale_by_window).
     noise: Any = None
+    # Where ``opened`` is traced, the followers' step is a branch
+    # (lax.cond), not both computed and a select: their state lies in
+    # per-device pieces (a sharded update), so the branch's copy of it is
+    # a piece while a select would pass over the whole updates.
+    branches: bool = False
 
     @classmethod
     def of(cls, value: Any) -> Emission:
@@ -494,7 +499,12 @@ def then_plain(res, head, tail_state, rest, params, extra_args) -> Decision:
         def skip(like):
             return utils.zeros_of(like[0]), tail_state
 
-        updates, tail = utils.select_or_call(out.opened, run, skip)
+        if out.branches:
+            updates, tail = utils.cond_or_call(
+                out.opened, run, lambda: skip(jax.eval_shape(run))
+            )
+        else:
+            updates, tail = utils.select_or_call(out.opened, run, skip)
         return out._replace(updates=updates, state=(*head, out.state, *tail))
 
     return res._replace(state=state, emit=emit)
