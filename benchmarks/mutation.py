@@ -953,6 +953,12 @@ MUTANTS = {
         "    if False:\n        state = jax.tree.map(",
         ["tests/test_micro_step.py", "-k", "closes_in_no_more"],
     ),
+    "sharded_followers_select": (
+        "accumulate.py",
+        "        followers_branch=cfg.shard_update,\n    )\n\n\ndef _call",
+        "        followers_branch=False,\n    )\n\n\ndef _call",
+        ["tests/test_owned.py", "-k", "newton_schulz_flops and data8"],
+    ),
 }
 
 

@@ -324,19 +324,17 @@ def _gate_update(
     # gradients are added as they are, so such a window's emit runs: it
     # zeroes the accumulator.
     checked = cfg.axis_name is None and not cfg.summed_gradients
-    nonzero = (weight != 0) if checked else True
+    out_dtypes = jax.tree.map(jnp.result_type, updates)
+    may_open, empty = closing, False
+    if checked:
+        may_open, empty = closing & (weight != 0), closing & (weight == 0)
     return gating.Decision(
         state=new_state,
-        may_open=utils.both(closing, nonzero),
-        emit=_emitter(
-            cfg,
-            sums,
-            new_state,
-            jax.tree.map(jnp.result_type, updates),
-            weight_checked=checked,
-        ),
-        empty=utils.both(closing, ~nonzero) if checked else False,
+        may_open=may_open,
+        emit=_emitter(cfg, sums, new_state, out_dtypes, checked),
+        empty=empty,
         branches=True,
+        followers_branch=cfg.shard_update,
     )
 
 
@@ -550,7 +548,6 @@ def _emitter(
             opened=opened,
             window_weight=follower_weight,
             noise=None if noise is None else noise_scale.estimates(noise),
-            branches=cfg.shard_update,
         )
 
     return emit
@@ -580,6 +577,7 @@ def _gate_flush(
         state=state,
         may_open=state.mini_step > 0,
         emit=_emitter(cfg, sums, closed_state, out_dtypes),
+        followers_branch=cfg.shard_update,
     )
 
 

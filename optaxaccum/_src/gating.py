@@ -60,11 +60,6 @@ class Emission(NamedTuple):
     # closed the window, or None (off): the plain followers that declare
     # base.WINDOW_NOISE_ARG by name get it (oa.scale_by_window).
     noise: Any = None
-    # Where ``opened`` is traced, the followers' step is a branch
-    # (lax.cond), not both computed and a select: their state lies in
-    # per-device pieces (a sharded update), so the branch's copy of it is
-    # a piece while a select would pass over the whole updates.
-    branches: bool = False
 
     @classmethod
     def of(cls, value: Any) -> Emission:
@@ -118,6 +113,11 @@ class Decision(NamedTuple):
     # (lax.cond), not both computed and a select: this gate opens on few of
     # the calls it sees (an accumulate: once per window).
     branches: bool = False
+    # Where the emission's ``opened`` is traced, the plain followers' step
+    # is a branch, not both computed and a select: their state lies in
+    # per-device pieces (a sharded update), so the branch's copy of it is a
+    # piece while a select would pass over the whole updates.
+    followers_branch: bool = False
 
     @classmethod
     def of(cls, result: Any) -> Decision:
@@ -499,7 +499,7 @@ def then_plain(res, head, tail_state, rest, params, extra_args) -> Decision:
         def skip(like):
             return utils.zeros_of(like[0]), tail_state
 
-        if out.branches:
+        if res.followers_branch:
             updates, tail = utils.cond_or_call(
                 out.opened, run, lambda: skip(jax.eval_shape(run))
             )
@@ -534,7 +534,11 @@ def then_gate(res, head, tail_state, rest, params, extra_args) -> Decision:
 
     may_open = utils.either(res.may_open, res.empty)
     return Decision(
-        state=state, may_open=may_open, emit=emit, branches=res.branches
+        state=state,
+        may_open=may_open,
+        emit=emit,
+        branches=res.branches,
+        followers_branch=res.followers_branch,
     )
 
 
