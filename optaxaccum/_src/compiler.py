@@ -78,10 +78,6 @@ OVERLAP_OPTIONS: dict[str, dict[str, tuple[bool | int, str]]] = {
             "async collective fusion: a collective runs inside the compute "
             "fusions scheduled while it is in flight (continuation fusion)",
         ),
-        "xla_tpu_enable_async_collective_fusion_fuse_all_gather": (
-            True,
-            "async collective fusion for all-gathers",
-        ),
         "xla_tpu_enable_async_collective_fusion_multiple_steps": (
             True,
             "one all-gather may run on over several compute fusions",
@@ -111,10 +107,12 @@ def overlap_compiler_options(
     options let the compiler overlap them with the neighbouring layers'
     matrix products (read the result with :func:`collective_exposure`).
     XLA:GPU: no combining of all-gathers or reduce-scatters, two
-    collectives in flight. XLA:TPU: async collective fusion for all-gathers
-    (libtpu's defaults, pinned: set False, each leaves every all-gather
-    synchronous, except the one letting a gather span several fusions).
-    XLA:CPU: none. They change the schedule, not what is computed.
+    collectives in flight. XLA:TPU: async collective fusion and
+    asynchronous all-gathers, the options every TPU generation compiles
+    (on v5e libtpu's defaults, pinned); whether all-gathers run in
+    continuation fusion stays libtpu's choice (on v5e by default; libtpu
+    0.0.50 refuses it on other generations). XLA:CPU: none. They change
+    the schedule, not what is computed.
     docs/scaling.md says what each option does and what the compiled
     programs show per platform.
 

@@ -126,9 +126,20 @@ def gpu_devices8(target: str) -> list:
     return list(topo.devices)
 
 
+# Eight chips of each TPU generation libtpu compiles for without the chips.
+TPU_GENERATIONS = {
+    "v4": "v4:2x2x2",
+    "v5e": TPU_TOPOLOGY,
+    "v5p": "v5p:2x2x2",
+    "v6e": "v6e:2x4",
+}
+
+
 @functools.cache
-def tpu_devices8() -> list:
-    """The 8 chips of a TPU v5e 2x4 slice (needs libtpu)."""
+def tpu_devices8(generation: str = "v5e") -> list:
+    """The 8 chips of a TPU slice of ``generation`` (v5e: 2x4; needs
+    libtpu)."""
     from jax.experimental import topologies
 
-    return list(topologies.get_topology_desc(TPU_TOPOLOGY, "tpu").devices)
+    topology = TPU_GENERATIONS[generation]
+    return list(topologies.get_topology_desc(topology, "tpu").devices)
