@@ -388,8 +388,11 @@ def _apply(res: Any, params, with_updates: bool):
     """The step of a gate's decision ``res``: ``params`` with its updates
     applied where it opens, untouched where it stays closed."""
 
+    selected = []  # whether the emission decided once more (a traced flag)
+
     def opened():
         updates, state, flag, *_ = res.emission()
+        selected.append(flag is not True)
         new_params = optax.apply_updates(params, updates)
         new_params = utils.select(flag, new_params, params)
         updates = utils.mask(flag, updates) if with_updates else None
@@ -402,7 +405,11 @@ def _apply(res: Any, params, with_updates: bool):
         return params, res.state, utils.zeros_of(shapes)
 
     def order(out, in_loop):
-        state = utils.ordered_after(out[1], out[0], moments=in_loop)
+        # The optimizer's moments after the new params only where the step
+        # selects its old state back (a dropped window): there it saves a
+        # copy; elsewhere it splits the optimizer's pass in two.
+        moments = in_loop and selected[-1]
+        state = utils.ordered_after(out[1], out[0], moments=moments)
         return out[0], state, out[2]
 
     return utils.loop_or_call(res.may_open, opened, closed, order)
