@@ -953,6 +953,12 @@ MUTANTS = {
         "    if False:\n        state = jax.tree.map(",
         ["tests/test_micro_step.py", "-k", "closes_in_no_more"],
     ),
+    "moments_ordered_without_select": (
+        "chain.py",
+        "        moments = in_loop and selected[-1]\n",
+        "        moments = in_loop\n",
+        ["tests/test_micro_step.py", "-k", "two_tree_adds"],
+    ),
     "sharded_followers_select": (
         "accumulate.py",
         "        followers_branch=cfg.shard_update,\n    )\n\n\ndef _call",
