@@ -959,6 +959,24 @@ MUTANTS = {
         "        moments = in_loop\n",
         ["tests/test_micro_step.py", "-k", "two_tree_adds"],
     ),
+    "window_peaks_ignored": (
+        "loss_scale.py",
+        "    if peaks is None:\n        peaks = utils.peaks(updates)",
+        "    if True:\n        peaks = utils.peaks(updates)",
+        ["tests/test_micro_step.py", "-k", "loss_scale_closes_in_no_tree"],
+    ),
+    "window_peaks_not_in_updates_dtype": (
+        "accumulate.py",
+        "utils.peaks(acc, scale, out_dtypes)",
+        "utils.peaks(acc, scale)",
+        ["tests/test_window_loss_scale.py", "-k", "own_dtype"],
+    ),
+    "window_peaks_past_an_element": (
+        "chain.py",
+        "        if peaks is not None and not gate_at:",
+        "        if peaks is not None:",
+        ["tests/test_window_loss_scale.py", "-k", "between_the_accumulate"],
+    ),
     "sharded_followers_select": (
         "accumulate.py",
         "        followers_branch=cfg.shard_update,\n    )\n\n\ndef _call",

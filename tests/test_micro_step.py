@@ -425,6 +425,19 @@ def test_fused_step_moves_the_optimizer_and_two_tree_adds():
     assert fused <= bound + 2 * floor + 1024, (fused, bound, floor)  # scalars
 
 
+def test_window_loss_scale_closes_in_no_tree():
+    """The loss scale after the accumulate checks the window's finiteness
+    from the accumulator's own peaks (a reduce of a buffer it holds), not
+    from the window's mean, which the optimizer also reads: the fused
+    step, closing branch included, allocates no tree-sized temporary with
+    no option (XLA:CPU kept the mean in memory for its two readers)."""
+    params = {"w": jnp.zeros((256, 256)), "v": jnp.zeros((128, 256))}
+    tx = oa.chain(oa.accumulate(4), oa.dynamic_loss_scale(), optax.adam(1e-3))
+    tree = sum(x.size * 4 for x in jax.tree.leaves(params))
+    temp = _temp_of(tx, params, {})
+    assert temp < tree // 64, (temp, tree)
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_empty_summed_window_resets_its_accumulator(jit):
     """A summed window whose calls all weigh 0 closes empty: the optimizer

@@ -170,6 +170,51 @@ def test_noise_scale_estimates_the_unscaled_gradients():
         np.testing.assert_allclose(a, b, rtol=2e-5)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("value", [6.0e4, np.nan], ids=["f16max", "nan"])
+def test_window_overflowing_its_own_dtype_is_dropped(value, jit):
+    """A float16 window summed in float32 whose sum is finite but beyond
+    float16's range (6e4 + 6e4 > 65504 after unscaling by 1), or NaN, is
+    dropped: its float16 updates are not finite. The check reads the
+    window's peaks in the updates' dtype, not in the accumulator's."""
+    params = {"w": jnp.zeros((2, 3), jnp.float16)}
+    tx = oa.chain(
+        oa.accumulate(2, reduction="sum"),
+        oa.dynamic_loss_scale(1.0, min_scale=0.5),
+        optax.sgd(1e-3),
+    )
+    step = functools.partial(oa.apply_gradients, tx)
+    step = jax.jit(step) if jit else step
+    state = tx.init(params)
+    for g in (6.0e4, value):
+        grads = {"w": jnp.full((2, 3), g, jnp.float16)}
+        new_params, state = step(grads, state, params)
+    assert not oa.has_updated(state)
+    chex.assert_trees_all_equal(new_params, params)
+    assert float(state[1].scale) == 0.5  # halved
+
+
+def test_element_between_the_accumulate_and_the_loss_scale_is_checked():
+    """An element between the accumulate and the loss scale changes the
+    window (``optax.scale(1e38)`` makes it overflow): the loss scale
+    checks what it gets, not the window's peaks before that element."""
+    params = {"w": jnp.zeros((2, 3))}
+    tx = oa.chain(
+        oa.accumulate(2),
+        optax.scale(1e38),
+        oa.dynamic_loss_scale(1.0, min_scale=0.5),
+        optax.sgd(1e-3),
+    )
+    state = tx.init(params)
+    for _ in range(2):
+        grads = {"w": jnp.full((2, 3), 10.0)}
+        new_params, state = jax.jit(functools.partial(oa.apply_gradients, tx))(
+            grads, state, params
+        )
+    assert not oa.has_updated(state)
+    chex.assert_trees_all_equal(new_params, params)
+
+
 def test_agc_after_the_loss_scale_clips_the_window():
     params = jnp.array([1.0, -2.0, 0.5])
     xs = 30.0 * _batches(2 * K)

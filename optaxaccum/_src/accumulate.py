@@ -328,10 +328,11 @@ def _gate_update(
     may_open, empty = closing, False
     if checked:
         may_open, empty = closing & (weight != 0), closing & (weight == 0)
+    peaks = window_loss_scale is not None  # a loss scale checks the window
     return gating.Decision(
         state=new_state,
         may_open=may_open,
-        emit=_emitter(cfg, sums, new_state, out_dtypes, checked),
+        emit=_emitter(cfg, sums, new_state, out_dtypes, checked, peaks),
         empty=empty,
         branches=True,
         followers_branch=cfg.shard_update,
@@ -492,6 +493,7 @@ def _emitter(
     state: AccumulateState,
     out_dtypes: Any,
     weight_checked: bool = False,
+    peaks: bool = False,
 ) -> Callable[[], gating.Emission]:
     """The ``emit`` of a closing window; ``weight_checked`` promises that the
     caller already checked the window's weight is not 0 (then ``opened`` is
@@ -548,6 +550,8 @@ def _emitter(
             opened=opened,
             window_weight=follower_weight,
             noise=None if noise is None else noise_scale.estimates(noise),
+            # Those of the updates, from the sums (read where they lie).
+            peaks=utils.peaks(acc, scale, out_dtypes) if peaks else None,
         )
 
     return emit

@@ -107,10 +107,15 @@ def chain(
             )
             counts = utils.both(ctx.passed, gating.window_counts(window))
             new_head = utils.select(counts, new_head, state[:gate_at])
-        # The gate decides; the elements after it run where it opens.
+        # The gate decides; the elements after it run where it opens. The
+        # peaks of the updates reach only the gate, and only if no element
+        # before it changed the updates.
+        peaks = extra_args.pop(gating.PEAKS_ARG, None)  # this call's dict
         args = extra_args  # as they are, unless some to filter or add
-        if extra_args or window is not None:
-            args = gating.args_for(gate_declared, extra_args, window)
+        if peaks is not None and not gate_at:
+            args = {**extra_args, gating.PEAKS_ARG: peaks}
+        if args or window is not None:
+            args = gating.args_for(gate_declared, args, window)
         if scaled and gating.LOSS_SCALE_ARG in gate_declared:
             # A loss scale after the gate: the gradients come scaled by it.
             scale = windows.gradient_scale(state[gate_at + 1 :])

@@ -60,6 +60,11 @@ class Emission(NamedTuple):
     # closed the window, or None (off): the plain followers that declare
     # base.WINDOW_NOISE_ARG by name get it (oa.scale_by_window).
     noise: Any = None
+    # The largest magnitude of each leaf of ``updates`` (utils.peaks), where
+    # the gate knows them from what it holds (a window's loss scale after
+    # it asked), or None: a later gate that checks finiteness reads them,
+    # not the updates (a second reader of the updates keeps them in memory).
+    peaks: Any = None
 
     @classmethod
     def of(cls, value: Any) -> Emission:
@@ -76,8 +81,8 @@ class Emission(NamedTuple):
         """The emission of a branch that does not step the followers: zero
         updates and window weight shaped as in ``shapes`` (an emission's
         shapes), ``state``, ``opened`` and ``passed`` as given."""
-        updates, weight, noise = utils.zeros_of(
-            (shapes.updates, shapes.window_weight, shapes.noise)
+        updates, weight, noise, peaks = utils.zeros_of(
+            (shapes.updates, shapes.window_weight, shapes.noise, shapes.peaks)
         )
         return cls(
             updates=updates,
@@ -86,6 +91,7 @@ class Emission(NamedTuple):
             window_weight=weight,
             passed=passed,
             noise=noise,  # as the branch that opens gives it (no step reads it)
+            peaks=peaks,
         )
 
     def with_flags(self) -> Emission:
@@ -382,6 +388,9 @@ UNWEIGHTED_ARG = "window_unweighted"
 # learns the scale of its gradients: that of a loss scale after it in the
 # chain, which divides it out of the window (its noise scale does too).
 LOSS_SCALE_ARG = "window_loss_scale"
+# The keyword under which a gate right after another one gets the peaks of
+# its updates (Emission.peaks) if it declares it by name.
+PEAKS_ARG = "window_peaks"
 
 
 def args_for(
@@ -398,6 +407,7 @@ def args_for(
     to ``value_fn``."""
     args = extra_args
     private = (base.WINDOW_NOISE_ARG, UNWEIGHTED_ARG, LOSS_SCALE_ARG)
+    private += (PEAKS_ARG,)
     for k in ("accum_weight", *private):
         if k in args and k not in declared:
             args = {n: v for n, v in args.items() if n != k}
@@ -521,8 +531,11 @@ def then_gate(res, head, tail_state, rest, params, extra_args) -> Decision:
 
     def emit():
         out = res.to_next_gate()
+        extra = extra_args
+        if out.peaks is not None:
+            extra = {**extra_args, PEAKS_ARG: out.peaks}
         args = args_for(
-            utils.declared_extra_args(rest), extra_args, out.window_weight
+            utils.declared_extra_args(rest), extra, out.window_weight
         )
         e = through_gate(out, tail_state, rest, params, args)
         # Where the later gates did not step (a loss scale dropped the

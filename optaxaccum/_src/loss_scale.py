@@ -95,23 +95,20 @@ def _unscale(
 
 
 def _unscaled_all_finite(
-    updates: optax.Updates, scale: jax.Array, sums: reducer.Reducer
+    updates: optax.Updates,
+    scale: jax.Array,
+    sums: reducer.Reducer,
+    peaks: list | None = None,
 ) -> jax.Array:
     """Whether ``_unscale(updates, scale, sums)`` is finite everywhere, decided
-    from each leaf's largest magnitude: unscaling is monotonic in ``|g|`` and
-    NaN propagates through the maximum. Reading only the incoming gradients,
-    it lets XLA fuse the unscaling into its consumer (the accumulator update)
-    instead of keeping the unscaled tree in a temporary buffer."""
-    peaks = []
-    for g in jax.tree.leaves(updates):
-        g = jnp.asarray(g)
-        if not jnp.issubdtype(g.dtype, jnp.inexact) or g.size == 0:
-            continue
-        if jnp.issubdtype(g.dtype, jnp.complexfloating):
-            parts = (jnp.abs(g.real), jnp.abs(g.imag))
-            peaks.extend(jnp.max(part) for part in parts)
-        else:
-            peaks.append(jnp.max(jnp.abs(g)))
+    from each leaf's largest magnitude (``peaks``, as :func:`utils.peaks`
+    gives them, where the gate before knows them: an accumulate's window):
+    unscaling is monotonic in ``|g|`` and NaN propagates through the
+    maximum. Reading only the incoming gradients, it lets XLA fuse the
+    unscaling into its consumer (the accumulator update) instead of keeping
+    the unscaled tree in a temporary buffer."""
+    if peaks is None:
+        peaks = utils.peaks(updates)
     if not peaks:
         return jnp.array(True)
     unscaled = jax.tree.leaves(_unscale(peaks, scale, sums))
@@ -192,7 +189,14 @@ def dynamic_loss_scale(
         )
 
     def gate_update_fn(
-        updates, state, params, ctx, *, accum_weight=1.0, **extra_args
+        updates,
+        state,
+        params,
+        ctx,
+        *,
+        accum_weight=1.0,
+        window_peaks=None,
+        **extra_args,
     ):
         del params, extra_args
         utils.check_state_type(
@@ -203,7 +207,10 @@ def dynamic_loss_scale(
         sums.check_axes("oa.dynamic_loss_scale", updates)
         unscaled = _unscale(updates, state.scale, sums)
         finite = sums.finite(
-            unscaled, lambda _: _unscaled_all_finite(updates, state.scale, sums)
+            unscaled,
+            lambda _: _unscaled_all_finite(
+                updates, state.scale, sums, window_peaks
+            ),
         )
         # A call of weight 0 carries no data: not an overflow.
         weight = (

@@ -20,6 +20,7 @@ from jax.extend import core as jcore
 __all__ = [
     "NO_PARAMS_MSG",
     "all_finite",
+    "peaks",
     "all_true",
     "axis_names",
     "check_axis_name",
@@ -340,6 +341,32 @@ def check_same_structure(
 def all_finite(tree: Any) -> jax.Array:
     """Boolean scalar: whether every element of every leaf is finite."""
     return all_true([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])
+
+
+def peaks(tree: Any, factor: Any = None, dtypes: Any = None) -> list:
+    """The largest magnitude of each inexact, non-empty leaf of ``tree``
+    (a complex leaf's real and imaginary parts apart), times ``factor`` and
+    cast to the leaf's dtype in ``dtypes`` if given: the peaks of
+    ``factor * tree`` as those dtypes, since rounding is monotonic and NaN
+    propagates through the maximum. A reduce of the leaves themselves: it
+    fuses with no producer (a second reader of one keeps it in memory)."""
+    leaves = jax.tree.leaves(tree)
+    kinds = jax.tree.leaves(dtypes) if dtypes is not None else leaves
+    out = []
+    for g, d in zip(leaves, kinds, strict=True):
+        g = jnp.asarray(g)
+        if not jnp.issubdtype(g.dtype, jnp.inexact) or g.size == 0:
+            continue
+        parts = (g.real, g.imag) if jnp.iscomplexobj(g) else (g,)
+        for part in parts:
+            peak = jnp.max(jnp.abs(part))
+            if factor is not None:
+                peak = peak * jnp.abs(jnp.asarray(factor, peak.dtype))
+            dtype = jnp.result_type(d)
+            if jnp.issubdtype(dtype, jnp.complexfloating):
+                dtype = jnp.finfo(dtype).dtype
+            out.append(peak.astype(dtype))
+    return out
 
 
 #: Largest number of flags combined by one node of all_true.
