@@ -153,7 +153,7 @@ bench: $(VENV)/.installed-dev
 
 # ruff (lint and format) and pyright's standard mode (basedpyright: a wheel
 # with its own Node runtime; configured in pyproject.toml).
-LINTED := optaxaccum tests examples benchmarks docs/conf.py docs/_ext
+LINTED := optaxaccum tests examples benchmarks tools docs/conf.py docs/_ext
 lint: $(VENV)/.installed-dev
 	$(PY) -m ruff check $(LINTED)
 	$(PY) -m ruff format --check $(LINTED)

@@ -86,7 +86,7 @@ MACHINE_PATH = re.compile(
 )
 # A file or folder of the repository, named on a page.
 REPO_PATH = re.compile(
-    r"(?<![\w/.-])((?:examples|benchmarks|tests|docs|optaxaccum|\.ci)/"
+    r"(?<![\w/.-])((?:examples|benchmarks|tests|tools|docs|optaxaccum|\.ci)/"
     r"(?:[\w.-]+/)*(?:[\w.-]*[\w/])?|README\.md|CHANGELOG\.md|Makefile"
     r"|pyproject\.toml|LICENSE)"
 )

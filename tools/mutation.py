@@ -1,22 +1,41 @@
 """Mutation check: does the suite catch these deliberate bugs?
 
-Applies each mutant (one textual replacement in one source file), runs the
-test files that should catch it, restores the file, and prints a table of
+Each mutant is one textual replacement in one source file. For each, the
+repository is copied into a temporary folder, the mutant is applied to the
+copy, and the tests that should catch it run there, with the copy first on
+the import path; the checkout itself is never written. Prints a table of
 killed / survived mutants. Not part of ``make test`` (minutes of runtime):
 
-    .venv/bin/python benchmarks/mutation.py            # all mutants
-    .venv/bin/python benchmarks/mutation.py nested_tail # some, by name
+    .venv/bin/python tools/mutation.py            # all mutants
+    .venv/bin/python tools/mutation.py nested_tail # some, by name
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SRC = ROOT / "optaxaccum" / "_src"
+# Where a mutant's file lies, relative to the repository (or its copy).
+SRC = pathlib.Path("optaxaccum", "_src")
+# What a copy leaves out when the repository is not a git checkout.
+_NOT_COPIED = (
+    ".git",
+    ".venv",
+    "venv",
+    "build",
+    "dist",
+    "_build",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    "*.egg-info",
+)
 # The edge cases of the loss scale and of MultiSteps that the core's
 # mutants must also pass (they run after the chain's and accumulate's tests).
 _EDGES = [
@@ -986,16 +1005,109 @@ MUTANTS = {
 }
 
 
-def run(name: str) -> tuple[str, float]:
-    """Applies mutant ``name``, runs its tests, restores the file."""
-    file, old, new, tests = MUTANTS[name]
-    path = SRC / file
-    text = path.read_text()
+def copy_repository(root: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+    """Copies the repository's working tree into ``dest``.
+
+    The files git knows of (tracked, and untracked ones it does not
+    ignore), as they are on disk; outside a git checkout, the whole tree
+    less the environments, builds and caches of ``_NOT_COPIED``.
+
+    Args:
+      root: the repository's root folder.
+      dest: a folder that does not exist yet.
+
+    Returns:
+      ``dest``, holding the copy.
+
+    Example::
+
+        copy = copy_repository(ROOT, pathlib.Path(tmp, "repo"))
+    """
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    if listed.returncode != 0:
+        ignore = shutil.ignore_patterns(*_NOT_COPIED)
+        shutil.copytree(root, dest, ignore=ignore, symlinks=True)
+        return dest
+    for name in filter(None, listed.stdout.split("\0")):
+        source = root / name
+        if source.is_file():  # a tracked file may be deleted on disk
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
+
+
+def apply(copy: pathlib.Path, file: str, old: str, new: str) -> bool:
+    """Writes one mutant into a copy of the repository.
+
+    Args:
+      copy: the root of a copy made by :func:`copy_repository`.
+      file: the mutated file, relative to the package's ``_src`` folder.
+      old: the original text, which must occur exactly once.
+      new: the text that replaces it.
+
+    Returns:
+      Whether the mutant was applied (``False``: ``old`` is not in the
+      file exactly once, the mutant is stale).
+
+    Example::
+
+        applied = apply(copy, *MUTANTS["nested_tail"][:3])
+    """
+    path = copy / SRC / file
+    text = path.read_text() if path.is_file() else ""
     if text.count(old) != 1:
-        return "stale (text not found once)", 0.0
+        return False
+    path.write_text(text.replace(old, new))
+    return True
+
+
+def _environment(copy: pathlib.Path) -> dict[str, str]:
+    """The environment of a run in ``copy``: the copy first on the import
+    path, checked by importing the package from it."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(copy), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    where = subprocess.run(
+        [sys.executable, "-c", "import optaxaccum; print(optaxaccum.__file__)"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not pathlib.Path(where).resolve().is_relative_to(copy.resolve()):
+        raise RuntimeError(f"the copy's tests would import {where}")
+    return env
+
+
+def run(name: str, root: pathlib.Path = ROOT) -> tuple[str, float]:
+    """Applies mutant ``name`` to a copy of the repository and runs its
+    tests there.
+
+    Args:
+      name: a key of :data:`MUTANTS`.
+      root: the repository to copy; it is only read.
+
+    Returns:
+      The verdict (``killed``, ``killed (crash)``, ``SURVIVED`` or
+      ``stale (text not found once)``) and the seconds the run took.
+
+    Example::
+
+        verdict, seconds = run("nested_tail")
+    """
+    file, old, new, tests = MUTANTS[name]
     start = time.perf_counter()
-    try:
-        path.write_text(text.replace(old, new))
+    with tempfile.TemporaryDirectory(prefix="optaxaccum-mutant-") as tmp:
+        copy = copy_repository(root, pathlib.Path(tmp, "repo"))
+        if not apply(copy, file, old, new):
+            return "stale (text not found once)", 0.0
         proc = subprocess.run(
             [
                 sys.executable,
@@ -1009,13 +1121,12 @@ def run(name: str) -> tuple[str, float]:
                 "no:cacheprovider",
                 *tests,
             ],
-            cwd=ROOT,
+            cwd=copy,
+            env=_environment(copy),
             capture_output=True,
             text=True,
             timeout=1200,
         )
-    finally:
-        path.write_text(text)
     if proc.returncode == 0:
         verdict = "SURVIVED"
     else:  # by an assertion, or only by a crash (an error, an abort)?
@@ -1034,6 +1145,22 @@ def _asserted(output: str) -> bool:
 
 
 def main(names: list[str]) -> int:
+    """Runs the mutants named (all when none are) and prints their table.
+
+    Args:
+      names: keys of :data:`MUTANTS`; empty for all of them.
+
+    Returns:
+      The exit status: 0 when every mutant was killed by an assertion.
+
+    Example::
+
+        status = main(["nested_tail"])
+    """
+    unknown = sorted(set(names) - set(MUTANTS))
+    if unknown:
+        print(f"unknown mutants: {', '.join(unknown)}", file=sys.stderr)
+        return 2
     names = names or list(MUTANTS)
     print("| mutant | file | verdict | seconds |")
     print("|---|---|---|---|")

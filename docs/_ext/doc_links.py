@@ -144,7 +144,7 @@ def setup(app):
 # to the file it names.
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REPO_PATH = re.compile(
-    r"(?<![\w/.-])((?:examples|benchmarks|tests|docs|optaxaccum|\.ci)/"
+    r"(?<![\w/.-])((?:examples|benchmarks|tests|tools|docs|optaxaccum|\.ci)/"
     r"(?:[\w.-]+/)*(?:[\w.-]*[\w/])?|README\.md|CHANGELOG\.md|Makefile"
     r"|pyproject\.toml|LICENSE)"
 )
