@@ -1,8 +1,8 @@
 """Runs every benchmark, prints one table, writes the record and its views.
 
-The record is ``results.json`` (machine-readable, read by ``figures.py``
-for the documentation pages); ``RESULTS.md``, ``results.png`` and README.md's
-benchmark summary are written from it.
+The record is ``results.json`` (machine-readable, read by
+``docs/_ext/figures.py`` for the documentation pages); ``RESULTS.md``,
+``results.png`` and README.md's benchmark summary are written from it.
 
 Each benchmark module has ``main(tiny: bool = False) -> dict`` returning
 
@@ -40,6 +40,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# The figures the pages quote are read from the record by the docs'
+# extension (docs/_ext/figures.py), which writes README.md's summary too.
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "docs", "_ext"))
 
 import _common  # noqa: E402
 import figures  # noqa: E402
@@ -53,7 +56,7 @@ BENCHMARKS = (
     "comm_model",
 )
 OPTIONAL = ("bench_multidevice", "bench_mesh")
-# The machine-readable record (``figures.py`` reads it for the pages).
+# The machine-readable record (``docs/_ext/figures.py`` reads it for the pages).
 RECORD = "results.json"
 RECORD_KEYS = (
     "name",
@@ -350,8 +353,16 @@ if __name__ == "__main__":
         help="comma-separated modules (bench_microbatch,...) to rerun alone,"
         " replacing their results in the existing record",
     )
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="measure nothing: print RESULTS.md down to the hand-recorded"
+        " part, as the record results.json gives it",
+    )
     args = parser.parse_args()
-    if args.only:
+    if args.render:
+        sys.stdout.write(render_report(figures.load()) + "\n" + HAND_MARKER)
+    elif args.only:
         rerun(args.only.split(","), out_dir=args.out)
     else:
         main(tiny=args.tiny, out_dir=args.out)

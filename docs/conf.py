@@ -17,7 +17,6 @@ import sys
 import tomllib
 
 sys.path.insert(0, os.path.abspath("_ext"))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import figures  # noqa: E402
 
@@ -72,7 +71,7 @@ myst_enable_extensions = [
 ]
 # Every benchmark figure on a page comes from the record that
 # benchmarks/run_all.py writes: ``{{ fig("B1", "fused closing", "vs floor") }}``
-# (see benchmarks/figures.py; tests/test_figures.py checks the pages).
+# (see docs/_ext/figures.py; tests/test_figures.py checks the pages).
 myst_substitutions = figures.substitutions(figures.load())
 myst_heading_anchors = 3
 

@@ -1,16 +1,16 @@
 """The recorded benchmark figures, as the pages quote them.
 
-``benchmarks/results.json`` is the record: ``run_all.py`` writes it with
-``RESULTS.md`` (``results``: every table ``make bench`` measured, ``meta``:
-the machine and the run) and keeps its ``hand`` part, tables measured by
-hand elsewhere (the GPU figures). Every benchmark figure on the
+``benchmarks/results.json`` is the record: ``benchmarks/run_all.py`` writes
+it with ``RESULTS.md`` (``results``: every table ``make bench`` measured,
+``meta``: the machine and the run) and keeps its ``hand`` part, tables
+measured by hand elsewhere (the GPU figures). Every benchmark figure on the
 documentation pages and in README.md comes from it:
 
 * the Sphinx pages call the functions below through MyST substitutions
   (``docs/conf.py``), e.g. ``{{ fig("B1", "fused closing", "vs floor") }}``
   or ``{{ table("B1") }}``;
 * README.md's benchmark summary is :func:`readme_summary`, written between
-  :data:`README_BEGIN` and :data:`README_END` by ``run_all.py``.
+  :data:`README_BEGIN` and :data:`README_END` by ``benchmarks/run_all.py``.
 
 ``tests/test_figures.py`` fails when a page quotes a figure that is not
 taken from the record.
@@ -25,8 +25,10 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RECORD = os.path.join(HERE, "results.json")
+ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
+RECORD = os.path.join(ROOT, "benchmarks", "results.json")
 
 README_BEGIN = (
     "<!-- benchmark figures: written by benchmarks/run_all.py from "
