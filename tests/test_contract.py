@@ -10,11 +10,11 @@ arguments on every call (optax's linesearches: ``value``, ``grad``,
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
 import optaxaccum as oa
+from tests import helpers
 
 
 def _inf(grads):
@@ -156,34 +156,24 @@ def _update_fn(name, tx):
     return update
 
 
-def _params(dtype):
-    rng = np.random.default_rng(0)
-    return {
-        "dense": {
-            "kernel": jnp.asarray(rng.normal(size=(4, 3)), dtype),
-            "bias": jnp.asarray(rng.normal(size=(3,)), dtype),
-        },
-        "conv1d": jnp.asarray(rng.normal(size=(3, 2, 5)), dtype),
-        "scalar": jnp.asarray(rng.normal(), dtype),
-    }
-
-
-def _grads(params, seed):
-    rng = np.random.default_rng(seed)
-    return jax.tree.map(
-        lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params
-    )
+# The parameters every contract runs on (helpers.normal_tree, seed 0): a
+# dense layer, a convolution's kernel and a scalar.
+SHAPES = {
+    "dense": {"kernel": (4, 3), "bias": (3,)},
+    "conv1d": (3, 2, 5),
+    "scalar": (),
+}
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_contract_jit_matches_eager(name):
     tx = TRANSFORMS[name][0]()
-    params = _params(jnp.float32)
+    params = helpers.normal_tree(0, SHAPES, jnp.float32)
     s_eager = s_jit = tx.init(params)
     eager = _update_fn(name, tx)
     update = jax.jit(eager)
     for i in range(4):
-        g = _grads(params, i)
+        g = helpers.normal_like(params, i)
         u_eager, s_eager = eager(g, s_eager, params)
         u_jit, s_jit = update(g, s_jit, params)
         chex.assert_trees_all_close(u_eager, u_jit, rtol=1e-5, atol=1e-6)
@@ -194,7 +184,7 @@ def test_contract_jit_matches_eager(name):
 def test_contract_no_retrace(name):
     chex.clear_trace_counter()  # the counter is shared by parametrized cases
     tx = TRANSFORMS[name][0]()
-    params = _params(jnp.float32)
+    params = helpers.normal_tree(0, SHAPES, jnp.float32)
     state = tx.init(params)
 
     @jax.jit
@@ -203,7 +193,7 @@ def test_contract_no_retrace(name):
         return _update_fn(name, tx)(g, s, p)
 
     for i in range(5):  # covers closing and non-closing calls
-        _, state = update(_grads(params, i), state, params)
+        _, state = update(helpers.normal_like(params, i), state, params)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -212,12 +202,12 @@ def test_contract_dtypes_and_state_stable(name, dtype):
     """Updates keep the gradients' dtype; the state keeps its structure,
     shapes and dtypes across update."""
     tx = TRANSFORMS[name][0]()
-    params = _params(dtype)
+    params = helpers.normal_tree(0, SHAPES, dtype)
     state0 = tx.init(params)
     state = state0
     update = jax.jit(_update_fn(name, tx))
     for i in range(3):
-        u, state = update(_grads(params, i), state, params)
+        u, state = update(helpers.normal_like(params, i), state, params)
         chex.assert_trees_all_equal_dtypes(u, params)
         chex.assert_trees_all_equal_shapes(u, params)
         chex.assert_trees_all_equal_structs(state, state0)
@@ -228,10 +218,12 @@ def test_contract_dtypes_and_state_stable(name, dtype):
 def test_contract_closed_gate_leaves_followers_untouched(name):
     factory, closing = TRANSFORMS[name]
     tx = oa.chain(factory(), optax.adam(1e-2))
-    params = _params(jnp.float32)
+    params = helpers.normal_tree(0, SHAPES, jnp.float32)
     state = tx.init(params)
     update = jax.jit(_update_fn(name, tx))
-    u, new_state = update(closing(_grads(params, 0)), state, params)
+    u, new_state = update(
+        closing(helpers.normal_like(params, 0)), state, params
+    )
     chex.assert_trees_all_equal(new_state[1], state[1])
     chex.assert_trees_all_equal(u, jax.tree.map(jnp.zeros_like, params))
 
@@ -239,14 +231,14 @@ def test_contract_closed_gate_leaves_followers_untouched(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_contract_fused_step_equals_plain_protocol(name):
     tx = TRANSFORMS[name][0]()
-    params = _params(jnp.float32)
+    params = helpers.normal_tree(0, SHAPES, jnp.float32)
     s_plain = s_fused = tx.init(params)
     p_plain = p_fused = params
     extra = EXTRA_ARGS.get(name, lambda params: {})
     fused = jax.jit(lambda p, s, g: oa.apply_gradients(tx, g, s, p, **extra(p)))
     plain = jax.jit(_update_fn(name, tx))
     for i in range(4):
-        g = _grads(params, i)
+        g = helpers.normal_like(params, i)
         p_fused, s_fused = fused(p_fused, s_fused, g)
         u, s_plain = plain(g, s_plain, p_plain)
         p_plain = optax.apply_updates(p_plain, u)
@@ -259,7 +251,7 @@ def test_contract_state_is_a_pytree_of_arrays(name):
     """The state flattens to arrays only and round-trips through
     flatten/unflatten (checkpointing, pmap)."""
     tx = TRANSFORMS[name][0]()
-    state = tx.init(_params(jnp.float32))
+    state = tx.init(helpers.normal_tree(0, SHAPES, jnp.float32))
     leaves, treedef = jax.tree.flatten(state)
     assert all(isinstance(x, jax.Array) for x in leaves)
     chex.assert_trees_all_equal(jax.tree.unflatten(treedef, leaves), state)
@@ -274,7 +266,7 @@ def _mesh_params():
     mesh = jax.make_mesh(
         (2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2
     )
-    params = _params(jnp.float32)
+    params = helpers.normal_tree(0, SHAPES, jnp.float32)
     specs = jax.tree.map(lambda _: P(), params)
     specs["dense"]["kernel"] = P("fsdp", None)
     return mesh, jax.tree.map(
@@ -308,7 +300,7 @@ def test_contract_nested_chain_with_padding_windows_equals_flat(name, fused):
     the same updates and Adam state, when micro-batches and whole inner
     windows have weight 0 (their gradients 0/0, as for fully padded
     micro-batches under a per-token mean loss)."""
-    params = _params(jnp.float32)
+    params = helpers.normal_tree(0, SHAPES, jnp.float32)
     got, want = [], []
     for tx, out in ((TRANSFORMS[name][0](), got), (PADDED[name](), want)):
         state, p = tx.init(params), params
@@ -325,7 +317,7 @@ def test_contract_nested_chain_with_padding_windows_equals_flat(name, fused):
                 )(*tx.update(g, s, p, accum_weight=w))
             )
         for i, w in enumerate(PADDED_WEIGHTS):
-            g = _grads(params, i)
+            g = helpers.normal_like(params, i)
             if w == 0:
                 g = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), g)
             p, state = step(p, state, g, jnp.float32(w))

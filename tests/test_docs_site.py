@@ -247,7 +247,7 @@ def test_comm_model_tables_are_current():
     assert max(widths) <= MAX_TABLE_COLUMNS
 
 
-def _params(signature: str) -> list[tuple[str, bool]]:
+def _signature_params(signature: str) -> list[tuple[str, bool]]:
     """``(name, keyword_only)`` of each parameter of a signature written
     as in docs/api/*.rst (defaults dropped, ``*`` and ``**kwargs`` kept)."""
     out, keyword_only = [], False
@@ -308,7 +308,7 @@ def test_hand_written_signatures_in_the_api_page_are_true():
             for p in params
             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
         ]
-        written = _params(m.group(2))
+        written = _signature_params(m.group(2))
         where = f"{module}.{m.group(1)}"
         assert [w for w in written if w[0] in dict(actual)] == actual, (
             f"{where}: {written} vs {actual}"

@@ -21,15 +21,12 @@ from jax.sharding import AxisType
 import optaxaccum as oa
 from optaxaccum import flax as oa_flax
 from optaxaccum.flax import nnx as oa_nnx
+from tests import helpers
 from tests import test_mesh as tm
 
 K = 2
 BARRIER = "stablehlo.optimization_barrier"
 GATE_LOOP = "optaxaccum_gate/while"
-
-
-def _params():
-    return {"w": jnp.ones((3, 4)), "b": jnp.zeros((4,))}
 
 
 def _walk(op):
@@ -89,7 +86,7 @@ def _plain(tx, **extra):
 
 
 def _lower(step, tx):
-    p = _params()
+    p = helpers.ones_and_zeros()
     return jax.jit(step).lower(p, tx.init(p), p)
 
 
@@ -136,13 +133,13 @@ def test_flush_branch_is_kept():
     def step(params, state):
         return oa.flush(tx, state, params)
 
-    p = _params()
+    p = helpers.ones_and_zeros()
     _assert_kept(jax.jit(step).lower(p, tx.init(p)))
 
 
 def test_weighted_step_branch_is_kept():
     tx = oa.chain(oa.accumulate(K), ADAM)
-    p = _params()
+    p = helpers.ones_and_zeros()
     step = _fused(tx, accum_weight=jnp.float32(3.0))
     _assert_kept(jax.jit(step).lower(p, tx.init(p), p))
 

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
+from tests import helpers
 
 JIT_OR_NOT = [lambda f: f, jax.jit]
 
@@ -29,15 +30,6 @@ TOL = {
     jnp.float32: dict(rtol=1e-5, atol=1e-6),
     jnp.bfloat16: dict(rtol=3e-2, atol=3e-3),
 }
-
-
-def _params(seed=0, din=5, dhid=8, dout=3, dtype=jnp.float32):
-    rng = np.random.default_rng(seed)
-    return {
-        "w1": jnp.asarray(rng.normal(size=(din, dhid)) * 0.5, dtype),
-        "b1": jnp.asarray(rng.normal(size=(dhid,)) * 0.1, dtype),
-        "w2": jnp.asarray(rng.normal(size=(dhid, dout)) * 0.5, dtype),
-    }
 
 
 def _batch(seed=1, n=16, din=5, dout=3, dtype=jnp.float32):
@@ -93,7 +85,7 @@ def _slice(batch, i, n, interleave=False):
     [(JIT_OR_NOT[0], 4), (jax.jit, 1), (jax.jit, 4), (jax.jit, 16)],
 )
 def test_microbatched_value_and_grad_equals_value_and_grad(wrap, n, dtype):
-    params, batch = _params(dtype=dtype), _batch(dtype=dtype)
+    params, batch = helpers.mlp_params(dtype=dtype), _batch(dtype=dtype)
     f = wrap(oa.microbatched_value_and_grad(_loss, n))
     with jax.numpy_dtype_promotion("strict"):
         loss, grads = f(params, batch)
@@ -153,7 +145,7 @@ def test_microbatched_value_and_grad_embedding_gradient_equals_whole_batch(
 @pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("wrap", JIT_OR_NOT)
 def test_microbatched_value_and_grad_has_aux_stacks_aux(wrap, interleave):
-    params, batch = _params(), _batch()
+    params, batch = helpers.mlp_params(), _batch()
     n = 4
     f = wrap(
         oa.microbatched_value_and_grad(
@@ -211,7 +203,7 @@ def _weighted_oracle(loss_fn, params, batch, n, weight_fn):
 def test_microbatched_value_and_grad_weight_fn(wrap, dtype):
     """Weighted by token count: the explicit weighted oracle and the global
     per-token mean; micro-batch 3 is all padding (weight 0, loss 0/0)."""
-    params, batch = _params(dtype=dtype), _batch(dtype=dtype)
+    params, batch = helpers.mlp_params(dtype=dtype), _batch(dtype=dtype)
     n = 4
     mask = np.ones(16)
     mask[[3, 7, 11, 15]] = 0  # micro-batch 3: no real example
@@ -244,7 +236,7 @@ def test_microbatched_value_and_grad_weight_fn(wrap, dtype):
 
 @pytest.mark.parametrize("wrap", JIT_OR_NOT)
 def test_microbatched_value_and_grad_zero_total_weight_gives_zeros(wrap):
-    params, batch = _params(), _batch()
+    params, batch = helpers.mlp_params(), _batch()
     batch["mask"] = jnp.zeros(16)
     f = wrap(
         oa.microbatched_value_and_grad(_masked_loss, 4, weight_fn=_mask_weight)
@@ -258,7 +250,7 @@ def test_microbatched_value_and_grad_accumulates_in_float32():
     """bf16 gradients are summed in float32 and rounded to bf16 once: equal
     to the float32 mean of the micro-batch gradients, rounded once."""
     dtype = jnp.bfloat16
-    params, batch = _params(dtype=dtype), _batch(n=64, dtype=dtype)
+    params, batch = helpers.mlp_params(dtype=dtype), _batch(n=64, dtype=dtype)
     n = 16
     loss, grads = jax.jit(oa.microbatched_value_and_grad(_loss, n))(
         params, batch
@@ -279,7 +271,7 @@ def test_microbatched_value_and_grad_accumulates_in_float32():
 @pytest.mark.parametrize("wrap", JIT_OR_NOT)
 def test_microbatched_value_and_grad_tuple_batch_argnums(wrap):
     """Two batch arguments; weight_fn receives a tuple of both slices."""
-    params, batch = _params(), _batch()
+    params, batch = helpers.mlp_params(), _batch()
     seen = []
 
     def loss_fn(params, x, y):
@@ -305,7 +297,7 @@ def test_microbatched_value_and_grad_tuple_batch_argnums(wrap):
 
 @pytest.mark.parametrize("wrap", JIT_OR_NOT)
 def test_microbatched_value_and_grad_argnums_tuple(wrap):
-    params, batch = _params(), _batch()
+    params, batch = helpers.mlp_params(), _batch()
     bias = jnp.linspace(-1.0, 1.0, 3)
 
     def loss_fn(params, batch, bias):
@@ -411,16 +403,16 @@ def test_microbatched_value_and_grad_state_must_keep_its_type():
 def test_microbatched_value_and_grad_indivisible_batch_raises():
     f = oa.microbatched_value_and_grad(_loss, 3)
     with pytest.raises(ValueError, match=r"batch size 16 .*num_microbatches=3"):
-        f(_params(), _batch())
+        f(helpers.mlp_params(), _batch())
 
 
 def test_microbatched_value_and_grad_ragged_batch_raises():
     batch = {"x": jnp.ones((16, 5)), "y": jnp.ones((8, 3))}
     f = oa.microbatched_value_and_grad(_loss, 2)
     with pytest.raises(ValueError, match=r"\['x'\]: 16.*\['y'\]: 8"):
-        f(_params(), batch)
+        f(helpers.mlp_params(), batch)
     with pytest.raises(ValueError, match="scalar"):
-        f(_params(), {"x": jnp.ones((16, 5)), "y": jnp.ones(())})
+        f(helpers.mlp_params(), {"x": jnp.ones((16, 5)), "y": jnp.ones(())})
 
 
 @pytest.mark.parametrize(
@@ -452,15 +444,15 @@ def test_microbatched_value_and_grad_validates_arguments():
     # Overlap seen only once the number of arguments is known.
     f = oa.microbatched_value_and_grad(_loss, 2, argnums=0, batch_argnums=-2)
     with pytest.raises(ValueError, match="must not overlap"):
-        f(_params(), _batch())
+        f(helpers.mlp_params(), _batch())
     f = oa.microbatched_value_and_grad(_loss, 2, batch_argnums=2)
     with pytest.raises(ValueError, match="2 positional"):
-        f(_params(), _batch())
+        f(helpers.mlp_params(), _batch())
     f = oa.microbatched_value_and_grad(
         _loss, 2, weight_fn=lambda b: jnp.ones(2)
     )
     with pytest.raises(ValueError, match="weight_fn must return a scalar"):
-        f(_params(), _batch())
+        f(helpers.mlp_params(), _batch())
 
 
 # ---------------------------------------------------------------- tracing
@@ -475,7 +467,7 @@ def test_microbatched_value_and_grad_traces_once_under_jit():
     def step(params, batch):
         return f(params, batch)
 
-    params = _params()
+    params = helpers.mlp_params()
     for seed in range(3):
         loss, grads = step(params, _batch(seed=seed))
         params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
@@ -496,7 +488,7 @@ def test_microbatched_value_and_grad_shard_map_pmean_equals_global():
     """Per-device micro-batching, params made varying and the gradients
     averaged once: the global value_and_grad."""
     mesh = _mesh4()
-    params, batch = _params(), _batch(n=32)
+    params, batch = helpers.mlp_params(), _batch(n=32)
     f = oa.microbatched_value_and_grad(_loss, 4)
 
     def step(params, batch):
@@ -520,7 +512,7 @@ def test_microbatched_value_and_grad_shard_map_matches_value_and_grad():
     """With invariant params (check_vma), the same semantics as
     jax.value_and_grad inside shard_map (gradients summed over devices)."""
     mesh = _mesh4()
-    params, batch = _params(), _batch(n=32)
+    params, batch = helpers.mlp_params(), _batch(n=32)
 
     def run(vg):
         return jax.jit(
@@ -542,7 +534,7 @@ def test_microbatched_value_and_grad_shard_map_matches_value_and_grad():
 
 @pytest.mark.devices(4)
 def test_microbatched_value_and_grad_pmap_pmean_equals_global():
-    params, batch = _params(), _batch(n=32)
+    params, batch = helpers.mlp_params(), _batch(n=32)
     f = oa.microbatched_value_and_grad(_loss, 2)
     per_device = jax.tree.map(lambda x: x.reshape((4, 8) + x.shape[1:]), batch)
     loss, grads = jax.pmap(
@@ -567,7 +559,7 @@ def test_microbatched_value_and_grad_sharded_batch_stays_local(axis_type):
     """Under jit with the batch sharded over devices: the global result, and
     no all-gather of the batch (each micro-batch takes local rows)."""
     mesh = _mesh4(axis_type)
-    params, batch = _params(), _batch(n=32)
+    params, batch = helpers.mlp_params(), _batch(n=32)
     f = jax.jit(oa.microbatched_value_and_grad(_loss, 4, interleave=True))
     args = (
         jax.device_put(params, NamedSharding(mesh, P())),
@@ -705,7 +697,7 @@ def test_plan_microbatches_impossible_budget_raises():
 
 def test_plan_microbatches_default_candidates_and_kwargs():
     """All divisors of the batch size; kwargs reach the step (has_aux)."""
-    params, batch = _params(), _batch(n=4)
+    params, batch = helpers.mlp_params(), _batch(n=4)
     assert (
         oa.plan_microbatches(
             _loss_aux, params, batch, memory_budget=2**40, has_aux=True
@@ -729,17 +721,27 @@ def test_plan_microbatches_default_candidates_and_kwargs():
 )
 def test_plan_microbatches_validates_memory_budget(budget, error):
     with pytest.raises(error, match="memory_budget"):
-        oa.plan_microbatches(_loss, _params(), _batch(), memory_budget=budget)
+        oa.plan_microbatches(
+            _loss, helpers.mlp_params(), _batch(), memory_budget=budget
+        )
 
 
 def test_plan_microbatches_validates_candidates():
     with pytest.raises(ValueError, match="not divisible"):
         oa.plan_microbatches(
-            _loss, _params(), _batch(), memory_budget=1e9, candidates=[3]
+            _loss,
+            helpers.mlp_params(),
+            _batch(),
+            memory_budget=1e9,
+            candidates=[3],
         )
     with pytest.raises(ValueError, match="num_microbatches|candidates"):
         oa.plan_microbatches(
-            _loss, _params(), _batch(), memory_budget=1e9, candidates=[0]
+            _loss,
+            helpers.mlp_params(),
+            _batch(),
+            memory_budget=1e9,
+            candidates=[0],
         )
 
 
@@ -754,7 +756,7 @@ def test_weight_fn_under_shard_map_needs_varying_params():
     and a per-device weight cannot apply to it -- a clear error. Varying
     params and psum(W * g) / psum(W): the global per-token mean."""
     mesh = _mesh4()
-    params, batch = _params(), _batch(n=32)
+    params, batch = helpers.mlp_params(), _batch(n=32)
     mask = np.ones(32)
     mask[[1, 2, 9, 17, 18, 19, 30]] = 0  # unequal real counts per device
     batch["mask"] = jnp.asarray(mask, jnp.float32)

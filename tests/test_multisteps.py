@@ -17,32 +17,9 @@ import pytest
 
 import optaxaccum as oa
 from optaxaccum._src import hlo as _hlo
+from tests import helpers
 
 TOL = dict(rtol=2e-5, atol=2e-6)
-
-
-def _params(dtype=jnp.float32):
-    rng = np.random.default_rng(0)
-    return {
-        "w": jnp.asarray(rng.normal(size=(5, 3)) * 0.3, dtype),
-        "b": jnp.zeros((3,), dtype),
-    }
-
-
-def _grads(n, params, seed=1, bad=()):
-    """``n`` random gradient trees like ``params``; those at the indices in
-    ``bad`` (index -> value) hold one non-finite entry."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        g = {
-            k: jnp.asarray(rng.normal(size=p.shape), p.dtype)
-            for k, p in params.items()
-        }
-        if i in dict(bad):
-            g["w"] = g["w"].at[1, 2].set(dict(bad)[i])
-        out.append(g)
-    return out
 
 
 def _optimizers():
@@ -100,11 +77,11 @@ def _side_by_side(ours, theirs, grads, params, tol=TOL, mean=True, **kw):
 @pytest.mark.parametrize("opt_name", list(_optimizers()))
 def test_equals_optax_multisteps(opt_name):
     opt = _optimizers()[opt_name]
-    params = _params()
+    params = helpers.linear_params()
     _, _, closed = _side_by_side(
         oa.MultiSteps(opt, 3),
         optax.MultiSteps(opt, 3),
-        _grads(12, params),
+        helpers.gradient_trees(12, params),
         params,
     )
     assert closed == 4
@@ -113,12 +90,12 @@ def test_equals_optax_multisteps(opt_name):
 @pytest.mark.parametrize("use_grad_mean", [True, False])
 def test_every_k_schedule_callable_and_sum(use_grad_mean):
     schedule = lambda step: jnp.where(step < 2, 1, 3)  # noqa: E731
-    params = _params()
+    params = helpers.linear_params()
     opt = optax.sgd(0.1, momentum=0.9)
     s, _, closed = _side_by_side(
         oa.MultiSteps(opt, schedule, use_grad_mean=use_grad_mean),
         optax.MultiSteps(opt, schedule, use_grad_mean=use_grad_mean),
-        _grads(11, params),
+        helpers.gradient_trees(11, params),
         params,
         mean=use_grad_mean,
     )
@@ -129,7 +106,7 @@ def test_every_k_schedule_callable_and_sum(use_grad_mean):
 def test_skip_not_finite_matches_optax(use_grad_mean):
     """Inf/NaN micro-batches, one of them where a window would close, are
     dropped as if never seen; skip_state records them as optax's does."""
-    params = _params()
+    params = helpers.linear_params()
     bad = {1: jnp.inf, 3: jnp.nan, 6: -jnp.inf}  # 3 would close a window
     opt = optax.adam(0.05)
 
@@ -144,7 +121,7 @@ def test_skip_not_finite_matches_optax(use_grad_mean):
     s_ours, s_theirs, closed = _side_by_side(
         make(oa.MultiSteps, opt, 3),
         make(optax.MultiSteps, opt, 3),
-        _grads(11, params, bad=bad),
+        helpers.gradient_trees(11, params, bad=bad),
         params,
         mean=use_grad_mean,
     )
@@ -164,8 +141,8 @@ def test_custom_skip_fn_gets_gradient_step_and_params():
         skip = jnp.logical_and(gradient_step < 2, norm > 10.0)
         return skip, {"norm": norm, "step": gradient_step}
 
-    params = _params()
-    grads = _grads(10, params)
+    params = helpers.linear_params()
+    grads = helpers.gradient_trees(10, params)
     grads[2] = jax.tree.map(lambda g: 10 * g, grads[2])
     grads[7] = jax.tree.map(lambda g: 10 * g, grads[7])
     opt = optax.sgd(0.1)
@@ -183,16 +160,16 @@ def test_skip_fn_must_return_a_boolean_scalar():
     bad = lambda u, step, p: (jnp.zeros([2], bool), ())  # noqa: E731
     ms = oa.MultiSteps(optax.sgd(0.1), 2, should_skip_update_fn=bad)
     with pytest.raises(ValueError, match="boolean scalar"):
-        ms.init(_params())
+        ms.init(helpers.linear_params())
 
 
 def test_bf16_params_float32_accumulation():
-    params = _params(jnp.bfloat16)
+    params = helpers.linear_params(jnp.bfloat16)
     opt = optax.adam(0.05)
     s, _, closed = _side_by_side(
         oa.MultiSteps(opt, 4),
         optax.MultiSteps(opt, 4),
-        _grads(8, params),
+        helpers.gradient_trees(8, params),
         params,
         tol=dict(rtol=2e-2, atol=2e-3),
     )
@@ -201,8 +178,8 @@ def test_bf16_params_float32_accumulation():
 
 
 def test_scan_with_state_as_carry_is_dtype_stable():
-    params = _params(jnp.bfloat16)
-    grads = _grads(8, params)
+    params = helpers.linear_params(jnp.bfloat16)
+    grads = helpers.gradient_trees(8, params)
     stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)
 
     def run(ms):
@@ -228,8 +205,10 @@ def test_jit_with_donation_and_fused_path_params_untouched():
     state untouched; the results equal the plain protocol's."""
     opt = optax.adam(0.05)
     ms = oa.MultiSteps(opt, 3, should_skip_update_fn=optax.skip_not_finite)
-    params = jax.tree.map(lambda p: jnp.full_like(p, -0.0), _params())
-    grads = _grads(7, params, bad={2: jnp.nan})
+    params = jax.tree.map(
+        lambda p: jnp.full_like(p, -0.0), helpers.linear_params()
+    )
+    grads = helpers.gradient_trees(7, params, bad={2: jnp.nan})
 
     fused = jax.jit(
         lambda p, s, g: oa.apply_gradients(ms, g, s, p), donate_argnums=(0, 1)
@@ -271,8 +250,8 @@ def test_inner_optimizer_runs_once_per_window():
     counting = optax.GradientTransformation(
         lambda p: optax.EmptyState(), update
     )
-    params = _params()
-    grads = _grads(8, params)
+    params = helpers.linear_params()
+    grads = helpers.gradient_trees(8, params)
     runs = {}
     for name, ms in (
         ("optax", optax.MultiSteps(counting, 4)),
@@ -299,8 +278,8 @@ def test_inner_optimizer_runs_once_per_window():
 def test_flush_closes_the_partial_window():
     opt = optax.sgd(1.0, momentum=0.5)
     ms = oa.MultiSteps(opt, 4)
-    params = _params()
-    grads = _grads(6, params)
+    params = helpers.linear_params()
+    grads = helpers.gradient_trees(6, params)
     s = ms.init(params)
     step = jax.jit(ms.update)
     for g in grads:  # one window of 4, then 2 of the next
@@ -325,8 +304,8 @@ def test_flush_closes_the_partial_window():
 
 def test_accum_weight_gives_the_weighted_mean():
     opt = optax.sgd(1.0)
-    params = _params()
-    grads = _grads(3, params)
+    params = helpers.linear_params()
+    grads = helpers.gradient_trees(3, params)
     weights = [3.0, 0.0, 5.0]
     want = jax.tree.map(
         lambda *g: -sum(w * x for w, x in zip(weights, g)) / sum(weights),
@@ -346,8 +325,8 @@ def test_accum_weight_gives_the_weighted_mean():
 
 def test_in_optax_chain_and_oa_chain():
     opt = optax.adam(0.05)
-    params = _params()
-    grads = _grads(8, params)
+    params = helpers.linear_params()
+    grads = helpers.gradient_trees(8, params)
     # In optax.chain, next to optax's (whose wrapper needs
     # gradient_transformation() there; ours is a transformation itself).
     ours = optax.chain(optax.clip(0.5), oa.MultiSteps(opt, 4))
@@ -451,8 +430,8 @@ def test_survives_copy_deepcopy_and_pytree_round_trips():
         optax.skip_not_finite,
         accumulator_dtype=jnp.bfloat16,
     )
-    params = _params()
-    g1, g2 = _grads(2, params)
+    params = helpers.linear_params()
+    g1, g2 = helpers.gradient_trees(2, params)
     s = ms.init(params)
     _, s = ms.update(g1, s, params)
     want, _ = ms.update(g2, s, params)
@@ -477,8 +456,8 @@ def test_from_optax_state_continues_the_window():
     """An optax.MultiSteps state (e.g. a restored checkpoint) taken
     mid-window and converted continues exactly as optax would."""
     opt = optax.adam(0.05)
-    params = _params()
-    grads = _grads(9, params)
+    params = helpers.linear_params()
+    grads = helpers.gradient_trees(9, params)
     for use_grad_mean in (True, False):
         theirs = optax.MultiSteps(opt, 3, use_grad_mean=use_grad_mean)
         ours = oa.MultiSteps(opt, 3, use_grad_mean=use_grad_mean)
@@ -522,7 +501,7 @@ def test_bad_arguments(args, kwargs, exc, match):
 
 def test_accumulator_dtype_none_means_float32():
     ms = oa.MultiSteps(optax.sgd(0.1), 2, accumulator_dtype=None)
-    s = ms.init(_params(jnp.bfloat16))
+    s = ms.init(helpers.linear_params(jnp.bfloat16))
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(s.acc_grads))
 
 
@@ -530,8 +509,8 @@ def test_near_miss_keyword_raises_everywhere():
     """A misspelt accum_weight is an error (the chain underneath declares
     it), in update, apply_gradients, flush and inside an outer chain."""
     ms = oa.MultiSteps(optax.sgd(0.1), 2)
-    params = _params()
-    (g,) = _grads(1, params)
+    params = helpers.linear_params()
+    (g,) = helpers.gradient_trees(1, params)
     s = ms.init(params)
     outer = oa.chain(oa.dynamic_loss_scale(), ms)
     calls = (
@@ -556,8 +535,8 @@ def test_flax_train_states():
 
     from optaxaccum.flax import TrainState
 
-    params = _params()
-    grads = _grads(5, params)
+    params = helpers.linear_params()
+    grads = helpers.gradient_trees(5, params)
     states = {
         name: cls.create(apply_fn=None, params=params, tx=tx)
         for name, cls, tx in (
@@ -674,8 +653,8 @@ def test_from_optax_state_answers_has_updated_as_optax():
     """Converted, a fresh optax state (no window closed yet) has not
     updated, one taken mid-window neither, and one taken right after a
     window closed has: as optax.MultiSteps.has_updated answers."""
-    params = _params()
-    grads = _grads(3, params)
+    params = helpers.linear_params()
+    grads = helpers.gradient_trees(3, params)
     theirs = optax.MultiSteps(optax.sgd(0.1), 3)
     ours = oa.MultiSteps(optax.sgd(0.1), 3)
     r = theirs.init(params)

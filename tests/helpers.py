@@ -1,0 +1,158 @@
+"""Setups shared by the test modules: parameter and gradient trees.
+
+Each builder draws from NumPy's generator in a fixed order, so a test that
+builds the same tree twice gets the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _generator(seed):
+    if isinstance(seed, np.random.Generator):
+        return seed
+    return np.random.default_rng(seed)
+
+
+def normal_tree(seed, shapes: Mapping, dtype=jnp.float32, scale=1.0) -> dict:
+    """A tree of normal draws, leaf by leaf in the order of ``shapes``.
+
+    Args:
+      seed: the seed of ``np.random.default_rng``, or a generator to draw
+        from (the draws continue its stream).
+      shapes: name -> shape (a tuple), array (its shape and dtype are
+        taken), or a nested mapping of these.
+      dtype: the dtype of the leaves given by a shape.
+      scale: each draw's factor, one number or name -> number.
+
+    Returns:
+      A dict shaped as ``shapes``: ``jnp.asarray(draw * factor, dtype)``
+      per leaf.
+
+    Example::
+
+        params = normal_tree(0, {"w": (5, 3), "b": (3,)}, scale={"b": 0.1})
+    """
+    rng = _generator(seed)
+    out = {}
+    for name, shape in shapes.items():
+        factor = scale.get(name, 1.0) if isinstance(scale, Mapping) else scale
+        if isinstance(shape, Mapping):
+            out[name] = normal_tree(rng, shape, dtype, factor)
+        elif hasattr(shape, "dtype"):
+            draw = rng.normal(size=shape.shape) * factor
+            out[name] = jnp.asarray(draw, shape.dtype)
+        else:
+            out[name] = jnp.asarray(rng.normal(size=shape) * factor, dtype)
+    return out
+
+
+def normal_like(params: Any, seed) -> Any:
+    """Normal draws shaped and typed as ``params``, in its leaves' order
+    (``jax.tree.map``'s).
+
+    Args:
+      params: any tree of arrays.
+      seed: the seed of ``np.random.default_rng``, or a generator.
+
+    Returns:
+      A tree like ``params``.
+
+    Example::
+
+        grads = normal_like({"w": jnp.ones((2, 3))}, seed=1)
+    """
+    rng = _generator(seed)
+    return jax.tree.map(
+        lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params
+    )
+
+
+def mlp_params(seed=0, din=5, dhid=8, dout=3, dtype=jnp.float32) -> dict:
+    """A two-layer perceptron's weights ``w1``, ``b1``, ``w2``.
+
+    Args:
+      seed: the seed of the draws.
+      din: the input width.
+      dhid: the hidden width.
+      dout: the output width.
+      dtype: the leaves' dtype.
+
+    Returns:
+      ``{"w1": (din, dhid), "b1": (dhid,), "w2": (dhid, dout)}``, drawn
+      normal, times 0.5, 0.1 and 0.5.
+
+    Example::
+
+        params = mlp_params(dtype=jnp.bfloat16)
+    """
+    shapes = {"w1": (din, dhid), "b1": (dhid,), "w2": (dhid, dout)}
+    scale = {"w1": 0.5, "b1": 0.1, "w2": 0.5}
+    return normal_tree(seed, shapes, dtype, scale)
+
+
+def linear_params(dtype=jnp.float32) -> dict:
+    """A linear layer's weights: ``w`` (5, 3) drawn normal times 0.3 from
+    seed 0, ``b`` (3,) zeros.
+
+    Args:
+      dtype: the leaves' dtype.
+
+    Returns:
+      ``{"w": ..., "b": ...}``.
+
+    Example::
+
+        params = linear_params(jnp.float16)
+    """
+    w = normal_tree(0, {"w": (5, 3)}, dtype, scale=0.3)["w"]
+    return {"w": w, "b": jnp.zeros((3,), dtype)}
+
+
+def gradient_trees(
+    n: int, params: Mapping, seed=1, bad: Sequence[tuple[int, float]] = ()
+) -> list[dict]:
+    """``n`` normal gradient trees like the flat dict ``params``, drawn in
+    its keys' order from one generator; those at the indices of ``bad``
+    (index -> value) hold that value at ``w[1, 2]``.
+
+    Args:
+      n: how many trees.
+      params: a flat dict of arrays with a ``w`` of at least (2, 3).
+      seed: the seed of the draws.
+      bad: ``(index, value)`` pairs, or a dict index -> value.
+
+    Returns:
+      A list of ``n`` dicts like ``params``.
+
+    Example::
+
+        grads = gradient_trees(4, linear_params(), bad={2: float("nan")})
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        g = normal_tree(rng, params)
+        if i in dict(bad):
+            g["w"] = g["w"].at[1, 2].set(dict(bad)[i])
+        out.append(g)
+    return out
+
+
+def ones_and_zeros() -> dict:
+    """``{"w": ones (3, 4), "b": zeros (4,)}``, float32.
+
+    Returns:
+      The tree.
+
+    Example::
+
+        params = ones_and_zeros()
+    """
+    return {"w": jnp.ones((3, 4)), "b": jnp.zeros((4,))}
