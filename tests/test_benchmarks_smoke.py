@@ -10,6 +10,7 @@ in ``test_multidevice.py``.
 import importlib.util
 import json
 import pathlib
+import subprocess
 import sys
 
 import chex
@@ -36,6 +37,20 @@ def _load(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _run_script(name, *args, timeout=900):
+    """``python benchmarks/<name> args...`` from the repository root, in
+    its own process (a benchmark is run, not imported)."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH_DIR / name), *args],
+        cwd=BENCH_DIR.parent,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
 
 
 def _check_result_format(res):
@@ -181,9 +196,8 @@ def test_markdown_table_aligns_columns():
     ]
 
 
-def test_bn_pooling_script_runs(capsys):
-    _load("bn_pooling").main()
-    out = capsys.readouterr().out
+def test_bn_pooling_script_runs():
+    out = _run_script("bn_pooling.py").stdout
     assert out.count("AccumBatchNorm vs nn.BatchNorm") == 2
 
 
