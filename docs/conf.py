@@ -16,7 +16,9 @@ import os
 import sys
 import tomllib
 
-sys.path.insert(0, os.path.abspath("_ext"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ext")
+)
 
 import figures  # noqa: E402
 
