@@ -101,14 +101,21 @@ def _unscaled_all_finite(
     peaks: list | None = None,
 ) -> jax.Array:
     """Whether ``_unscale(updates, scale, sums)`` is finite everywhere, decided
-    from each leaf's largest magnitude (``peaks``, as :func:`utils.peaks`
-    gives them, where the gate before knows them: an accumulate's window):
+    from each leaf's largest magnitude (on XLA:CPU from ``peaks``, as
+    :func:`utils.peaks` gives them, where the gate before knows them: an
+    accumulate's window):
     unscaling is monotonic in ``|g|`` and NaN propagates through the
     maximum. Reading only the incoming gradients, it lets XLA fuse the
     unscaling into its consumer (the accumulator update) instead of keeping
     the unscaled tree in a temporary buffer."""
     if peaks is None:
         peaks = utils.peaks(updates)
+    else:  # XLA:CPU keeps a mean with two readers in memory; XLA:TPU
+        # copies an accumulator read here and zeroed in place: each its own
+        window = peaks
+        peaks = jax.lax.platform_dependent(
+            cpu=lambda: window, default=lambda: utils.peaks(updates)
+        )
     if not peaks:
         return jnp.array(True)
     unscaled = jax.tree.leaves(_unscale(peaks, scale, sums))
