@@ -352,6 +352,13 @@ def test_train_step_needs_no_tree_beyond_the_optimizer_alone(
     accumulate too."""
     if target == "h200":
         target = _newest_gpu()
+    window_check = api in ("window loss_scale", "apply_if_finite")
+    if target == "tpu" and window_check and not _OLD_JAXLIB:
+        pytest.xfail(
+            "libtpu of jaxlib >= 0.12: the closing step that checks the "
+            "window's finiteness holds 0.78 to 0.82 param trees beyond adamw "
+            "alone (libtpu of jaxlib 0.10: none; docs/gpu.md)"
+        )
     model, _, _ = steps.MODELS["mlp"]()
     tree = 4 * sum(steps.dense_weight_counts(model))
     extra = _train_temp(api, target, setting) - _train_temp(
