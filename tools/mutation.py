@@ -106,8 +106,8 @@ MUTANTS = {
     ),
     "zero_weight_window_opens": (
         "accumulate.py",
-        "closing & nonzero,",
-        "closing,",
+        "closing & (weight != 0), closing",
+        "closing, closing",
         CORE_TESTS,
     ),
     "dropped_micro_batch_advances": (
@@ -150,9 +150,9 @@ MUTANTS = {
         _ACC + _LOSS_SCALE + ["-k", "complex"],
     ),
     "loss_scale_ignores_imaginary_part": (  # item 5
-        "loss_scale.py",
-        "parts = (jnp.abs(g.real), jnp.abs(g.imag))",
-        "parts = (jnp.abs(g.real),)",
+        "utils.py",
+        "parts = (g.real, g.imag) if jnp.iscomplexobj(g) else (g,)",
+        "parts = (g.real,) if jnp.iscomplexobj(g) else (g,)",
         _LOSS_SCALE + ["-k", "complex_part"],
     ),
     "nnx_refused_micro_batch_enters_bn": (  # item 6
@@ -902,8 +902,8 @@ MUTANTS = {
     ),
     "summed_window_of_weight_0_empty": (  # item 4: not zeroed
         "accumulate.py",
-        "if cfg.axis_name is None and not cfg.summed_gradients:",
-        "if cfg.axis_name is None:",
+        "checked = cfg.axis_name is None and not cfg.summed_gradients",
+        "checked = cfg.axis_name is None",
         _ACC + ["-k", "weight_0_zeroes_its_accumulator"],
     ),
     "from_optax_state_fresh_has_updated": (  # item 5

@@ -500,7 +500,9 @@ def _emitter(
     the literal ``True`` and the chain needs no second branch on it), or
     said that the window is ``empty``: the chain then does not call
     ``emit``, and passes the window on to a later gate as one call of
-    weight 0, from the closed state."""
+    weight 0, from the closed state. With ``peaks`` (a loss scale after
+    the accumulate checks the window) it also gives the updates' peaks,
+    read from the sums (:func:`utils.peaks`)."""
 
     def emit():
         # Over the devices, once per window (reducer.py).

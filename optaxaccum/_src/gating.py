@@ -406,8 +406,7 @@ def args_for(
     No other keyword reaches it: optax's linesearches hand unknown keywords
     to ``value_fn``."""
     args = extra_args
-    private = (base.WINDOW_NOISE_ARG, UNWEIGHTED_ARG, LOSS_SCALE_ARG)
-    private += (PEAKS_ARG,)
+    private = (base.WINDOW_NOISE_ARG, UNWEIGHTED_ARG, LOSS_SCALE_ARG, PEAKS_ARG)
     for k in ("accum_weight", *private):
         if k in args and k not in declared:
             args = {n: v for n, v in args.items() if n != k}

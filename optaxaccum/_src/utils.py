@@ -20,7 +20,6 @@ from jax.extend import core as jcore
 __all__ = [
     "NO_PARAMS_MSG",
     "all_finite",
-    "peaks",
     "all_true",
     "axis_names",
     "check_axis_name",
@@ -44,6 +43,7 @@ __all__ = [
     "both",
     "mask",
     "optax_has_updated",
+    "peaks",
     "select",
     "wrap_indices",
     "zeros_of",
