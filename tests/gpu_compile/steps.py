@@ -142,11 +142,11 @@ GATED = {
 
 
 class MLP(nnx.Module):
-    """Dense layers of ``WIDTHS`` with tanh between them, computing in
+    """Dense layers of ``widths`` with tanh between them, computing in
     ``dtype`` (float32 weights)."""
 
-    def __init__(self, rngs: nnx.Rngs, dtype=jnp.float32):
-        pairs = zip(WIDTHS[:-1], WIDTHS[1:])
+    def __init__(self, rngs: nnx.Rngs, dtype=jnp.float32, widths=WIDTHS):
+        pairs = zip(widths[:-1], widths[1:])
         self.layers = nnx.List(
             [nnx.Linear(a, b, dtype=dtype, rngs=rngs) for a, b in pairs]
         )
@@ -157,10 +157,10 @@ class MLP(nnx.Module):
         return x
 
 
-def _mlp(dtype=jnp.float32):
-    model = MLP(nnx.Rngs(0), dtype)
-    x = jnp.zeros((ROWS, WIDTHS[0]))
-    y = jnp.zeros((ROWS, WIDTHS[-1]))
+def _mlp(dtype=jnp.float32, widths=WIDTHS):
+    model = MLP(nnx.Rngs(0), dtype, widths)
+    x = jnp.zeros((ROWS, widths[0]))
+    y = jnp.zeros((ROWS, widths[-1]))
     loss = lambda m, x, y: jnp.mean((m(x).astype(jnp.float32) - y) ** 2)  # noqa: E731
     return model, loss, (x, y)
 
@@ -204,6 +204,11 @@ MODELS = {
     # bfloat16 products: each weight's gradient is a bfloat16 GEMM output
     # converted to the float32 accumulator.
     "mlp_bf16": lambda: _mlp(jnp.bfloat16),
+    # 100M float32 params (a 400 MB tree): past a TPU core's VMEM (128 MiB
+    # on v5e), where XLA:TPU keeps a small model's params, state and
+    # accumulator across the step and its HBM temporaries are not a big
+    # model's. What XLA:TPU's temporaries are measured on.
+    "mlp_wide": lambda: _mlp(widths=tuple(8 * w for w in WIDTHS)),
 }
 
 
@@ -367,6 +372,16 @@ def train_step(api: str, model: str):
 # tests/test_accumulate.py): 256 x 256 float32, params and state donated.
 PREMISE_SHAPE = (256, 256)
 TREE_BYTES = 256 * 256 * 4
+# XLA:TPU's: 64 MiB float32, four of which (params, accumulator, Adam's
+# two moments) are past a v5e core's 128 MiB VMEM (see "mlp_wide").
+TPU_PREMISE_SHAPE = (4096, 4096)
+
+
+def tree_bytes(shape=PREMISE_SHAPE) -> int:
+    """The bytes of a premise's tree (one float32 leaf of ``shape``)."""
+    return 4 * shape[0] * shape[1]
+
+
 PREMISE_CHAINS = {
     "accumulate": lambda: oa.chain(oa.accumulate(4), ADAM),
     "loss_scale": lambda: oa.chain(
@@ -388,11 +403,14 @@ PREMISE_CHAINS = {
 }
 
 
-def premise_step(name: str, fused: bool = True, weighted: bool = False):
-    """``(fn, args)`` of a premise's step (donate arguments 0 and 1)."""
+def premise_step(
+    name: str, fused: bool = True, weighted: bool = False, shape=PREMISE_SHAPE
+):
+    """``(fn, args)`` of a premise's step on a ``shape`` leaf (donate
+    arguments 0 and 1)."""
     tx = PREMISE_CHAINS[name]()
-    params = {"w": jnp.zeros(PREMISE_SHAPE)}
-    args = (params, tx.init(params), params)
+    params = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    args = (params, jax.eval_shape(tx.init, params), params)
 
     if fused and weighted:
         return (
