@@ -1337,7 +1337,7 @@ def test_closed_gate_zeros_keep_the_device_varying_type_under_shard_map():
     (``vma``) and dtype; zeros typed as the incoming gradients, or built
     without the varying type, make ``lax.cond``'s branches disagree. Checked
     on the helper the chain builds its zeros with, before any branch."""
-    from optaxaccum._src import utils
+    from optaxaccum._src import flags
     from optaxaccum._src.microbatch import _vma as _varying
 
     mesh = jax.make_mesh((4,), ("d",))
@@ -1345,7 +1345,7 @@ def test_closed_gate_zeros_keep_the_device_varying_type_under_shard_map():
 
     def body(g):
         shapes = jax.eval_shape(lambda: g.astype(jnp.float32))
-        zeros = utils.zeros_of(shapes)
+        zeros = flags.zeros_of(shapes)
         seen["want"] = (_varying(g), jnp.float32)
         seen["got"] = (_varying(zeros), zeros.dtype)
         return zeros

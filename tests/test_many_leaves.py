@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import optaxaccum as oa
-from optaxaccum._src import hlo, utils
+from optaxaccum._src import hlo, numerics
 
 N = 1000
 K = 2
@@ -27,7 +27,7 @@ SHAPES = ((2, 3), (4,), (3, 2, 2), (), (5, 4), (1,), (3, 1))
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Where a non-finite element is put: both ends, both sides of the first
 # boundary between two chunks of flags, and the middle.
-NONFINITE_AT = (0, utils.FAN_IN - 1, utils.FAN_IN, N // 2, N - 1)
+NONFINITE_AT = (0, numerics.FAN_IN - 1, numerics.FAN_IN, N // 2, N - 1)
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 
 
@@ -191,7 +191,7 @@ def test_no_fusion_grows_with_the_number_of_leaves(loss_scaled):
     tx, step = loss_scaled
     params = _tree(0)
     compiled = step.lower(params, tx.init(params), params).compile()
-    assert _max_fusion_operands(compiled.as_text()) <= 2 * utils.FAN_IN
+    assert _max_fusion_operands(compiled.as_text()) <= 2 * numerics.FAN_IN
 
 
 def test_agc_matches_optax_on_many_leaves():

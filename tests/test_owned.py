@@ -574,7 +574,7 @@ def test_reshard_moves_each_leafs_state_to_its_new_owner():
     two owned leaves on owners 3 and 1 of 8 (at offsets 0 and 2) land on
     owners 0 and 1 of 2 (offsets 0 and 0), and back; nothing else is
     written."""
-    from optaxaccum._src import owned
+    from optaxaccum._src import reshard
 
     old = np.zeros((8, 6), np.float32)
     old[3, 0:4] = [1, 2, 3, 4]
@@ -583,15 +583,15 @@ def test_reshard_moves_each_leafs_state_to_its_new_owner():
     new_index = {"float32": np.array([[0, 0, 4], [1, 0, 2]], np.int32)}
     like = {"float32": jax.ShapeDtypeStruct((2, 4), np.float32)}
     want = np.array([[1, 2, 3, 4], [5, 6, 0, 0]], np.float32)
-    back = owned.moved_rows(
+    back = reshard.moved_rows(
         {"float32": want},
         new_index,
         saved_index,
         {"float32": jax.ShapeDtypeStruct(old.shape, np.float32)},
     )
     np.testing.assert_array_equal(back["float32"], old)
-    got = owned.moved_rows({"float32": old}, saved_index, new_index, like)
+    got = reshard.moved_rows({"float32": old}, saved_index, new_index, like)
     np.testing.assert_array_equal(got["float32"], want)
     bad = {"float32": np.array([[0, 0, 3], [1, 0, 2]], np.int32)}
     with pytest.raises(ValueError, match="reshard_state"):
-        owned.moved_rows({"float32": old}, saved_index, bad, like)
+        reshard.moved_rows({"float32": old}, saved_index, bad, like)

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import optaxaccum as oa
-from optaxaccum._src import collectives, hlo, utils
+from optaxaccum._src import checks, collectives, hlo, numerics, windows
 
 # ------------------------------------------------------------ arithmetic
 
@@ -17,10 +17,10 @@ def test_divide_or_never_divides_by_the_excluded_value():
     """x / y where ok, else the fallback, with no NaN in the gradient of an
     excluded y (the division sees 1 there)."""
     x, y = jnp.array([1.0, 1.0, 3.0]), jnp.array([2.0, 0.0, -1.0])
-    np.testing.assert_array_equal(utils.divide_or(x, y), [0.5, 0.0, -3.0])
-    got = utils.divide_or(x, y, y > 0, jnp.inf)
+    np.testing.assert_array_equal(numerics.divide_or(x, y), [0.5, 0.0, -3.0])
+    got = numerics.divide_or(x, y, y > 0, jnp.inf)
     np.testing.assert_array_equal(got, [0.5, np.inf, np.inf])
-    grad = jax.grad(lambda y: utils.divide_or(1.0, y).sum())(y)
+    grad = jax.grad(lambda y: numerics.divide_or(1.0, y).sum())(y)
     assert np.isfinite(grad).all(), grad
 
 
@@ -30,7 +30,7 @@ def test_optax_has_updated_is_optax_multisteps_rule():
     state = ms.init(jnp.zeros(1))
     for _ in range(4):
         want = ms.has_updated(state)
-        got = utils.optax_has_updated(state.mini_step, state.gradient_step)
+        got = windows.optax_has_updated(state.mini_step, state.gradient_step)
         assert bool(got) == bool(want)
         _, state = ms.update(jnp.ones(1), state)
 
@@ -39,27 +39,27 @@ def test_optax_has_updated_is_optax_multisteps_rule():
 
 
 def test_check_callable_names_the_argument():
-    assert utils.check_callable("f", len) is len
-    assert utils.check_callable("f", None, none_ok=True) is None
+    assert checks.check_callable("f", len) is len
+    assert checks.check_callable("f", None, none_ok=True) is None
     with pytest.raises(TypeError, match=r"^f must be callable, got f=3$"):
-        utils.check_callable("f", 3)
+        checks.check_callable("f", 3)
     with pytest.raises(TypeError, match=r"^f must be callable or None, got"):
-        utils.check_callable("f", 3, none_ok=True)
+        checks.check_callable("f", 3, none_ok=True)
 
 
 @pytest.mark.parametrize("bad", [(), ("data", None), ["data"], None])
 def test_one_axis_name_rule(bad):
     """axis_names and check_axis_name share one rule: a hashable name or a
     non-empty tuple of them (check_axis_name also takes None)."""
-    assert utils.axis_names("data") == ("data",)
-    assert utils.axis_names(("a", "b")) == ("a", "b")
+    assert checks.axis_names("data") == ("data",)
+    assert checks.axis_names(("a", "b")) == ("a", "b")
     with pytest.raises(TypeError, match="non-empty tuple"):
-        utils.axis_names(bad)
+        checks.axis_names(bad)
     if bad is None:
-        assert utils.check_axis_name(None) is None
+        assert checks.check_axis_name(None) is None
         return
     with pytest.raises(TypeError, match="non-empty tuple"):
-        utils.check_axis_name(bad)
+        checks.check_axis_name(bad)
 
 
 def test_accumulate_refuses_an_empty_axis_name_when_built():
@@ -72,11 +72,11 @@ def test_accumulate_refuses_an_empty_axis_name_when_built():
 
 
 def test_wrap_indices_counts_negative_indices_from_the_end():
-    assert utils.wrap_indices((0, -1, np.int64(-3)), 3, str) == (0, 2, 0)
+    assert checks.wrap_indices((0, -1, np.int64(-3)), 3, str) == (0, 2, 0)
     with pytest.raises(ValueError, match=r"^bad 3$"):
-        utils.wrap_indices((1, 3), 3, lambda i: f"bad {i}")
+        checks.wrap_indices((1, 3), 3, lambda i: f"bad {i}")
     with pytest.raises(ValueError, match=r"^bad -4$"):
-        utils.wrap_indices((-4,), 3, lambda i: f"bad {i}")
+        checks.wrap_indices((-4,), 3, lambda i: f"bad {i}")
 
 
 @pytest.mark.parametrize(
@@ -111,9 +111,9 @@ def test_check_state_type_writes_the_three_messages(
 ):
     """The three "expects a ..., got ..." messages of the state classes."""
     with pytest.raises(TypeError) as e:
-        utils.check_state_type((), cls, caller, what, hint)
+        checks.check_state_type((), cls, caller, what, hint)
     assert str(e.value) == want
-    utils.check_state_type(
+    checks.check_state_type(
         cls(*[None] * len(cls._fields)), cls, caller, what, hint
     )
 
@@ -125,22 +125,22 @@ def test_find_state_takes_a_class_or_a_predicate():
     """The first match in leaves order; a predicate names what it seeks."""
     tx = oa.chain(oa.accumulate(2), oa.accumulate(3), optax.sgd(1.0))
     state = tx.init(jnp.zeros(1))
-    first = utils.find_state(state, oa.AccumulateState, "me")
+    first = windows.find_state(state, oa.AccumulateState, "me")
     assert first is state[0]
-    windows = lambda x: getattr(type(x), "_holds_window", False)  # noqa: E731
-    assert utils.find_state(state, windows, "me", "windows") is state[0]
+    holds = lambda x: getattr(type(x), "_holds_window", False)  # noqa: E731
+    assert windows.find_state(state, holds, "me", "windows") is state[0]
     with pytest.raises(ValueError, match=r"^me found no windows in the state"):
-        utils.find_state((1, 2), windows, "me", "windows")
+        windows.find_state((1, 2), holds, "me", "windows")
     with pytest.raises(ValueError, match="found no AccumulateState or"):
-        utils.find_state((1,), (oa.AccumulateState, oa.MultiStepsState), "me")
+        windows.find_state((1,), (oa.AccumulateState, oa.MultiStepsState), "me")
 
 
 def test_concrete_is_none_for_traced_values():
-    np.testing.assert_array_equal(utils.concrete(jnp.ones(2)), [1.0, 1.0])
-    assert utils.concrete(2, np.float32).dtype == np.float32
+    np.testing.assert_array_equal(numerics.concrete(jnp.ones(2)), [1.0, 1.0])
+    assert numerics.concrete(2, np.float32).dtype == np.float32
     seen = []
-    jax.jit(lambda x: seen.append(utils.concrete(x)) or x)(1.0)
-    jax.vmap(lambda x: seen.append(utils.concrete(x)) or x)(jnp.ones(2))
+    jax.jit(lambda x: seen.append(numerics.concrete(x)) or x)(1.0)
+    jax.vmap(lambda x: seen.append(numerics.concrete(x)) or x)(jnp.ones(2))
     assert seen == [None, None]
 
 

@@ -69,15 +69,15 @@ _NESTED_0 = [
 MUTANTS = {
     "nested_tail": (  # issue 10 (a): followers' state from the inner branch
         "gating.py",
-        "state=utils.select(out.opened, e.state, tail_state),",
+        "state=flags.select(out.opened, e.state, tail_state),",
         "state=e.state,",
         CORE_TESTS,
     ),
     "closed_params_plus_zeros": (  # issue 10 (b)
         "chain.py",
-        "return params, res.state, utils.zeros_of(shapes)",
+        "return params, res.state, flags.zeros_of(shapes)",
         "return (jax.tree.map(lambda p: p + jnp.zeros_like(p), params), "
-        "res.state, utils.zeros_of(shapes))",
+        "res.state, flags.zeros_of(shapes))",
         CORE_TESTS,
     ),
     "zero_weight_not_masked": (
@@ -112,7 +112,7 @@ MUTANTS = {
     ),
     "dropped_micro_batch_advances": (
         "accumulate.py",
-        "mini_step = utils.select(counted, state.mini_step + 1, "
+        "mini_step = flags.select(counted, state.mini_step + 1, "
         "state.mini_step)",
         "mini_step = state.mini_step + 1",
         CORE_TESTS,
@@ -139,18 +139,18 @@ MUTANTS = {
     ),
     "zero_weight_call_overflows": (  # item 4
         "loss_scale.py",
-        "new_state = utils.select(no_data, state, _adjust(state, finite))",
+        "new_state = flags.select(no_data, state, _adjust(state, finite))",
         "new_state = _adjust(state, finite)",
         _LOSS_SCALE + ["-k", "zero_weight_call"],
     ),
     "complex_explicit_real_accumulator": (  # item 5
         "accumulate.py",
-        "        return utils.widen(jnp.complex64, cfg.accumulator_dtype)",
+        "        return numerics.widen(jnp.complex64, cfg.accumulator_dtype)",
         "        return jnp.finfo(cfg.accumulator_dtype).dtype",
         _ACC + _LOSS_SCALE + ["-k", "complex"],
     ),
     "loss_scale_ignores_imaginary_part": (  # item 5
-        "utils.py",
+        "numerics.py",
         "parts = (g.real, g.imag) if jnp.iscomplexobj(g) else (g,)",
         "parts = (g.real,) if jnp.iscomplexobj(g) else (g,)",
         _LOSS_SCALE + ["-k", "complex_part"],
@@ -162,14 +162,14 @@ MUTANTS = {
         ["tests/test_nnx_optimizer.py", "-k", "refused"],
     ),
     "bare_weight_not_a_near_miss": (  # item 7
-        "utils.py",
+        "keywords.py",
         "        close = close or [d for d in declared "
         'if d.endswith(f"_{key}")]\n',
         "",
         _CHAIN + ["-k", "bare_weight"],
     ),
     "has_updated_flagless_optax_rule": (  # item 8
-        "utils.py",
+        "windows.py",
         "(jnp.asarray(mini_step) == 0) & (jnp.asarray(gradient_step) > 0)",
         "jnp.asarray(mini_step) == 0",
         ["tests/test_multisteps.py", "-k", "multisteps_has_updated"],
@@ -188,7 +188,7 @@ MUTANTS = {
     ),
     "opened_false_zeros_grads_dtype": (  # zeros of an all-weight-0 window
         "gating.py",
-        "            return utils.zeros_of(jax.eval_shape(run)[0]), tail_state",
+        "            return flags.zeros_of(jax.eval_shape(run)[0]), tail_state",
         "            return jax.tree.map(jnp.zeros_like, out.updates), "
         "tail_state",
         _CHAIN + ["-k", "followers_output_dtype"],
@@ -275,7 +275,7 @@ MUTANTS = {
         CORE_TESTS + ["-k", "window_weight_on or behind_a_gate"],
     ),
     "zeros_not_device_varying": (  # issue 23: zeros under shard_map
-        "utils.py",
+        "flags.py",
         "    return jax.tree.map(jnp.zeros_like, shapes)",
         "    return jax.tree.map(\n"
         "        lambda s: jnp.zeros(s.shape, s.dtype), shapes)",
@@ -383,7 +383,7 @@ MUTANTS = {
     ),
     "head_steps_on_a_window_of_weight_0": (  # item 15
         "chain.py",
-        "counts = utils.both(ctx.passed, gating.window_counts(window))",
+        "counts = flags.both(ctx.passed, gating.window_counts(window))",
         "counts = ctx.passed",
         ["tests/test_chain.py", "-k", "skips_a_window_of_weight_0"],
     ),
@@ -420,7 +420,7 @@ MUTANTS = {
         ["tests/test_nnx_optimizer.py", "-k", "counts_every_call"],
     ),
     "has_updated_reads_the_last_window": (  # item 18
-        "utils.py",
+        "windows.py",
         "    for node in jax.tree.leaves(state, is_leaf=match):",
         "    for node in reversed(jax.tree.leaves(state, is_leaf=match)):",
         ["tests/test_nnx_optimizer.py", "-k", "follows_nested"],
@@ -468,26 +468,26 @@ MUTANTS = {
         ["tests/test_nnx_optimizer.py", "-k", "critical_batch"],
     ),
     "gate_branch_not_kept": (  # XLA:GPU would turn the gate into a select
-        "utils.py",
+        "flags.py",
         "return lax.cond(pred, _kept(true_fn), _kept(false_fn))",
         "return lax.cond(pred, true_fn, false_fn)",
         ["tests/test_gpu_branch.py"],
     ),
     "gate_closed_branch_not_kept": (
-        "utils.py",
+        "flags.py",
         "return lax.cond(pred, _kept(true_fn), _kept(false_fn))",
         "return lax.cond(pred, _kept(true_fn), false_fn)",
         ["tests/test_gpu_branch.py"],
     ),
     # ----------------------------------------- one helper per idea
     "divide_or_sees_the_excluded_divisor": (
-        "utils.py",
+        "numerics.py",
         "return jnp.where(ok, x / jnp.where(ok, y, 1), otherwise)",
         "return jnp.where(ok, x / y, otherwise)",
         ["tests/test_utils.py", "-k", "divide_or"],
     ),
     "axis_name_checked_by_a_second_rule": (
-        "utils.py",
+        "checks.py",
         "    if value is not None:\n        axis_names(value)\n",
         "    if value is not None:\n        hash(value)\n",
         ["tests/test_utils.py", "-k", "axis_name"],
@@ -515,21 +515,21 @@ MUTANTS = {
     "stacked_in_the_given_axis_order": (  # axis_name out of mesh order
         "reducer.py",
         "        axes = sharding.ordered_axes(named.mesh, "
-        "utils.axis_names(axis_name))\n        n = int(",
-        "        axes = utils.axis_names(axis_name)\n        n = int(",
+        "checks.axis_names(axis_name))\n        n = int(",
+        "        axes = checks.axis_names(axis_name)\n        n = int(",
         ["tests/test_mesh.py", "-k", "out_of_mesh_order"],
     ),
     "stack_read_in_the_given_axis_order": (
         "reducer.py",
         "    axes = sharding.ordered_axes(named.mesh, "
-        "utils.axis_names(axis_name))\n    first = ",
-        "    axes = utils.axis_names(axis_name)\n    first = ",
+        "checks.axis_names(axis_name))\n    first = ",
+        "    axes = checks.axis_names(axis_name)\n    first = ",
         ["tests/test_mesh.py", "-k", "out_of_mesh_order"],
     ),
     "has_updated_flagless_rule_swapped": (  # optax's rule, its two counters
         "windows.py",
-        "utils.optax_has_updated(found.mini_step, found.gradient_step)",
-        "utils.optax_has_updated(found.gradient_step, found.mini_step)",
+        "optax_has_updated(found.mini_step, found.gradient_step)",
+        "optax_has_updated(found.gradient_step, found.mini_step)",
         ["tests/test_multisteps.py", "-k", "has_updated"],
     ),
     "bn_window_of_no_element_closes": (  # all masked: running stats stay
@@ -540,7 +540,7 @@ MUTANTS = {
     ),
     "head_steps_on_a_refused_call": (  # behind a loss scale that overflows
         "chain.py",
-        "counts = utils.both(ctx.passed, gating.window_counts(window))",
+        "counts = flags.both(ctx.passed, gating.window_counts(window))",
         "counts = gating.window_counts(window)",
         _CHAIN + ["-k", "skips_an_overflow"],
     ),
@@ -702,7 +702,7 @@ MUTANTS = {
         ["tests/test_owned.py", "-m", "not slow", "-k", "equals"],
     ),
     "owned_rows_not_moved": (  # reshard keeps the old owners' offsets
-        "owned.py",
+        "reshard.py",
         "moved[o2, off2 : off2 + size] = rows[o, off : off + size]",
         "moved[o, off : off + size] = rows[o, off : off + size]",
         ["tests/test_owned.py", "-m", "not slow", "-k", "new_owner"],
@@ -745,7 +745,7 @@ MUTANTS = {
         ["tests/test_owned.py", "-k", "on_no_mesh"],
     ),
     "owned_reshard_blames_another_follower": (  # a stacked leaf's move
-        "owned.py",
+        "reshard.py",
         '    if not changed:\n        return " (another follower',
         '    if changed:\n        return " (another follower',
         ["tests/test_owned.py", "-k", "split_on_one_mesh"],
@@ -840,7 +840,7 @@ MUTANTS = {
     "has_updated_kept_on_a_dropped_call": (  # a loop counts a window twice
         "accumulate.py",
         "updated=jnp.zeros_like(state.updated),",
-        "updated=utils.select(\n            counted, "
+        "updated=flags.select(\n            counted, "
         "jnp.zeros_like(state.updated), state.updated\n        ),",
         ["tests/test_accumulate.py", "-k", "dropped_call_after_a_close"],
     ),
@@ -952,22 +952,22 @@ MUTANTS = {
     ),
     "summed_window_followers_branch": (  # Adam's moments copied
         "gating.py",
-        "updates, tail = utils.select_or_call(out.opened, run, skip)",
-        "updates, tail = utils.cond_or_call(\n"
+        "updates, tail = flags.select_or_call(out.opened, run, skip)",
+        "updates, tail = flags.cond_or_call(\n"
         "            out.opened, run, lambda: skip(jax.eval_shape(run))\n"
         "        )",
         ["tests/test_micro_step.py", "-k", "closes_in_no_tree"],
     ),
     "window_followers_branch_again": (  # a copy of Adam's moments
         "gating.py",
-        "updates, tail = utils.select_or_call(out.opened, run, skip)",
-        "updates, tail = utils.cond_or_call(\n"
+        "updates, tail = flags.select_or_call(out.opened, run, skip)",
+        "updates, tail = flags.cond_or_call(\n"
         "            out.opened, run, lambda: skip(jax.eval_shape(run))\n"
         "        )",
         ["tests/test_micro_step.py", "-k", "closes_in_no_more"],
     ),
     "moments_not_ordered": (
-        "utils.py",
+        "flags.py",
         "    if moments:\n        state = jax.tree.map(",
         "    if False:\n        state = jax.tree.map(",
         ["tests/test_micro_step.py", "-k", "closes_in_no_more"],
@@ -980,14 +980,14 @@ MUTANTS = {
     ),
     "window_peaks_ignored": (
         "loss_scale.py",
-        "    if peaks is None:\n        peaks = utils.peaks(updates)",
-        "    if True:\n        peaks = utils.peaks(updates)",
+        "    if peaks is None:\n        peaks = numerics.peaks(updates)",
+        "    if True:\n        peaks = numerics.peaks(updates)",
         ["tests/test_micro_step.py", "-k", "loss_scale_closes_in_no_tree"],
     ),
     "window_peaks_not_in_updates_dtype": (
         "accumulate.py",
-        "utils.peaks(acc, scale, out_dtypes)",
-        "utils.peaks(acc, scale)",
+        "numerics.peaks(acc, scale, out_dtypes)",
+        "numerics.peaks(acc, scale)",
         ["tests/test_window_loss_scale.py", "-k", "own_dtype"],
     ),
     "window_peaks_past_an_element": (

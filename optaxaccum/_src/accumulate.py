@@ -13,11 +13,13 @@ import optax
 
 from optaxaccum._src import (
     base,
+    checks,
     every_weight,
+    flags,
     gating,
     noise_scale,
+    numerics,
     reducer,
-    utils,
     windows,
 )
 from optaxaccum._src import shard_update as _shard_update
@@ -80,7 +82,7 @@ class AccumulateState(NamedTuple):
     optimizer_step: Any = None  # shape=(), int32; None: an earlier version
 
     _holds_window = True  # found by oa.has_updated (windows.py); no field
-    # Zeroed in place where a window closes (utils.ordered_after); no field
+    # Zeroed in place where a window closes (flags.ordered_after); no field
     _param_sums = ("acc",)
 
 
@@ -170,14 +172,14 @@ def accumulate(
         reduction,
         None
         if accumulator_dtype is None
-        else utils.check_float_dtype(
+        else checks.check_float_dtype(
             "accumulator_dtype", accumulator_dtype, complex_ok=True
         ),
-        utils.check_axis_name(axis_name),
-        utils.check_bool("skip_nonfinite", skip_nonfinite),
+        checks.check_axis_name(axis_name),
+        checks.check_bool("skip_nonfinite", skip_nonfinite),
         decay,
         _check_shard_update(shard_update, axis_name),
-        utils.check_bool("summed_gradients", summed_gradients),
+        checks.check_bool("summed_gradients", summed_gradients),
     )
     # Its results carry the window bookkeeping (gating.Decision), which the
     # chain reads; to anyone else they are GateResults.
@@ -192,7 +194,7 @@ def accumulate(
 def _check_shard_update(shard_update: Any, axis_name: Any) -> bool:
     """``shard_update`` if it is a bool, and ``True`` only with an
     ``axis_name``."""
-    utils.check_bool("shard_update", shard_update)
+    checks.check_bool("shard_update", shard_update)
     if shard_update and axis_name is None:
         raise ValueError(
             "shard_update=True shards the window's reduction over the data "
@@ -221,7 +223,7 @@ def _window_fn(every_k: Any, decay: float | None) -> Callable[..., Any]:
     elif callable(every_k):
         length = lambda state: every_k(state.gradient_step)  # noqa: E731
     else:
-        k = utils.check_positive_int("every_k", every_k)
+        k = checks.check_positive_int("every_k", every_k)
         length = lambda state: k  # noqa: E731
     return lambda state, mini_step, weight, sums: (
         mini_step >= jnp.asarray(length(state), jnp.int32)
@@ -232,11 +234,11 @@ def _leaf_dtype(cfg: _Config, leaf: Any) -> np.dtype:
     """The accumulator dtype of a param leaf."""
     dtype = jnp.result_type(leaf)
     if cfg.accumulator_dtype is None:  # at least float32 and the leaf's own
-        return utils.widen(dtype)
+        return numerics.widen(dtype)
     # The accumulator_dtype gives the precision; complex stays complex, real
     # stays real.
     if jnp.issubdtype(dtype, jnp.complexfloating):
-        return utils.widen(jnp.complex64, cfg.accumulator_dtype)
+        return numerics.widen(jnp.complex64, cfg.accumulator_dtype)
     return jnp.finfo(cfg.accumulator_dtype).dtype
 
 
@@ -248,7 +250,7 @@ def _weight_dtype(cfg: _Config, params: Any) -> np.dtype:
     if cfg.accumulator_dtype is not None:
         dtypes.append(cfg.accumulator_dtype)
     return functools.reduce(
-        lambda wide, d: utils.widen(jnp.finfo(d).dtype, wide),
+        lambda wide, d: numerics.widen(jnp.finfo(d).dtype, wide),
         dtypes,
         jnp.dtype(jnp.float32),
     )
@@ -298,9 +300,9 @@ def _gate_update(
     acc, (weight, low), noise, counted = _add(
         cfg, sums, state, updates, accum_weight, ctx.passed, summed
     )
-    mini_step = utils.select(counted, state.mini_step + 1, state.mini_step)
+    mini_step = flags.select(counted, state.mini_step + 1, state.mini_step)
     closes = cfg.closes(state, mini_step, (weight, low), sums)
-    closing = utils.both(counted, closes)
+    closing = flags.both(counted, closes)
     new_state = state._replace(  # its optimizer_step as it was
         mini_step=jnp.where(closing, 0, mini_step).astype(jnp.int32),
         gradient_step=jnp.where(
@@ -352,7 +354,7 @@ def _call_weight(
         if summed:
             raise ValueError(_NEEDS_WEIGHT_MSG)
         accum_weight = 1.0
-    utils.check_weight("accum_weight", accum_weight)
+    checks.check_weight("accum_weight", accum_weight)
     return accum_weight, summed
 
 
@@ -364,7 +366,7 @@ def _checked_input(
     trace (``reducer.of`` the stored accumulator), after checking both: the
     state's type, the mesh mistakes, ``shard_update``'s mesh, the
     gradients' structure."""
-    utils.check_state_type(state, AccumulateState, "oa.accumulate")
+    checks.check_state_type(state, AccumulateState, "oa.accumulate")
     if state.weight_low is None:  # a state of an earlier version
         state = _upgraded(state)
     # The stored accumulator decides, as for a flush (the gradients where
@@ -405,8 +407,8 @@ def _add(
     counted = passed
     if cfg.skip_nonfinite:
         exempt = False if summed else weightless
-        finite = utils.both(valid, utils.either(exempt, sums.finite(updates)))
-        counted = utils.both(counted, sums.agree(finite))
+        finite = flags.both(valid, flags.either(exempt, sums.finite(updates)))
+        counted = flags.both(counted, sums.agree(finite))
 
     def add(a, g):
         g = jnp.asarray(g).astype(a.dtype)
@@ -420,7 +422,7 @@ def _add(
         return a + wg
 
     acc = jax.tree.map(add, state.acc, updates)
-    acc = utils.select(counted, acc, state.acc)
+    acc = flags.select(counted, acc, state.acc)
     total = _add_weight(state.weight, state.weight_low, w)
     noise = state.noise_scale  # None: the estimate is off (no work)
     if noise is not None:
@@ -434,9 +436,9 @@ def _add(
             counted,
         )
         # The add written over the accumulator after the estimate's read
-        # of it (utils.ordered_after).
-        acc = utils.ordered_after_scalars(acc, noise)
-    total = utils.select(counted, total, (state.weight, state.weight_low))
+        # of it (flags.ordered_after).
+        acc = flags.ordered_after_scalars(acc, noise)
+    total = flags.select(counted, total, (state.weight, state.weight_low))
     return acc, total, noise, counted
 
 
@@ -458,8 +460,8 @@ def _weight(weight: Any, dtype: Any) -> tuple[Any, Any, Any]:
     float and the literals ``True`` and ``w == 0``, so that no select is
     built for it; for a traced one, an array of ``dtype`` (NaN where it is
     negative or not finite) and two boolean scalars."""
-    known = utils.concrete(weight)
-    if known is not None:  # checked by utils.check_weight: finite, >= 0
+    known = numerics.concrete(weight)
+    if known is not None:  # checked by checks.check_weight: finite, >= 0
         w = float(known)
         return w, True, w == 0
     w = jnp.asarray(weight).astype(dtype)
@@ -471,7 +473,7 @@ def _weight(weight: Any, dtype: Any) -> tuple[Any, Any, Any]:
 def _per_unit(sums: reducer.Reducer, updates: Any, w: Any) -> Any:
     """Summed gradients divided by their weight ``w`` (0 where it is 0):
     the per-micro-batch means the noise scale squares."""
-    inv = utils.divide_or(1, jnp.asarray(w))
+    inv = numerics.divide_or(1, jnp.asarray(w))
     return jax.tree.map(lambda g: sums.scale(inv.astype(g.dtype), g), updates)
 
 
@@ -502,7 +504,7 @@ def _emitter(
     ``emit``, and passes the window on to a later gate as one call of
     weight 0, from the closed state. With ``peaks`` (a loss scale after
     the accumulate checks the window) it also gives the updates' peaks,
-    read from the sums (:func:`utils.peaks`)."""
+    read from the sums (:func:`numerics.peaks`)."""
 
     def emit():
         # Over the devices, once per window (reducer.py).
@@ -517,14 +519,14 @@ def _emitter(
         opened = True if weight_checked else weight != 0
         # The mean's factor (0 for a flushed window of weight 0), applied in
         # each leaf's own precision (the weight's is the widest).
-        scale = utils.divide_or(1, weight) if cfg.reduction == "mean" else 1
+        scale = numerics.divide_or(1, weight) if cfg.reduction == "mean" else 1
         updates = jax.tree.map(
             lambda a, d: (jnp.asarray(scale, a.dtype) * a).astype(d),
             acc,
             out_dtypes,
         )
         # Same type (e.g. device-varying) as the flag of the closed branch.
-        updated = utils.flag_like(opened, state.updated)
+        updated = flags.flag_like(opened, state.updated)
         # Followers (a nested accumulate) weigh this window by its total
         # weight; a window sum adds up with weight 1.
         follower_weight = (
@@ -553,7 +555,7 @@ def _emitter(
             window_weight=follower_weight,
             noise=None if noise is None else noise_scale.estimates(noise),
             # Those of the updates, from the sums (read where they lie).
-            peaks=utils.peaks(acc, scale, out_dtypes) if peaks else None,
+            peaks=numerics.peaks(acc, scale, out_dtypes) if peaks else None,
         )
 
     return emit
@@ -571,7 +573,7 @@ def _gate_flush(
         state = _with_count(state)
     sums = reducer.of(cfg.axis_name, state.acc, cfg.shard_update)
     sums.check_axes("oa.flush", state.acc)
-    utils.check_same_structure(
+    checks.check_same_structure(
         "the params", params, sums.load(state.acc), "the accumulator"
     )
     closed_state = state._replace(
@@ -656,7 +658,7 @@ def _gradient_params(params: Any) -> Any:
 
 def _check_gradients(updates: Any, acc: Any) -> None:
     """Raises if the gradients do not fit the accumulator, naming the leaf."""
-    utils.check_same_structure(
+    checks.check_same_structure(
         "the gradients", updates, acc, "the accumulator (params)"
     )
     paths = jax.tree_util.tree_flatten_with_path(updates)[0]

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import utils
+from optaxaccum._src import checks, numerics
 
 __all__ = ["agc", "unitwise_norm"]
 
@@ -28,7 +28,7 @@ AxisArg = Union[
 AGC_NO_PARAMS_MSG = (
     "oa.agc (adaptive gradient clipping) needs the current parameters: the "
     "clipping threshold of each unit is proportional to its parameter norm. "
-    "Call `update(grads, state, params)`. " + utils.NO_PARAMS_MSG
+    "Call `update(grads, state, params)`. " + checks.NO_PARAMS_MSG
 )
 
 
@@ -67,7 +67,7 @@ def _normalize_axes(spec: Any, shape: tuple[int, ...], where: str) -> tuple:
             f"The axis for {where} must be None, an int or a tuple of ints, "
             f"got {spec!r} of type {type(spec).__name__}"
         )
-    out = utils.wrap_indices(
+    out = checks.wrap_indices(
         axes,
         ndim,
         lambda _: (
@@ -86,7 +86,7 @@ def _normalize_axes(spec: Any, shape: tuple[int, ...], where: str) -> tuple:
 def _unit_norm(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     """L2 norms over ``axes`` (kept as size 1), in float32 or wider."""
     x = jnp.asarray(x)
-    x = x.astype(utils.widen(x.dtype))
+    x = x.astype(numerics.widen(x.dtype))
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         sq = jnp.real(x) * jnp.real(x) + jnp.imag(x) * jnp.imag(x)
     else:
@@ -224,7 +224,7 @@ def _clip_leaf(
     # of 4, 30% less compile time), rather than copying the select and its
     # inputs into the consumer.
     scale = jnp.where(over, max_norm, 1.0) / jnp.where(over, g_norm, 1.0)
-    compute = utils.widen(g.dtype)
+    compute = numerics.widen(g.dtype)
     return (g.astype(compute) * scale.astype(compute)).astype(g.dtype)
 
 
@@ -275,10 +275,10 @@ def agc(
       Brock et al., `High-Performance Large-Scale Image Recognition Without
       Normalization <https://arxiv.org/abs/2102.06171>`_, 2021
     """
-    clipping = utils.check_real("clipping", clipping)
+    clipping = checks.check_real("clipping", clipping)
     if not clipping > 0:  # also rejects NaN
         raise ValueError(f"clipping must be > 0, got clipping={clipping!r}")
-    eps = utils.check_real("eps", eps)
+    eps = checks.check_real("eps", eps)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got eps={eps!r}")
     _check_axis_arg(axis)
@@ -291,7 +291,7 @@ def agc(
         del extra_args
         if params is None:
             raise ValueError(AGC_NO_PARAMS_MSG)
-        utils.check_same_structure("updates", updates, params, "params")
+        checks.check_same_structure("updates", updates, params, "params")
         leaf_axes = _leaf_axes(axis, params)
         g_leaves, treedef = jax.tree.flatten(updates)
         w_leaves = jax.tree.leaves(params)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optaxaccum._src import utils, windows
+from optaxaccum._src import checks, numerics, windows
 
 # Names of the extra ``batch_stats`` entries (linen) / attributes (nnx), one
 # per field of :class:`Window`, in its order. They are stored in users'
@@ -171,7 +171,7 @@ def _check_momentum(momentum: Any) -> None:
         return  # the common case, without a trip through NumPy
     if isinstance(momentum, bool):
         raise TypeError(f"momentum must be a real number, got {momentum!r}")
-    value = utils.concrete(momentum)
+    value = numerics.concrete(momentum)
     if value is None:  # traced: cannot be checked here
         return
     if value.dtype.kind not in "fiu":
@@ -260,7 +260,7 @@ def _micro_batch_stats(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`micro_batch_stats` of a real ``x``."""
     reduction_axes = _checked_axes(x.ndim, reduction_axes)
-    dtype = utils.widen(x.dtype if dtype is None else dtype)
+    dtype = numerics.widen(x.dtype if dtype is None else dtype)
     x = x.astype(dtype)
     if mask is None:
         feature_shape = [
@@ -289,7 +289,7 @@ def _micro_batch_stats(
         return tuple(out)
 
     def per_element(v, count):
-        return utils.divide_or(v, count, count > 0)
+        return numerics.divide_or(v, count, count > 0)
 
     if use_fast_variance:
         count, s1, s2 = psum(count, total(x), total(x * x))
@@ -336,7 +336,7 @@ def merge(
     _check_shapes("merge", window, count=count, mean=mean, var=var)
     count, mean, var = (v.astype(jnp.float32) for v in (count, mean, var))
     total = window.count + count
-    frac = utils.divide_or(count, total, total > 0)
+    frac = numerics.divide_or(count, total, total > 0)
     delta = mean - window.mean
     return Window(
         count=total,
@@ -399,7 +399,7 @@ def close(
         "close", window, running_mean=running_mean, running_var=running_var
     )
     seen = window.count > 0
-    pooled_var = utils.divide_or(window.m2, window.count, seen)
+    pooled_var = numerics.divide_or(window.m2, window.count, seen)
     use = where & seen
 
     def ema(running, stat):
@@ -467,7 +467,7 @@ def step(
       >>> state.running_mean, state.running_var  # BatchNorm on the window
       (Array([6.], dtype=float32), Array([26.], dtype=float32))
     """
-    every_k = utils.check_positive_int("every_k", every_k)
+    every_k = checks.check_positive_int("every_k", every_k)
     window = merge(window, *stats)
     return close(
         running_mean,
@@ -557,7 +557,7 @@ def keep_counted(
       >>> batchnorm.keep_counted(s0, s1, old=jnp.zeros(1), new=jnp.ones(1))
       Array([0.], dtype=float32)
     """
-    utils.check_same_structure("new", new, old, "old")
+    checks.check_same_structure("new", new, old, "old")
     counted = windows.counted(old_opt_state, new_opt_state)
     if counted is True:  # no accumulate: every call counts
         return new
@@ -638,7 +638,7 @@ def check_closed_with(
                 "window then closes with the optimizer's)."
             )
 
-    known = utils.concrete(early)
+    known = numerics.concrete(early)
     if known is not None:
         fail(known)
         return

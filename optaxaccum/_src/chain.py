@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, gating, utils, windows
+from optaxaccum._src import base, flags, gating, keywords, windows
 from optaxaccum._src.windows import warn_if_wrapped
 
 __all__ = ["chain", "apply_gradients", "flush"]
@@ -71,7 +71,7 @@ def chain(
     """
     _check_elements(transforms)
     declared = frozenset().union(
-        *(utils.declared_extra_args(tx) for tx in transforms)
+        *(keywords.declared_extra_args(tx) for tx in transforms)
     )
     gate_at = next(
         (i for i, t in enumerate(transforms) if gating.is_gate(t)), None
@@ -81,7 +81,7 @@ def chain(
     n, head = len(transforms), gating.plain_run(transforms[:gate_at])
     gate, rest = _split(transforms[gate_at], _followers(transforms, gate_at))
     assert gating.is_gate(gate)  # for the type checker: found as a gate
-    gate_declared = utils.declared_extra_args(gate)
+    gate_declared = keywords.declared_extra_args(gate)
     plain = rest is not None and not gating.is_gate(rest)
     # Gates after the first one: the state of an earlier version that one
     # of them converts in a branch is converted before it (both branches).
@@ -105,8 +105,8 @@ def chain(
             updates, new_head = head(
                 updates, state[:gate_at], params, window, extra_args
             )
-            counts = utils.both(ctx.passed, gating.window_counts(window))
-            new_head = utils.select(counts, new_head, state[:gate_at])
+            counts = flags.both(ctx.passed, gating.window_counts(window))
+            new_head = flags.select(counts, new_head, state[:gate_at])
         # The gate decides; the elements after it run where it opens. The
         # peaks of the updates reach only the gate, and only if no element
         # before it changed the updates.
@@ -133,7 +133,7 @@ def chain(
         windows.mark_scales_gradients(gate_update_fn)  # for a chain around
     return gating.GatedTransformation(
         _init(transforms),
-        utils.with_signature(gate_update_fn, declared, gate=True),
+        keywords.with_signature(gate_update_fn, declared, gate=True),
         _flush_fn(transforms),
     )
 
@@ -250,11 +250,11 @@ def _checked(tx, declared, n):
 
     def update_fn(updates, state, params=None, **extra_args):
         _check_chain_state(state, n)
-        utils.check_extra_args(extra_args, declared)
+        keywords.check_extra_args(extra_args, declared)
         return tx.update(updates, state, params, **extra_args)
 
     return optax.GradientTransformationExtraArgs(
-        tx.init, utils.with_signature(update_fn, declared)
+        tx.init, keywords.with_signature(update_fn, declared)
     )
 
 
@@ -381,7 +381,7 @@ def _fused_step(
         warn_if_wrapped(opt_state)
         updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
         return optax.apply_updates(params, updates), opt_state, updates
-    utils.check_extra_args(extra_args, utils.declared_extra_args(tx))
+    keywords.check_extra_args(extra_args, keywords.declared_extra_args(tx))
     ctx = base.GateContext()
     result = gating.decision_of(
         tx.gate_update(grads, opt_state, params, ctx, **extra_args)
@@ -399,25 +399,25 @@ def _apply(res: Any, params, with_updates: bool):
         updates, state, flag, *_ = res.emission()
         selected.append(flag is not True)
         new_params = optax.apply_updates(params, updates)
-        new_params = utils.select(flag, new_params, params)
-        updates = utils.mask(flag, updates) if with_updates else None
+        new_params = flags.select(flag, new_params, params)
+        updates = flags.mask(flag, updates) if with_updates else None
         return new_params, state, updates
 
     def closed():
         if not with_updates:  # nothing to shape: opened is not traced
             return params, res.state, None
         shapes = jax.eval_shape(opened)[2]
-        return params, res.state, utils.zeros_of(shapes)
+        return params, res.state, flags.zeros_of(shapes)
 
     def order(out, in_loop):
         # The optimizer's moments after the new params only where the step
         # selects its old state back (a dropped window): there it saves a
         # copy; elsewhere it splits the optimizer's pass in two.
         moments = in_loop and selected[-1]
-        state = utils.ordered_after(out[1], out[0], moments=moments)
+        state = flags.ordered_after(out[1], out[0], moments=moments)
         return out[0], state, out[2]
 
-    return utils.loop_or_call(res.may_open, opened, closed, order)
+    return flags.loop_or_call(res.may_open, opened, closed, order)
 
 
 def flush(
@@ -479,7 +479,7 @@ def flush(
             "part of the state: oa.flush(inner, state[i], params)"
         )
     gate_flush, declared = found
-    utils.check_extra_args(extra_args, declared)
+    keywords.check_extra_args(extra_args, declared)
     return gating.decision_of(
         gate_flush(opt_state, params, **extra_args)
     ).as_update()
@@ -496,7 +496,7 @@ def _flusher(tx: Any) -> tuple[Any, frozenset[str]] | None:
     if gate is not None:
         if gate.gate_flush is None:
             return None
-        return gate.gate_flush, utils.declared_extra_args(gate)
+        return gate.gate_flush, keywords.declared_extra_args(gate)
     try:  # optax.chain's update_fn closes over its elements' updates
         fns = inspect.getclosurevars(update).nonlocals.get("update_fns")
     except TypeError:  # not a Python function

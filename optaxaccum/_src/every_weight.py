@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from optaxaccum._src import utils
+from optaxaccum._src import checks
 
 __all__ = ["EveryWeight", "every_weight"]
 
@@ -98,9 +98,9 @@ def every_weight(total: float, *, max_k: int | None = None) -> EveryWeight:
       >>> closed, int(state[0].gradient_step)
       ([False, False, True], 1)
     """
-    number = utils.check_real("total", total)
+    number = checks.check_real("total", total)
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"total must be finite and > 0, got total={total!r}")
     if max_k is not None:
-        max_k = utils.check_positive_int("max_k", max_k)
+        max_k = checks.check_positive_int("max_k", max_k)
     return EveryWeight(number, max_k)

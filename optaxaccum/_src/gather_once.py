@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import sharding, utils
+from optaxaccum._src import checks, numerics, sharding
 
 __all__ = ["GatherOnce"]
 
@@ -88,10 +88,10 @@ class GatherOnce:
     peel: bool = True
 
     def __post_init__(self):
-        names = utils.axis_names(self.batch_axes)
+        names = checks.axis_names(self.batch_axes)
         object.__setattr__(self, "batch_axes", names)
         if self.over is not None:
-            over = utils.axis_names(self.over)
+            over = checks.axis_names(self.over)
             stray = [a for a in over if a not in names]
             if stray:
                 raise ValueError(
@@ -103,7 +103,7 @@ class GatherOnce:
             object.__setattr__(self, "over", over)
         if self.dtype is not None:
             dtype = _field(
-                utils.check_float_dtype,
+                checks.check_float_dtype,
                 "dtype",
                 self.dtype,
                 wrong_kind=TypeError,
@@ -111,7 +111,7 @@ class GatherOnce:
             object.__setattr__(self, "dtype", dtype)
         if self.memory_budget is not None:
             budget = _field(
-                utils.check_real, "memory_budget", self.memory_budget
+                checks.check_real, "memory_budget", self.memory_budget
             )
             if not (budget >= 0 and math.isfinite(budget)):
                 raise ValueError(
@@ -119,8 +119,8 @@ class GatherOnce:
                     "finite number of bytes per device, got "
                     f"memory_budget={self.memory_budget!r}"
                 )
-        _field(utils.check_callable, "leaves", self.leaves, none_ok=True)
-        _field(utils.check_bool, "peel", self.peel)
+        _field(checks.check_callable, "leaves", self.leaves, none_ok=True)
+        _field(checks.check_bool, "peel", self.peel)
 
 
 def _field(check: Callable[..., Any], name: str, value: Any, **kw: Any) -> Any:
@@ -309,7 +309,7 @@ def _cost(how: _Leaf, leaf: Any) -> int:
         )
     )
     size = int(np.prod(np.shape(leaf))) // share
-    acc = utils.widen(jnp.result_type(leaf))
+    acc = numerics.widen(jnp.result_type(leaf))
     return size * (jnp.dtype(how.dtype).itemsize + jnp.dtype(acc).itemsize)
 
 

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base, utils, windows
+from optaxaccum._src import base, flags, keywords, windows
 from optaxaccum._src.base import GateFlushFn, GateUpdateFn
 
 __all__ = ["GatedTransformation", "is_gate"]
@@ -60,7 +60,7 @@ class Emission(NamedTuple):
     # closed the window, or None (off): the plain followers that declare
     # base.WINDOW_NOISE_ARG by name get it (oa.scale_by_window).
     noise: Any = None
-    # The largest magnitude of each leaf of ``updates`` (utils.peaks), where
+    # The largest magnitude of each leaf of ``updates`` (numerics.peaks), where
     # the gate knows them from what it holds (a window's loss scale after
     # it asked), or None: a later gate that checks finiteness reads them,
     # not the updates (a second reader of the updates keeps them in memory).
@@ -81,7 +81,7 @@ class Emission(NamedTuple):
         """The emission of a branch that does not step the followers: zero
         updates and window weight shaped as in ``shapes`` (an emission's
         shapes), ``state``, ``opened`` and ``passed`` as given."""
-        updates, weight, noise, peaks = utils.zeros_of(
+        updates, weight, noise, peaks = flags.zeros_of(
             (shapes.updates, shapes.window_weight, shapes.noise, shapes.peaks)
         )
         return cls(
@@ -155,16 +155,16 @@ class Decision(NamedTuple):
 
         def opened():
             out = self.emission()
-            return utils.mask(out.opened, out.updates), out.state
+            return flags.mask(out.opened, out.updates), out.state
 
         def closed():
-            return utils.zeros_of(jax.eval_shape(opened)[0]), self.state
+            return flags.zeros_of(jax.eval_shape(opened)[0]), self.state
 
         def order(out, in_loop):
-            state = utils.ordered_after(out[1], out[0], moments=False)
+            state = flags.ordered_after(out[1], out[0], moments=False)
             return out[0], state
 
-        return utils.loop_or_call(self.may_open, opened, closed, order)
+        return flags.loop_or_call(self.may_open, opened, closed, order)
 
     def pass_window_on(self, window: Any, plain: bool) -> Decision:
         """A gate that closes no window of its own (a loss scale, a user's
@@ -179,7 +179,7 @@ class Decision(NamedTuple):
             out = out._replace(window_weight=window)
             if plain:  # they do not step on a window of weight 0
                 out = out._replace(
-                    opened=utils.both(out.opened, window_counts(window))
+                    opened=flags.both(out.opened, window_counts(window))
                 )
             return out
 
@@ -205,7 +205,7 @@ class Decision(NamedTuple):
             false = jnp.asarray(False)
             return Emission.shut(like, self.state, opened=false, passed=true)
 
-        out = utils.select_or_call(self.may_open, opened, empty)
+        out = flags.select_or_call(self.may_open, opened, empty)
         return out._replace(passed=True if out.passed is None else out.passed)
 
 
@@ -269,17 +269,17 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         _check_takes_ctx(gate_update)
         # The plain update declares what gate_update takes by name, so that
         # chains can tell a near-miss keyword (``acum_weight``) from others.
-        names = utils.declared_extra_args(gate_update, skip=4)
+        names = keywords.declared_extra_args(gate_update, skip=4)
 
         def update_fn(updates, state, params=None, **extra_args):
             if extra_args:  # near-misses (none to find without keywords)
-                utils.check_extra_args(extra_args, names)
+                keywords.check_extra_args(extra_args, names)
             ctx = base.GateContext()
             res = gate_update(updates, state, params, ctx, **extra_args)
             return Decision.of(res).as_update()
 
         self = super().__new__(
-            cls, init, utils.with_signature(update_fn, names)
+            cls, init, keywords.with_signature(update_fn, names)
         )
         self.gate_update = gate_update
         self.gate_flush = gate_flush
@@ -421,7 +421,7 @@ def plain_run(transforms: tuple) -> Callable[..., Any]:
     the total weight of an accumulate's window before them (or ``None``).
     Its ``transforms`` attribute holds them."""
     txs = [optax.with_extra_args_support(t) for t in transforms]
-    names = [utils.declared_extra_args(tx) for tx in txs]
+    names = [keywords.declared_extra_args(tx) for tx in txs]
 
     def run(updates, state, params, window, extra_args):
         new_state = []
@@ -506,14 +506,14 @@ def then_plain(res, head, tail_state, rest, params, extra_args) -> Decision:
         )
 
         def skip(like):
-            return utils.zeros_of(like[0]), tail_state
+            return flags.zeros_of(like[0]), tail_state
 
         if res.followers_branch:
-            updates, tail = utils.cond_or_call(
+            updates, tail = flags.cond_or_call(
                 out.opened, run, lambda: skip(jax.eval_shape(run))
             )
         else:
-            updates, tail = utils.select_or_call(out.opened, run, skip)
+            updates, tail = flags.select_or_call(out.opened, run, skip)
         return out._replace(updates=updates, state=(*head, out.state, *tail))
 
     return res._replace(state=state, emit=emit)
@@ -534,7 +534,7 @@ def then_gate(res, head, tail_state, rest, params, extra_args) -> Decision:
         if out.peaks is not None:
             extra = {**extra_args, PEAKS_ARG: out.peaks}
         args = args_for(
-            utils.declared_extra_args(rest), extra, out.window_weight
+            keywords.declared_extra_args(rest), extra, out.window_weight
         )
         e = through_gate(out, tail_state, rest, params, args)
         # Where the later gates did not step (a loss scale dropped the
@@ -544,7 +544,7 @@ def then_gate(res, head, tail_state, rest, params, extra_args) -> Decision:
         )
         return e._replace(state=(*head, own, *e.state))
 
-    may_open = utils.either(res.may_open, res.empty)
+    may_open = flags.either(res.may_open, res.empty)
     return Decision(
         state=state,
         may_open=may_open,
@@ -566,31 +566,31 @@ def through_gate(out, tail_state, rest, params, args) -> Emission:
     later = Decision.of(
         rest.gate_update(out.updates, tail_state, params, ctx, **args)
     )
-    pred = utils.either(later.may_open, later.empty)
+    pred = flags.either(later.may_open, later.empty)
 
     def opened():
         e = later.to_next_gate()
         return e._replace(
-            opened=utils.both(later.may_open, e.opened),
-            passed=utils.flag_like(e.passed, pred),
+            opened=flags.both(later.may_open, e.opened),
+            passed=flags.flag_like(e.passed, pred),
         )
 
     def closed(like):
-        false = utils.flag_like(False, pred)
+        false = flags.flag_like(False, pred)
         return Emission.shut(like, later.state, opened=false, passed=false)
 
     if later.branches:  # a later accumulate: it opens once per its window
-        e = utils.cond_or_call(
+        e = flags.cond_or_call(
             pred, opened, lambda: closed(jax.eval_shape(opened))
         )
     else:
-        e = utils.select_or_call(pred, opened, closed)
+        e = flags.select_or_call(pred, opened, closed)
     if window is not None:
         return e
     return e._replace(
-        state=utils.select(out.opened, e.state, tail_state),
-        opened=utils.both(out.opened, e.opened),
-        passed=utils.both(out.opened, e.passed),
+        state=flags.select(out.opened, e.state, tail_state),
+        opened=flags.both(out.opened, e.opened),
+        passed=flags.both(out.opened, e.passed),
     )
 
 
@@ -600,12 +600,12 @@ def merge_eager(res, head, tail_state, rest, params, extra_args) -> Decision:
     after a loss scale) still skips its followers and keeps the fused fast
     path."""
     out = res.emission()
-    passed = utils.both(res.may_open, out.opened)
-    gate_state = utils.select(res.may_open, out.state, res.state)
+    passed = flags.both(res.may_open, out.opened)
+    gate_state = flags.select(res.may_open, out.state, res.state)
     # A call this gate refused does not count for the later gate (``passed``).
     window = out.window_weight
     ctx = base.GateContext(passed=passed, window_weight=window)
-    args = args_for(utils.declared_extra_args(rest), extra_args, window)
+    args = args_for(keywords.declared_extra_args(rest), extra_args, window)
     later = Decision.of(
         rest.gate_update(out.updates, tail_state, params, ctx, **args)
     )
@@ -615,8 +615,8 @@ def merge_eager(res, head, tail_state, rest, params, extra_args) -> Decision:
 
     return later.then(prepend)._replace(
         state=(*head, gate_state, *cast(tuple, later.state)),
-        may_open=utils.both(passed, later.may_open),
-        empty=utils.both(passed, later.empty),
+        may_open=flags.both(passed, later.may_open),
+        empty=flags.both(passed, later.empty),
     )
 
 
@@ -638,7 +638,7 @@ def then_flush(res, rest, at, params, extra_args) -> Decision:
         shapes = jax.eval_shape(run)
         return Emission.shut(shapes, res.state, opened=false, passed=false)
 
-    first = utils.cond_or_call(res.may_open, run, skip)
+    first = flags.cond_or_call(res.may_open, run, skip)
     front = first.state[:at]
     second = Decision.of(
         rest.gate_flush(first.state[at:], params, **extra_args)
@@ -649,7 +649,7 @@ def then_flush(res, rest, at, params, extra_args) -> Decision:
             out = second.emission()
             return out._replace(state=(*front, *out.state)).with_flags()
 
-        return utils.cond_or_call(first.opened, lambda: first, then)
+        return flags.cond_or_call(first.opened, lambda: first, then)
 
     return Decision(
         state=(*front, *second.state),

@@ -36,7 +36,7 @@ _CALLEE_RE = re.compile(
     r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
     r"=%?([\w.\-]+)"
 )
-# The name scope of the fused step's loop (utils.GATE_LOOP), in its metadata.
+# The name scope of the fused step's loop (flags.GATE_LOOP), in its metadata.
 _GATE_LOOP = 'optaxaccum_gate/while"'
 _BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRUE_FALSE_RE = re.compile(

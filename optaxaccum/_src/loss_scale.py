@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxaccum._src import base, reducer, utils, windows
+from optaxaccum._src import base, checks, flags, numerics, reducer, windows
 from optaxaccum._src.gating import GatedTransformation
 
 __all__ = [
@@ -65,7 +65,7 @@ class StaticLossScaleState(NamedTuple):
 def _check_float32(name: str, value: Any, *, lower: float) -> np.float32:
     """``value`` as a float32 if it is real, finite (in float32) and
     ``> lower``."""
-    x = utils.check_real(name, value)
+    x = checks.check_real(name, value)
     with np.errstate(over="ignore"):
         x32 = np.float32(x)
     if not (math.isfinite(x) and np.isfinite(x32)):
@@ -88,7 +88,7 @@ def _unscale(
         g = jnp.asarray(g)
         if not jnp.issubdtype(g.dtype, jnp.inexact):
             return g
-        wide = utils.widen(g.dtype)
+        wide = numerics.widen(g.dtype)
         return sums.scale(inv.astype(wide), g.astype(wide)).astype(g.dtype)
 
     return jax.tree.map(one, updates)
@@ -102,24 +102,24 @@ def _unscaled_all_finite(
 ) -> jax.Array:
     """Whether ``_unscale(updates, scale, sums)`` is finite everywhere, decided
     from each leaf's largest magnitude (on XLA:CPU from ``peaks``, as
-    :func:`utils.peaks` gives them, where the gate before knows them: an
+    :func:`numerics.peaks` gives them, where the gate before knows them: an
     accumulate's window):
     unscaling is monotonic in ``|g|`` and NaN propagates through the
     maximum. Reading only the incoming gradients, it lets XLA fuse the
     unscaling into its consumer (the accumulator update) instead of keeping
     the unscaled tree in a temporary buffer."""
     if peaks is None:
-        peaks = utils.peaks(updates)
+        peaks = numerics.peaks(updates)
     else:  # XLA:CPU keeps a mean with two readers in memory; XLA:TPU
         # copies an accumulator read here and zeroed in place: each its own
         window = peaks
         peaks = jax.lax.platform_dependent(
-            cpu=lambda: window, default=lambda: utils.peaks(updates)
+            cpu=lambda: window, default=lambda: numerics.peaks(updates)
         )
     if not peaks:
         return jnp.array(True)
     unscaled = jax.tree.leaves(_unscale(peaks, scale, sums))
-    return utils.all_true([jnp.isfinite(u) for u in unscaled])
+    return numerics.all_true([jnp.isfinite(u) for u in unscaled])
 
 
 def dynamic_loss_scale(
@@ -175,7 +175,7 @@ def dynamic_loss_scale(
       <https://arxiv.org/abs/1710.03740>`_, 2018.
     """
     init32 = _check_float32("init_scale", init_scale, lower=0.0)
-    period = utils.check_positive_int("period", period)
+    period = checks.check_positive_int("period", period)
     factor32 = _check_float32("factor", factor, lower=1.0)
     min32 = _check_float32("min_scale", min_scale, lower=0.0)
     if min32 > init32:
@@ -183,7 +183,7 @@ def dynamic_loss_scale(
             "min_scale must be <= init_scale, got "
             f"min_scale={min_scale!r} and init_scale={init_scale!r}"
         )
-    utils.check_axis_name(axis_name)
+    checks.check_axis_name(axis_name)
 
     def init_fn(params):
         del params
@@ -206,7 +206,7 @@ def dynamic_loss_scale(
         **extra_args,
     ):
         del params, extra_args
-        utils.check_state_type(
+        checks.check_state_type(
             state, DynamicLossScaleState, "oa.dynamic_loss_scale"
         )
         # The reducer of these gradients: the mesh mode (reducer.py).
@@ -232,14 +232,14 @@ def dynamic_loss_scale(
                 no_data is not False
             ):  # the scale moves unless no device has data
                 no_data = sums.agree(jnp.asarray(no_data))
-        new_state = utils.select(no_data, state, _adjust(state, finite))
+        new_state = flags.select(no_data, state, _adjust(state, finite))
         # A call an earlier gate refused (ctx.passed false) leaves it as is.
-        new_state = utils.select(ctx.passed, new_state, state)
+        new_state = flags.select(ctx.passed, new_state, state)
         # Eager: the Emitted itself (the unscaled gradients cost nothing).
         emitted = base.Emitted(updates=unscaled, state=new_state)
         return base.GateResult(
             state=new_state,
-            may_open=utils.both(ctx.passed, finite),
+            may_open=flags.both(ctx.passed, finite),
             emit=emitted,
         )
 
@@ -251,8 +251,8 @@ def _carries_no_data(accum_weight: Any) -> Any:
     """Whether a call of weight ``accum_weight`` carries no data (weight 0):
     a Python bool for a concrete weight (``False``: nothing to select), a
     boolean scalar array for a traced one."""
-    utils.check_weight("accum_weight", accum_weight)
-    known = utils.concrete(accum_weight)
+    checks.check_weight("accum_weight", accum_weight)
+    known = numerics.concrete(accum_weight)
     if known is None:  # traced
         return jnp.asarray(accum_weight) == 0
     return bool(known == 0)
@@ -338,7 +338,7 @@ def loss_scale(opt_state: optax.OptState) -> jax.Array:
       Array(1., dtype=float32)
     """
     try:
-        found = utils.find_state(opt_state, _SCALE_STATES, "oa.loss_scale")
+        found = windows.find_state(opt_state, _SCALE_STATES, "oa.loss_scale")
     except ValueError:  # no loss scale: the gradients are not scaled
         return jnp.ones([], jnp.float32)
     return jnp.asarray(found.scale).astype(jnp.float32)
@@ -363,7 +363,7 @@ def _scale_argument(value: Any) -> jax.Array:
                 "opt_state_or_scale must be a scalar loss scale, got an array "
                 f"of shape {jnp.shape(value)}"
             )
-        known = utils.concrete(value)
+        known = numerics.concrete(value)
         if known is not None:  # a traced scale is checked by jit
             _check_float32("scale", float(known), lower=0.0)
         return jnp.asarray(value)
@@ -420,7 +420,7 @@ def scaled_value_and_grad(
         out = fun(*args, **kwargs)
         loss, aux = out if has_aux else (out, None)
         loss = jnp.asarray(loss)
-        wide = utils.widen(loss.dtype)
+        wide = numerics.widen(loss.dtype)
         return loss.astype(wide) * scale.astype(wide), (loss, aux)
 
     value_and_grad = jax.value_and_grad(

@@ -22,8 +22,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optaxaccum._src import checks, numerics, sharding
 from optaxaccum._src import gather_once as gather_lib
-from optaxaccum._src import sharding, utils
 from optaxaccum._src.gather_once import GatherOnce
 
 __all__ = [
@@ -85,7 +85,7 @@ def _check_argnums(
 def _normalize(
     indices: tuple[int, ...], nargs: int, name: str
 ) -> tuple[int, ...]:
-    return utils.wrap_indices(
+    return checks.wrap_indices(
         indices,
         nargs,
         lambda i: (
@@ -204,7 +204,7 @@ def _check_carry(new_state: Any, state: Any) -> Any:
     """Returns ``new_state`` (without weak types) after checking that it has
     the structure, shapes and dtypes of ``state``: a scan carry must not
     change type."""
-    utils.check_same_structure(
+    checks.check_same_structure(
         "the state returned by loss_fn",
         new_state,
         state,
@@ -283,14 +283,14 @@ def _weighted_mean(
     losses: jax.Array, ws: jax.Array | None, acc: Any, n: int
 ) -> tuple[jax.Array, Any]:
     """The (weighted) mean loss and gradients from the scan's outputs."""
-    loss_acc = utils.widen(losses.dtype)
+    loss_acc = numerics.widen(losses.dtype)
     if ws is None:
         loss = jnp.mean(losses.astype(loss_acc))
         grads = jax.tree.map(
             lambda a: sharding.times(jnp.asarray(1 / n, a.dtype), a), acc
         )
         return loss.astype(losses.dtype), grads
-    scale = utils.divide_or(1, jnp.sum(ws))
+    scale = numerics.divide_or(1, jnp.sum(ws))
     terms = ws.astype(loss_acc) * losses.astype(loss_acc)
     loss = jnp.sum(jnp.where(ws != 0, terms, 0)) * scale.astype(loss_acc)
     grads = jax.tree.map(
@@ -444,7 +444,9 @@ class _Stages(NamedTuple):
     def start(self, call: _Call) -> _Carry:
         """Zero gradient sums (float32 or wider), the state as given."""
         acc0 = jax.tree.map(
-            lambda p: sharding.grad_zeros(p, utils.widen(jnp.result_type(p))),
+            lambda p: sharding.grad_zeros(
+                p, numerics.widen(jnp.result_type(p))
+            ),
             tuple(call.args[i] for i in call.d_idx),
         )
         state0 = jax.tree.map(_strong, tuple(call.args[i] for i in call.s_idx))
@@ -566,10 +568,10 @@ def microbatched_value_and_grad(
       >>> print(*step(w, x))  # as jax.value_and_grad(loss_fn)(w, x)
       1615.5 [1008. 1077. 1146.]
     """
-    utils.check_callable("loss_fn", loss_fn)
-    n = utils.check_positive_int("num_microbatches", num_microbatches)
-    utils.check_bool("has_aux", has_aux)
-    utils.check_bool("interleave", interleave)
+    checks.check_callable("loss_fn", loss_fn)
+    n = checks.check_positive_int("num_microbatches", num_microbatches)
+    checks.check_bool("has_aux", has_aux)
+    checks.check_bool("interleave", interleave)
     named = {
         "argnums": _check_argnums("argnums", argnums),
         "batch_argnums": _check_argnums("batch_argnums", batch_argnums),
@@ -578,7 +580,7 @@ def microbatched_value_and_grad(
         ),
     }
     diff = named["argnums"]
-    utils.check_callable("weight_fn", weight_fn, none_ok=True)
+    checks.check_callable("weight_fn", weight_fn, none_ok=True)
     if gather_once is not None and not isinstance(gather_once, GatherOnce):
         raise TypeError(
             "gather_once must be None or an oa.GatherOnce, got "
@@ -710,7 +712,7 @@ def plan_microbatches(
       >>> oa.plan_microbatches(loss_fn, w, x, memory_budget=2**40)  # huge
       1
     """
-    budget = utils.check_real("memory_budget", memory_budget)
+    budget = checks.check_real("memory_budget", memory_budget)
     if not (budget > 0 and math.isfinite(budget)):
         raise ValueError(
             f"memory_budget must be a positive, finite number of bytes, got "
@@ -723,7 +725,7 @@ def plan_microbatches(
         tries = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
     else:
         tries = sorted(
-            {utils.check_positive_int("candidates", c) for c in candidates}
+            {checks.check_positive_int("candidates", c) for c in candidates}
         )
         if not tries:
             raise ValueError("candidates must not be empty")

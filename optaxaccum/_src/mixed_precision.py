@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from optaxaccum._src import utils
+from optaxaccum._src import checks, numerics
 
 
 class _Operand(NamedTuple):
@@ -58,7 +58,7 @@ def _wider(a: np.dtype, b: np.dtype) -> np.dtype:
         return a
     bits_a, bits_b = jnp.finfo(a).bits, jnp.finfo(b).bits
     if bits_a == bits_b:
-        return utils.widen(a, jnp.float32)
+        return numerics.widen(a, jnp.float32)
     return a if bits_a > bits_b else b
 
 
@@ -246,8 +246,8 @@ def mixed_precision_dot_general(
       >>> dw.dtype, float(dw[0, 0])
       (dtype('float32'), 8.0)
     """
-    compute = utils.check_float_dtype("compute_dtype", compute_dtype)
-    accum = utils.widen(compute, jnp.float32)
+    compute = checks.check_float_dtype("compute_dtype", compute_dtype)
+    accum = numerics.widen(compute, jnp.float32)
 
     def dot_general(
         lhs: jax.typing.ArrayLike,
@@ -263,7 +263,7 @@ def mixed_precision_dot_general(
         if preferred_element_type is None:
             out = _wider(ops[0].dtype, ops[1].dtype)
         else:
-            out = utils.check_float_dtype(
+            out = checks.check_float_dtype(
                 "preferred_element_type",
                 preferred_element_type,
                 wrong_kind=TypeError,

@@ -18,7 +18,15 @@ import numpy as np
 import optax
 
 from optaxaccum._src import accumulate as _accumulate
-from optaxaccum._src import base, every_weight, gating, utils, windows
+from optaxaccum._src import (
+    base,
+    checks,
+    every_weight,
+    flags,
+    gating,
+    keywords,
+    windows,
+)
 from optaxaccum._src import chain as _chain
 
 __all__ = ["MultiSteps", "MultiStepsState"]
@@ -58,7 +66,7 @@ class MultiStepsState(NamedTuple):
     acc_weight_low: jax.Array | None = None  # shape=(), acc_weight's dtype
 
     _holds_window = True  # found by oa.has_updated (windows.py); no field
-    # Zeroed in place where a window closes (utils.ordered_after); no field
+    # Zeroed in place where a window closes (flags.ordered_after); no field
     _param_sums = ("acc_grads",)
 
 
@@ -113,9 +121,9 @@ def _skip_gate(should_skip_update_fn: Callable) -> gating.GatedTransformation:
         del extra_args
         should_skip, skip_state = ask(updates, state.gradient_step, params)
         # A call refused by a gate before this one leaves it as it was.
-        skip_state = utils.select(ctx.passed, skip_state, state.skip_state)
+        skip_state = flags.select(ctx.passed, skip_state, state.skip_state)
         new = state._replace(skip_state=skip_state)
-        opens = utils.both(ctx.passed, jnp.logical_not(should_skip))
+        opens = flags.both(ctx.passed, jnp.logical_not(should_skip))
         # Eager: it emits the updates it was given (nothing to compute).
         emitted = base.Emitted(updates=updates, state=new)
         return base.GateResult(state=new, may_open=opens, emit=emitted)
@@ -211,11 +219,11 @@ class MultiSteps(gating.GatedTransformation):
 
         # Declares the keywords the chain takes (accum_weight, the
         # optimizer's), so that an outer chain can spot near-misses.
-        declared = utils.declared_extra_args(inner)
+        declared = keywords.declared_extra_args(inner)
         self = super().__new__(
             cls,
             init_fn,
-            utils.with_signature(gate_update_fn, declared, gate=True),
+            keywords.with_signature(gate_update_fn, declared, gate=True),
             cast(base.GateFlushFn, gate_flush_fn),
         )
         self._opt = optax.with_extra_args_support(opt)
@@ -299,7 +307,7 @@ class _Views:
         self.skip = skip
 
     def inner(self, state):
-        utils.check_state_type(
+        checks.check_state_type(
             state,
             MultiStepsState,
             "oa.MultiSteps",
@@ -359,12 +367,12 @@ def _check_args(opt, every_k_schedule, use_grad_mean, should_skip_update_fn):
         )
     budget = isinstance(every_k_schedule, every_weight.EveryWeight)
     if not (callable(every_k_schedule) or budget):
-        utils.check_positive_int("every_k_schedule", every_k_schedule)
+        checks.check_positive_int("every_k_schedule", every_k_schedule)
     if not isinstance(use_grad_mean, (bool, np.bool_)):
         raise TypeError(
             f"use_grad_mean must be a bool, got use_grad_mean={use_grad_mean!r}"
         )
-    utils.check_callable(
+    checks.check_callable(
         "should_skip_update_fn", should_skip_update_fn, none_ok=True
     )
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import utils
+from optaxaccum._src import checks, flags, numerics, windows
 
 __all__ = [
     "NoiseScale",
@@ -87,7 +87,7 @@ def check_decay(value: Any) -> float | None:
     """``noise_scale_decay``: ``None`` or a real in ``[0, 1)``."""
     if value is None:
         return None
-    decay = utils.check_real("noise_scale_decay", value)
+    decay = checks.check_real("noise_scale_decay", value)
     if not 0.0 <= decay < 1.0:
         raise ValueError(
             f"noise_scale_decay must be None or in [0, 1), got {value=!r}"
@@ -159,7 +159,7 @@ def micro_step(
             fresh, positive, state.micro_batches + positive
         ),
     )
-    new = utils.select(counted, new, state)
+    new = flags.select(counted, new, state)
     return new._replace(sq_sum=sums.store(new.sq_sum))
 
 
@@ -255,7 +255,7 @@ def noise_scale(opt_state: optax.OptState) -> NoiseScale:
       (0.6666666865348816, 2.0, 3.0)
     """
     try:
-        found = utils.find_state(opt_state, NoiseScaleState, "oa.noise_scale")
+        found = windows.find_state(opt_state, NoiseScaleState, "oa.noise_scale")
     except ValueError:
         raise ValueError(f"oa.noise_scale {NOT_ON_MSG}") from None
     return estimates(found)
@@ -284,7 +284,7 @@ def b_simple(state: NoiseScaleState) -> jax.Array:
     trace_cov, grad_sq, norm = (
         jnp.asarray(x) for x in (state.trace_cov, state.grad_sq, state.norm)
     )
-    ratio = utils.divide_or(trace_cov, grad_sq, grad_sq > 0, jnp.inf)
+    ratio = numerics.divide_or(trace_cov, grad_sq, grad_sq > 0, jnp.inf)
     return jnp.where(norm == 0, jnp.nan, ratio)
 
 
@@ -369,13 +369,13 @@ def critical_batch_every_k(
       ...                   micro_batch_weight=32), noise_scale_decay=0.9),
       ...     optax.sgd(0.1))
     """
-    min_k = utils.check_positive_int("min_k", min_k)
-    max_k = utils.check_positive_int("max_k", max_k)
+    min_k = checks.check_positive_int("min_k", min_k)
+    max_k = checks.check_positive_int("max_k", max_k)
     if max_k < min_k:
         raise ValueError(f"max_k must be >= min_k, got {max_k=}, {min_k=}")
     values = {"micro_batch_weight": micro_batch_weight, "fraction": fraction}
     for name, value in values.items():
-        number = utils.check_real(name, value)
+        number = checks.check_real(name, value)
         if not (math.isfinite(number) and number > 0):
             raise ValueError(
                 f"{name} must be finite and > 0, got {name}={value!r}"

@@ -41,7 +41,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import reducer, sharding, utils
+from optaxaccum._src import checks, reducer, sharding
 
 __all__ = ["whole_leaves", "WholeLeavesState"]
 
@@ -190,7 +190,7 @@ def plan(params: Any, axis_name: Any, layer_axis: int | None) -> _Plan:
     leaves, treedef = jax.tree.flatten(params)
     named = [sharding.named_sharding(p) for p in leaves]
     mesh = named[0].mesh
-    axes = sharding.ordered_axes(mesh, utils.axis_names(axis_name))
+    axes = sharding.ordered_axes(mesh, checks.axis_names(axis_name))
     n = math.prod(mesh.shape[a] for a in axes)
     out, loads = [], np.zeros((n, 2))
     for p, s in zip(leaves, named, strict=True):
@@ -209,7 +209,7 @@ def plan(params: Any, axis_name: Any, layer_axis: int | None) -> _Plan:
         if floating and len(shape) >= 2:
             kind = "owned"
             move = reducer.placed_spec(P(), shape, mesh, axes)
-            if layer_axis == 0 and len(shape) >= 3 and _splits(shape, n):
+            if layer_axis == 0 and len(shape) >= 3 and splits(shape, n):
                 kind, move = "stacked", P(sharding.spec_entry(axes))
                 loads += [_cost(shape) / n, math.prod(shape) / n]
         out.append(_Leaf(kind, 0, shape, dtype, spec, placed, move))
@@ -733,64 +733,7 @@ def recording() -> Iterator[list]:
         _RECORDS.remove(found)
 
 
-def moved_rows(
-    saved_rows: dict,
-    saved_index: dict,
-    new_index: dict,
-    new_rows: dict,
-    layers: Layered | None = None,
-) -> dict[str, np.ndarray]:
-    """The saved ``rows`` (host arrays, ``saved_index`` their layout) in
-    the layout ``new_index`` with rows shaped as ``new_rows``: each owned
-    leaf's state moved from its old owner to its new one. ``layers``: the
-    new layout's :class:`Layered` leaves, to name in an error."""
-    out = {}
-    saved_n = next((np.shape(r)[0] for r in saved_rows.values()), None)
-    for k, want in new_rows.items():
-        old = np.asarray(saved_index.get(k, np.zeros((0, 3), np.int32)))
-        new = np.asarray(new_index[k])
-        rows = np.asarray(saved_rows.get(k, np.zeros((0, 0), want.dtype)))
-        if old.shape != new.shape or not np.array_equal(old[:, 2], new[:, 2]):
-            raise ValueError(
-                "oa.reshard_state: the saved state of a whole-leaves "
-                f"follower holds {len(old)} owned {k} leaves of sizes "
-                f"{old[:, 2].tolist()}, tx.init(params) {len(new)} of sizes "
-                f"{new[:, 2].tolist()}" + _why(layers, saved_n)
-            )
-        moved = np.zeros(want.shape, want.dtype)
-        for (o, off, size), (o2, off2, _) in zip(old, new):
-            moved[o2, off2 : off2 + size] = rows[o, off : off + size]
-        out[k] = moved
-    return out
-
-
-def _why(layers: Layered | None, saved_n: int | None) -> str:
-    """The end of :func:`moved_rows`'s error: the stacked leaves split
-    along their layers on one data size and owned whole on the other,
-    if that explains it."""
-    if layers is None or saved_n is None:
-        return " (another follower or params?)"
-    n = layers.n
-    changed = [s for s in layers.shapes if _splits(s, n) != _splits(s, saved_n)]
-    if not changed:
-        return " (another follower or params?)"
-    now_split = _splits(changed[0], n)  # those that changed the same way
-    changed = [s for s in changed if _splits(s, n) == now_split]
-    if now_split:
-        was, now = "owned whole", "splits them along their layers"
-    else:
-        was, now = "split along their layers", "cannot and owns them whole"
-    return (
-        ". With layer_axis=0 a stacked leaf is split along its layers "
-        "where the data size (above 1) divides their number, else owned "
-        f"whole: the saved state (data size {saved_n}) holds the stacked "
-        f"leaves of shapes {changed} {was}; this mesh (data size {n}) "
-        f"{now}. Resume on a data size that splits them as the saved one "
-        "did, or start this follower's state afresh from tx.init(params)."
-    )
-
-
-def _splits(shape: tuple[int, ...], n: int) -> bool:
+def splits(shape: tuple[int, ...], n: int) -> bool:
     """Whether a stacked leaf of ``shape`` is split along its layers (the
     leading dimension) over ``n`` devices of the data axes."""
     return n > 1 and shape[0] % n == 0

@@ -38,7 +38,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import sharding, utils
+from optaxaccum._src import checks, numerics, sharding
 
 __all__: list[str] = []
 
@@ -190,7 +190,7 @@ class Local(Reducer):
         self, tree: Any, local: Callable[[Any], jax.Array] | None = None
     ) -> jax.Array:
         """``local(tree)``, by default whether every element is finite."""
-        return (local or utils.all_finite)(tree)
+        return (local or numerics.all_finite)(tree)
 
 
 class Mapped(Reducer):
@@ -372,7 +372,7 @@ def stacked_axes(a: Any, axis_name: Any) -> tuple[Hashable, ...]:
         return ()
     if not sharding.is_explicit(a, axis_name) or not named.spec.partitions:
         return ()
-    axes = sharding.ordered_axes(named.mesh, utils.axis_names(axis_name))
+    axes = sharding.ordered_axes(named.mesh, checks.axis_names(axis_name))
     first = sharding.entry_axes(named.spec.partitions[0])
     return axes if first == axes else ()
 
@@ -437,7 +437,7 @@ def window_zeros(zeros: Any, axis_name: Any) -> Any:
         if not sharding.is_explicit(z, axis_name):
             return z
         named = sharding.named_sharding(z)
-        axes = sharding.ordered_axes(named.mesh, utils.axis_names(axis_name))
+        axes = sharding.ordered_axes(named.mesh, checks.axis_names(axis_name))
         n = int(np.prod([named.mesh.shape[a] for a in axes]))
         spec = sharding.deferred_spec(named.spec, axes, "unreduced")
         spec = _stacked_spec(sharding.without_unreduced(spec), axes)
@@ -545,7 +545,7 @@ def reduce_scatter(a: jax.Array, axis_name: Any) -> jax.Array:
     all-reduces, then slices), hence the explicit collective."""
     named = sharding.named_sharding(a)
     mesh, spec = named.mesh, named.spec
-    axes = sharding.ordered_axes(mesh, utils.axis_names(axis_name))
+    axes = sharding.ordered_axes(mesh, checks.axis_names(axis_name))
     plain = sharding.without_unreduced(spec)
     target = placed_spec(plain, a.shape, mesh, axes)
     old = sharding.padded_entries(plain, a.ndim)

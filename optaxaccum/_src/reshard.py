@@ -166,7 +166,7 @@ def _move_owned(saved: dict, abstract: Any, indexes: list) -> None:
                 if saved.get((*prefix, field, k)) is not None
             }
 
-        rows = owned.moved_rows(
+        rows = moved_rows(
             take("rows"), take("owners"), new_index, node.rows, layers
         )
         for field in ("rows", "owners"):
@@ -237,3 +237,64 @@ def _fit(
 def _wide(dtype: np.dtype) -> Any:
     """The widest dtype of ``dtype``'s kind, to sum the rows in."""
     return np.complex128 if np.iscomplexobj(np.zeros((), dtype)) else np.float64
+
+
+def moved_rows(
+    saved_rows: dict,
+    saved_index: dict,
+    new_index: dict,
+    new_rows: dict,
+    layers: owned.Layered | None = None,
+) -> dict[str, np.ndarray]:
+    """The saved ``rows`` (host arrays, ``saved_index`` their layout) in
+    the layout ``new_index`` with rows shaped as ``new_rows``: each owned
+    leaf's state moved from its old owner to its new one. ``layers``: the
+    new layout's :class:`owned.Layered` leaves, to name in an error."""
+    out = {}
+    saved_n = next((np.shape(r)[0] for r in saved_rows.values()), None)
+    for k, want in new_rows.items():
+        old = np.asarray(saved_index.get(k, np.zeros((0, 3), np.int32)))
+        new = np.asarray(new_index[k])
+        rows = np.asarray(saved_rows.get(k, np.zeros((0, 0), want.dtype)))
+        if old.shape != new.shape or not np.array_equal(old[:, 2], new[:, 2]):
+            raise ValueError(
+                "oa.reshard_state: the saved state of a whole-leaves "
+                f"follower holds {len(old)} owned {k} leaves of sizes "
+                f"{old[:, 2].tolist()}, tx.init(params) {len(new)} of sizes "
+                f"{new[:, 2].tolist()}" + _why(layers, saved_n)
+            )
+        moved = np.zeros(want.shape, want.dtype)
+        for (o, off, size), (o2, off2, _) in zip(old, new):
+            moved[o2, off2 : off2 + size] = rows[o, off : off + size]
+        out[k] = moved
+    return out
+
+
+def _why(layers: owned.Layered | None, saved_n: int | None) -> str:
+    """The end of :func:`moved_rows`'s error: the stacked leaves split
+    along their layers on one data size and owned whole on the other,
+    if that explains it."""
+    if layers is None or saved_n is None:
+        return " (another follower or params?)"
+    n = layers.n
+    changed = [
+        s
+        for s in layers.shapes
+        if owned.splits(s, n) != owned.splits(s, saved_n)
+    ]
+    if not changed:
+        return " (another follower or params?)"
+    now_split = owned.splits(changed[0], n)  # those that changed the same way
+    changed = [s for s in changed if owned.splits(s, n) == now_split]
+    if now_split:
+        was, now = "owned whole", "splits them along their layers"
+    else:
+        was, now = "split along their layers", "cannot and owns them whole"
+    return (
+        ". With layer_axis=0 a stacked leaf is split along its layers "
+        "where the data size (above 1) divides their number, else owned "
+        f"whole: the saved state (data size {saved_n}) holds the stacked "
+        f"leaves of shapes {changed} {was}; this mesh (data size {n}) "
+        f"{now}. Resume on a data size that splits them as the saved one "
+        "did, or start this follower's state afresh from tx.init(params)."
+    )

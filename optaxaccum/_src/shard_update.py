@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import gating, owned, reducer, sharding, utils
+from optaxaccum._src import checks, gating, keywords, owned, reducer, sharding
 
 __all__: list[str] = []
 
@@ -38,7 +38,7 @@ def place(tree: Any, axis_name: Any) -> Any:
     to its :func:`reducer.placed_spec`; an unreduced leaf is summed over
     the axes it is unreduced over on the way (a reduce-scatter). Other
     leaves pass."""
-    axes = utils.axis_names(axis_name)
+    axes = checks.axis_names(axis_name)
 
     def leaf(x):
         if not sharding.is_explicit(x, axes):
@@ -55,7 +55,7 @@ def gather(tree: Any, axis_name: Any, like: Any = None) -> Any:
     back to the params' sharding (an all-gather over them): that of the
     corresponding leaf of the params ``like`` where given (also when
     ``axis_name`` names axes that shard the params), else without them."""
-    axes = set(utils.axis_names(axis_name))
+    axes = set(checks.axis_names(axis_name))
     if like is not None:
         return jax.tree.map(lambda x, p: _like(x, p, tuple(axes)), tree, like)
 
@@ -246,7 +246,7 @@ def _owned_run(rest: Any, followers: Any, at: int, axis_name: Any) -> Any:
         else:
             head = ()
         args = gating.args_for(
-            utils.declared_extra_args(whole), extra_args, window
+            keywords.declared_extra_args(whole), extra_args, window
         )
         updates, last = owned.update(
             whole, updates, state[at], params, axis_name, args

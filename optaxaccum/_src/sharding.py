@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optaxaccum._src import utils
+from optaxaccum._src import checks, numerics
 
 __all__ = [
     "fsdp_gather",
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-axis_names = utils.axis_names  # the one rule
+axis_names = checks.axis_names  # the one rule
 
 
 def sharding_of(x: Any) -> NamedSharding | None:
@@ -72,7 +72,7 @@ def without_unreduced(spec: P) -> P:
 def all_explicit(mesh: Any, axis_name: Any) -> bool:
     """Whether every axis of ``axis_name`` is an Explicit axis of ``mesh``."""
     explicit = set(mesh.explicit_axes)
-    return all(n in explicit for n in utils.axis_names(axis_name))
+    return all(n in explicit for n in checks.axis_names(axis_name))
 
 
 def is_explicit(x: Any, axis_name: Any) -> bool:
@@ -116,7 +116,7 @@ def check_mesh_axes(
     meshes = [jax.sharding.get_abstract_mesh()]
     meshes += [s.mesh for s in map(sharding_of, jax.tree.leaves(tree)) if s]
     known = {n for m in meshes for n in m.axis_names}
-    for name in utils.axis_names(axis_name):
+    for name in checks.axis_names(axis_name):
         if name in known:
             continue
         try:
@@ -162,7 +162,7 @@ def check_gradients(grads: Any, axis_name: Any) -> None:
     micro-batch was then reduced already, and the accumulation's point lost.
     """
     check_mesh_axes(axis_name, "oa.accumulate", grads)
-    names = () if axis_name is None else utils.axis_names(axis_name)
+    names = () if axis_name is None else checks.axis_names(axis_name)
     leaves = [g for g in jax.tree.leaves(grads) if sharding_of(g) is not None]
     stray = set().union(*map(unreduced_axes, leaves)) - set(names)
     if stray:
@@ -295,7 +295,7 @@ def unreduced_value_and_grad(
       ...   print(jax.typeof(g), jax.reshard(g, P()))
       float32[3]{U:data} [1. 1. 1.]
     """
-    names = utils.axis_names(axis_name)
+    names = checks.axis_names(axis_name)
     grad_fn = value_and_grad(loss_fn, argnums=argnums, has_aux=has_aux)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
@@ -429,7 +429,7 @@ def fsdp_gather(w: jax.Array, batch_axes: Any = None) -> jax.Array:
         )
     mesh, spec = sharding.mesh, sharding.spec
     names = (
-        mesh.axis_names if batch_axes is None else utils.axis_names(batch_axes)
+        mesh.axis_names if batch_axes is None else checks.axis_names(batch_axes)
     )
     check_mesh_axes(names, "oa.fsdp_gather", w)
     dims = padded_entries(spec, w.ndim)
@@ -515,10 +515,10 @@ def globally_finite(
                 probe = jnp.sum(times(jnp.zeros([], x.dtype), x))
                 key = (probe.dtype, unreduced_axes(probe))
                 groups[key] = groups[key] + probe if key in groups else probe
-        return utils.all_true(
+        return numerics.all_true(
             [jnp.isfinite(jax.reshard(p, P())).all() for p in groups.values()]
         )
-    return (local or utils.all_finite)(tree)
+    return (local or numerics.all_finite)(tree)
 
 
 def agree(flag: jax.Array, axis_name: Any) -> jax.Array:

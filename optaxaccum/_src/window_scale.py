@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import base, gating, utils
+from optaxaccum._src import base, checks, gating, keywords, windows
 
 __all__ = ["ScaleByWindowState", "scale_by_window", "window_progress"]
 
@@ -157,13 +157,13 @@ def scale_by_window(
       >>> u, float(oa.window_progress(state))
       (Array([-2.], dtype=float32), 2.0)
     """
-    number = utils.check_real("base_weight", base_weight)
+    number = checks.check_real("base_weight", base_weight)
     if not (math.isfinite(number) and number > 0):
         raise ValueError(
             f"base_weight must be finite and > 0, got {base_weight=!r}"
         )
     rule = _check_rule(rule)
-    utils.check_callable("schedule", schedule, none_ok=True)
+    checks.check_callable("schedule", schedule, none_ok=True)
 
     def init_fn(params):
         del params
@@ -194,7 +194,7 @@ def scale_by_window(
     if isinstance(rule, str):  # W / base_weight: both in the same unit
         names.add(gating.UNWEIGHTED_ARG)
     return optax.GradientTransformationExtraArgs(
-        init_fn, utils.with_signature(update_fn, names)
+        init_fn, keywords.with_signature(update_fn, names)
     )
 
 
@@ -225,7 +225,7 @@ def window_progress(opt_state: optax.OptState) -> jax.Array:
       >>> float(oa.window_progress(state))
       0.0
     """
-    found = utils.find_state(
+    found = windows.find_state(
         opt_state, ScaleByWindowState, "oa.window_progress"
     )
     return jnp.asarray(found.tau)

@@ -30,8 +30,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxaccum._src import utils
-
 __all__ = [
     "closed",
     "counted",
@@ -50,7 +48,7 @@ def _is_window(x: Any) -> bool:
 
 def _find_window(state: Any, caller: str) -> Any:
     """The first (outermost, leftmost) window state inside ``state``."""
-    return utils.find_state(
+    return find_state(
         state, _is_window, caller, "AccumulateState or MultiStepsState"
     )
 
@@ -252,7 +250,7 @@ def window_updated(found: Any) -> jax.Array:
     or optax's rule for a state without it, e.g. optax's
     ``MultiStepsState``); wrapped leaves (an ``nnx`` variable) unwrapped."""
     if getattr(found, "updated", None) is None:
-        return utils.optax_has_updated(found.mini_step, found.gradient_step)
+        return optax_has_updated(found.mini_step, found.gradient_step)
     return jnp.asarray(found.updated, bool)
 
 
@@ -407,3 +405,45 @@ def upgraded(state: Any) -> Any:
     parts = tuple(upgraded(s) for s in state)
     same = all(p is s for p, s in zip(parts, state))
     return state if same else parts
+
+
+def find_state(
+    state: Any,
+    kind: type | tuple[type, ...] | Callable[[Any], bool],
+    caller: str,
+    names: str = "",
+) -> Any:
+    """The first (outermost, leftmost) node of ``state`` of ``kind``.
+
+    Args:
+      state: a (nested) optimizer state.
+      kind: a class, a tuple of classes, or a predicate of a node.
+      caller: the function asking, for the message.
+      names: what the message calls the nodes sought (default: the names
+        of the classes of ``kind``).
+
+    Returns:
+      The first node found, in ``jax.tree.leaves`` order.
+
+    Raises:
+      ValueError: naming ``caller`` if there is none.
+    """
+    if isinstance(kind, (type, tuple)):
+        classes = kind if isinstance(kind, tuple) else (kind,)
+        names = names or " or ".join(c.__name__ for c in classes)
+        match = lambda x: isinstance(x, classes)  # noqa: E731
+    else:
+        match = kind
+    for node in jax.tree.leaves(state, is_leaf=match):
+        if match(node):
+            return node
+    raise ValueError(
+        f"{caller} found no {names} in the state given "
+        f"({jax.tree.structure(state)})"
+    )
+
+
+def optax_has_updated(mini_step: Any, gradient_step: Any) -> jax.Array:
+    """optax's ``MultiSteps.has_updated`` rule, for states without an
+    ``updated`` flag: the window position is 0 after at least one step."""
+    return (jnp.asarray(mini_step) == 0) & (jnp.asarray(gradient_step) > 0)

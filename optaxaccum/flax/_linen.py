@@ -22,7 +22,7 @@ import numpy as np
 from flax.linen import module as linen_module
 
 from optaxaccum._src import batch_stats as stats_lib
-from optaxaccum._src import utils
+from optaxaccum._src import checks, numerics
 from optaxaccum.flax._shared import CALL_DOC
 
 # How to bring the batch_stats of a plain nn.BatchNorm, or of an older
@@ -84,7 +84,7 @@ class AccumBatchNorm(nn.BatchNorm):
         object.__setattr__(
             self,
             "accum_steps",
-            utils.check_positive_int("accum_steps", self.accum_steps),
+            checks.check_positive_int("accum_steps", self.accum_steps),
         )
         super().__post_init__()
 
@@ -274,8 +274,8 @@ def _layer_momentum(recorded: Any, given: Any, path: str) -> Any:
         return recorded
     if recorded is not None:
         r, g = (
-            utils.concrete(recorded, np.float32),
-            utils.concrete(given, np.float32),
+            numerics.concrete(recorded, np.float32),
+            numerics.concrete(given, np.float32),
         )
         if r is not None and g is not None and r != g:
             raise ValueError(

@@ -13,7 +13,7 @@ from flax.training import train_state
 
 from optaxaccum._src import batch_stats as stats_lib
 from optaxaccum._src import chain as chain_lib
-from optaxaccum._src import utils, windows
+from optaxaccum._src import keywords, numerics, windows
 from optaxaccum.flax import _linen
 
 
@@ -90,9 +90,9 @@ class TrainState(train_state.TrainState):
           :func:`optaxaccum.critical_batch_every_k` included).
         """
         fields = {f.name for f in dataclasses.fields(self)}
-        utils.check_extra_args(
+        keywords.check_extra_args(
             kwargs,
-            fields | utils.declared_extra_args(self.tx),
+            fields | keywords.declared_extra_args(self.tx),
             "it is neither a field of TrainState nor taken by its chain",
         )
         replace = {k: v for k, v in kwargs.items() if k in fields}
@@ -175,7 +175,7 @@ def _follow_window(old: Any, new: Any, old_opt: Any, new_opt: Any) -> Any:
     )
     closed = stats_lib.closed(old_opt, new_opt)
     _check_steps(old, new, old_opt, new_opt, closed)
-    known = utils.concrete(closed)
+    known = numerics.concrete(closed)
     if (known is not None and not known) or not _linen.has_windows(kept):
         return kept
     if _linen.lacks_momentum(kept):

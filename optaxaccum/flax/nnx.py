@@ -13,7 +13,7 @@ from flax.nnx import filterlib
 import optaxaccum as oa
 from optaxaccum._src import batch_stats as stats_lib
 from optaxaccum._src import chain as chain_lib
-from optaxaccum._src import utils, windows
+from optaxaccum._src import checks, windows
 from optaxaccum.flax._shared import CALL_DOC
 
 __all__ = ["AccumBatchNorm", "Optimizer", "flush_batch_stats"]
@@ -75,7 +75,7 @@ class AccumBatchNorm(nnx.BatchNorm):
         rngs: nnx.Rngs,
         **kwargs: Any,
     ):
-        accum_steps = utils.check_positive_int("accum_steps", accum_steps)
+        accum_steps = checks.check_positive_int("accum_steps", accum_steps)
         super().__init__(num_features, rngs=rngs, **kwargs)
         self.accum_steps = accum_steps
         if accum_steps > 1:

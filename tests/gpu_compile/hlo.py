@@ -63,7 +63,7 @@ class Instr:
 
     @property
     def is_gate_loop(self) -> bool:
-        """The fused step's loop of 0 or 1 trips (``utils.loop_or_call``,
+        """The fused step's loop of 0 or 1 trips (``flags.loop_or_call``,
         found by its name scope): a branch, like a conditional's."""
         return self.opcode == "while" and _GATE_LOOP in self.attrs
 

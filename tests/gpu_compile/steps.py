@@ -113,10 +113,10 @@ def _nnx():
 
 
 def _cond_gate():
-    """A gate written with ``utils.cond_or_call`` (the branch of the
+    """A gate written with ``flags.cond_or_call`` (the branch of the
     decisions inside a window's closing work, and of every gate on a mesh):
     Adam behind a ``lax.cond``."""
-    from optaxaccum._src import utils
+    from optaxaccum._src import flags
 
     p = _params()
 
@@ -125,7 +125,7 @@ def _cond_gate():
             updates, new = ADAM.update(grads, state, params)
             return optax.apply_updates(params, updates), new
 
-        return utils.cond_or_call(go, opened, lambda: (params, state))
+        return flags.cond_or_call(go, opened, lambda: (params, state))
 
     return step, (p, ADAM.init(p), p, jnp.bool_(False))
 

@@ -100,16 +100,16 @@ def describe(device: jax.Device) -> str:
 @contextlib.contextmanager
 def barriers_off():
     """Compiles the gates without the optimization barriers that keep each
-    one a conditional on XLA:GPU (``utils.cond_or_call``): the control that
+    one a conditional on XLA:GPU (``flags.cond_or_call``): the control that
     shows what the barriers are for."""
-    from optaxaccum._src import utils
+    from optaxaccum._src import flags
 
-    saved = utils._barrier
-    utils._barrier = lambda tree: tree
+    saved = flags._barrier
+    flags._barrier = lambda tree: tree
     try:
         yield
     finally:
-        utils._barrier = saved
+        flags._barrier = saved
 
 
 @functools.cache
