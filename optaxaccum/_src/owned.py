@@ -119,42 +119,37 @@ def whole_leaves(
     return out
 
 
-def layer_axis_of(tx: Any) -> tuple[bool, int | None]:
-    """Whether ``tx`` needs whole leaves, and its layer axis."""
+def layer_axis_of(tx: Any) -> int | None:
+    """The layer axis :func:`whole_leaves` marked ``tx`` with (``None``
+    unmarked)."""
+    return tx.layer_axis if isinstance(tx, _WholeLeaves) else None
+
+
+def needs_whole_leaves(tx: Any, state: Any) -> bool:
+    """Whether the follower ``tx``, whose state (or its shapes) is
+    ``state``, runs by ownership: marked by :func:`whole_leaves`, or its
+    state holds ``optax.contrib.MuonState`` (``optax.contrib.muon``) or is
+    already a :class:`WholeLeavesState`."""
     if isinstance(tx, _WholeLeaves):
-        return True, tx.layer_axis
-    return _is_muon(tx), None
+        return True
+    kinds = (WholeLeavesState, optax.contrib.MuonState)
+    found = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kinds))
+    return any(isinstance(x, kinds) for x in found)
 
 
-def _is_muon(tx: Any) -> bool:
-    """Whether ``tx`` is what ``optax.contrib.muon`` returns: a partition
-    into ``'muon'`` (led by ``scale_by_muon``) and ``'adam'``."""
-    init = getattr(tx, "init", None)
-    cells = getattr(init, "__closure__", None) or ()
-    names = getattr(getattr(init, "__code__", None), "co_freevars", ())
-    for name, cell in zip(names, cells):
-        if name != "transforms":
-            continue
-        found = cell.cell_contents
-        if not isinstance(found, dict) or set(found) != {"muon", "adam"}:
-            return False
-        return "scale_by_muon" in _qualnames(found["muon"], 3)
-    return False
-
-
-def _qualnames(x: Any, depth: int) -> str:
-    """The qualified names of the functions reachable from ``x``'s init
-    through closures, ``depth`` levels deep, joined."""
-    fn = getattr(x, "init", x)
-    out = getattr(fn, "__qualname__", "")
-    if depth and callable(fn):
-        for cell in getattr(fn, "__closure__", None) or ():
-            c = cell.cell_contents
-            items = c if isinstance(c, (tuple, list)) else (c,)
-            for item in items:
-                if callable(item) or hasattr(item, "init"):
-                    out += " " + _qualnames(item, depth - 1)
-    return out
+def probed_state(tx: Any) -> Any:
+    """The shapes of ``tx``'s state on a probe tree of one matrix and one
+    vector, where params are not known yet (a chain being built); ``None``
+    where ``tx`` cannot initialise on it (its labels expect the user's
+    tree): the params' own state decides then."""
+    probe = {
+        "w": jax.ShapeDtypeStruct((2, 2), jnp.float32),
+        "b": jax.ShapeDtypeStruct((2,), jnp.float32),
+    }
+    try:
+        return jax.eval_shape(tx.init, probe)
+    except Exception:  # noqa: BLE001 - any failure: not known yet
+        return None
 
 
 # ------------------------------------------------------------------ plan
@@ -689,7 +684,7 @@ def _mapped(tx: Any, pl: _Plan, trees: list, state: Any, extra: dict) -> Any:
 def init(tx: Any, params: Any, axis_name: Any) -> WholeLeavesState:
     """The state of the whole-leaves follower ``tx`` for ``params`` (on a
     mesh whose data axes ``axis_name`` are Explicit)."""
-    _, layer_axis = layer_axis_of(tx)
+    layer_axis = layer_axis_of(tx)
     pl = plan(params, axis_name, layer_axis)
     (rows, shared), lay = _mapped(tx, pl, [jax.tree.leaves(params)], None, {})
     found = index(lay)
@@ -758,7 +753,7 @@ def update(
             "jax.set_mesh, or params placed on it); got "
             f"{type(state).__name__}"
         )
-    _, layer_axis = layer_axis_of(tx)
+    layer_axis = layer_axis_of(tx)
     pl = plan(params, axis_name, layer_axis)
     trees = [jax.tree.leaves(updates), jax.tree.leaves(params)]
     (out, pieces, (rows, shared)), _ = _mapped(

@@ -124,11 +124,16 @@ def gathered(
     return gating.with_followers(tx, hook)
 
 
-def _whole_at(followers: Any) -> int | None:
+def _whole_at(followers: Any, states: Any) -> int | None:
     """The position of the follower that needs whole leaves
-    (:func:`owned.layer_axis_of`), if any; ``ValueError`` where it is not
-    the last, or not the only one."""
-    found = [i for i, tx in enumerate(followers) if owned.layer_axis_of(tx)[0]]
+    (:func:`owned.needs_whole_leaves` of it and its state in ``states``),
+    if any; ``ValueError`` where it is not the last, or not the only
+    one."""
+    found = [
+        i
+        for i, (tx, state) in enumerate(zip(followers, states, strict=True))
+        if owned.needs_whole_leaves(tx, state)
+    ]
     if not found:
         return None
     if found != [len(followers) - 1]:
@@ -148,7 +153,8 @@ def init_followers(followers: Any, params: Any, axis_name: Any) -> tuple:
     params, except a follower that needs whole leaves
     (:func:`owned.init`: its state by ownership)."""
     placed = place(params, axis_name)
-    at = _whole_at(followers)
+    shapes = [jax.eval_shape(tx.init, placed) for tx in followers]
+    at = _whole_at(followers, shapes)
     if at is None or not _on_mesh(params, axis_name):
         return tuple(tx.init(placed) for tx in followers)
     return (
@@ -190,11 +196,13 @@ def on_shard(rest: Any, axis_name: Any) -> Any:
     updates :func:`gather`-ed back."""
     if not gating.is_gate(rest):
         followers = getattr(rest, "transforms", ())
-        at = _whole_at(followers)
-        if at is not None:
-            return _owned_run(rest, followers, at, axis_name)
+        _whole_at(followers, [owned.probed_state(tx) for tx in followers])
 
         def run(updates, state, params, window, extra_args):
+            at = _whole_at(followers, state) if followers else None
+            if at is not None:  # what the followers' state says
+                owned_run = _owned_run(followers, at, axis_name)
+                return owned_run(updates, state, params, window, extra_args)
             with _whole_leaves_named(axis_name):
                 updates, state = rest(
                     place(updates, axis_name),
@@ -224,13 +232,12 @@ def on_shard(rest: Any, axis_name: Any) -> Any:
     )
 
 
-def _owned_run(rest: Any, followers: Any, at: int, axis_name: Any) -> Any:
+def _owned_run(followers: Any, at: int, axis_name: Any) -> Any:
     """The plain followers' run where the last, ``followers[at]``, needs
     whole leaves: those before it on each device's piece (as
     :func:`on_shard`), it by ownership (:func:`owned.update`)."""
     before = gating.plain_run(followers[:at]) if at else None
     whole = optax.with_extra_args_support(followers[at])
-    del rest
 
     def run(updates, state, params, window, extra_args):
         updates = place(updates, axis_name)
