@@ -445,3 +445,22 @@ def test_the_benchmarks_import_no_test_module():
         if names & {"tests", "sys.path:tests"}
     }
     assert not bad, bad
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the communication model's checks import benchmarks/comm_model.py"
+    " (it imports benchmarks/_common.py) with benchmarks/ on sys.path",
+)
+def test_the_tests_import_no_benchmark_module():
+    """A test imports no module of ``benchmarks/`` and puts no folder of it
+    on ``sys.path`` (running a benchmark script in a process of its own is
+    no import)."""
+    names = {p.stem for p in (REPO / "benchmarks").glob("*.py")}
+    names |= {"benchmarks", "sys.path:benchmarks"}
+    bad = {
+        f: found & names
+        for f, found in _repo_imports("tests").items()
+        if found & names
+    }
+    assert not bad, bad
