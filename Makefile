@@ -51,13 +51,14 @@ dist: $(VENV)/.installed-dev
 	$(PY) -m build -q --outdir $(DIST) .
 	$(PY) -m twine check --strict $(DIST)/*
 
-# The suite from a copy of tests/ (with the examples and benchmarks some
-# tests run) in $(1)/run, where no source tree can be imported, run by the
-# python $(2) of the leg named $(3) (tests/test_packaging.py reads it), the
-# tests the marker expression in the file $(1)/marks selects.
+# The suite from a copy of tests/ (with the examples, benchmarks and tools/
+# some tests run or import) in $(1)/run, where no source tree of the package
+# can be imported, run by the python $(2) of the leg named $(3)
+# (tests/test_packaging.py reads it), the tests the marker expression in the
+# file $(1)/marks selects.
 define suite-from-copy
 	mkdir -p $(1)/run/.ci $(1)/run/docs
-	cp -R tests examples benchmarks pyproject.toml CHANGELOG.md LICENSE \
+	cp -R tests examples benchmarks tools pyproject.toml CHANGELOG.md LICENSE \
 		$(1)/run/
 	cp -R docs README.md Makefile $(1)/run/
 	rm -rf $(1)/run/docs/_build

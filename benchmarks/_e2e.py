@@ -22,7 +22,7 @@ Per variant it also reads the compiled program (``census``): conditionals;
 the GEMMs by backend (a cuBLAS or cuBLAS-LT custom call, or a Triton
 fusion); the GEMMs that take an accumulator (the micro-step is their
 epilogue); the weight-sized copies and passes outside the GEMMs on the
-path of a non-closing call (``tests/gpu_compile/hlo.py``).
+path of a non-closing call (``tools/compiled/hlo.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import optax
 import optaxaccum as oa
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.gpu_compile import hlo  # noqa: E402
+from tools.compiled import hlo  # noqa: E402
 
 
 def _loss(params, x):
@@ -89,7 +89,7 @@ def census(compiled, width: int) -> dict[str, Any]:
     where = hlo.fold(module, _is_accumulator)
     path = hlo.non_closing(module, {(width, width)}, ("sqrt", "rsqrt"))
     return {
-        "conditionals": len(module.conditionals()),
+        "conditionals": len(hlo.conditionals(module)),
         "GEMMs": ", ".join(f"{k} {v}" for k, v in sorted(tally.items()))
         or "none",
         "folded": sum(v == "gemm" for v in where.values()),

@@ -131,10 +131,10 @@ def make_step(tx, kind: str):
 
 def hlo_counts(text: str) -> dict[str, int]:
     """Instructions, fusions and conditionals of optimized HLO text (read
-    with the compiled-program checks' reader, tests/gpu_compile/hlo.py)."""
+    with the reader of the compiled-program checks, tools/compiled/hlo.py)."""
     if os.path.dirname(HERE) not in sys.path:
         sys.path.insert(0, os.path.dirname(HERE))
-    from tests.gpu_compile import hlo
+    from tools.compiled import hlo
 
     module = hlo.Module.parse(text)
     opcodes = [i.opcode for body in module.computations.values() for i in body]

@@ -2,7 +2,7 @@
 and step FLOPs against single-device ``optax.contrib.muon``.
 
 On 8 CPU devices (data=8 and data=2 x fsdp=4), for the transformer-shaped
-and the stacked-layer parameter sets of ``tests/test_owned.py``: each
+and the stacked-layer parameter sets of ``tools/sharded_steps.py``: each
 device's part of muon's state and the compiled step's FLOPs (XLA's cost
 analysis, per device; a ``lax.switch`` counts its costliest branch), as a
 multiple of ``1/data`` of single-device muon's (1.00: a perfect split).
@@ -24,17 +24,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import optaxaccum as oa  # noqa: E402
-from tests import test_owned as to  # noqa: E402
-from tests import test_shard_update as ts  # noqa: E402
+from tools import sharded_steps as steps  # noqa: E402
 
 
 def row(mesh_name: str, stacked: bool) -> dict:
-    mesh, axis = ts._mesh(mesh_name)
-    n = ts._data_size(mesh, axis)
-    params = to._transformer_params(stacked)
-    opt = to._stacked_muon() if stacked else to._muon()
+    mesh, axis = steps.mesh(mesh_name)
+    n = steps.data_size(mesh, axis)
+    params = steps.transformer_params(stacked)
+    opt = steps.stacked_muon() if stacked else steps.muon()
     ours = oa.whole_leaves(opt, layer_axis=0) if stacked else opt
-    compiled, state, _, _ = to._optimizer_step(mesh, axis, ours, params)
+    compiled, state, _, _ = steps.optimizer_step(mesh, axis, ours, params)
     whole = jax.jit(opt.update).lower(params, opt.init(params), params)
     per_device = sum(
         r.addressable_shards[0].data.nbytes for r in state[1].rows.values()
@@ -42,13 +41,13 @@ def row(mesh_name: str, stacked: bool) -> dict:
     per_device += sum(
         x.addressable_shards[0].data.nbytes for x in state[1].shared
     )
-    whole_bytes = to._state_bytes(opt.init(params))
+    whole_bytes = steps.state_bytes(opt.init(params))
     return {
         "mesh": mesh_name,
         "set": "stacked" if stacked else "transformer",
         "state x 1/data": per_device / (whole_bytes / n),
-        "flops x 1/data": to._flops(compiled)
-        / (to._flops(whole.compile()) / n),
+        "flops x 1/data": steps.flops(compiled)
+        / (steps.flops(whole.compile()) / n),
         "whole state KiB": whole_bytes / 1024,
     }
 

@@ -2,7 +2,7 @@
 
 Without a GPU or TPU: the programs are compiled for an H100, an H200 (XLA's
 target configs) and a TPU v5e chip by the jax CUDA plugin and libtpu
-(``tests/gpu_compile/README.md``), and read (``tests/gpu_compile/hlo.py``):
+(``tests/gpu_compile/README.md``), and read (``tools/compiled/hlo.py``):
 
 * per gated step: the ``conditional``\\ s left, where Adam's ``sqrt`` runs
   (only inside the branch, or on every call), and the same with the
@@ -41,7 +41,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.gpu_compile import run as _run  # noqa: E402
+from tools.compiled import plugins  # noqa: E402
 
 # Everything from this line on in an existing GPU_COMPILE.md was recorded by
 # hand (other jaxlibs, other targets) and is kept.
@@ -188,7 +188,7 @@ def _memory_rows(targets_, steps):
         label += " (traced weight)" if weighted else ""
         row = [label]
         for target in targets_:
-            # XLA:TPU's past its VMEM (tests/gpu_compile/steps.py).
+            # XLA:TPU's past its VMEM (tools/compiled/steps.py).
             shape = steps.TPU_PREMISE_SHAPE if target == "tpu" else None
             fn, args = steps.premise_step(
                 name, fused, weighted, shape or steps.PREMISE_SHAPE
@@ -210,7 +210,7 @@ def measure(quick: bool) -> str:
     import jax
     import jaxlib
 
-    from tests.gpu_compile import hlo, steps, targets
+    from tools.compiled import hlo, steps, targets
 
     devices = {"h100": targets.gpu_device("h100")}
     if not quick:
@@ -281,7 +281,7 @@ def measure(quick: bool) -> str:
         "## The non-closing path, per compiler setting",
         "",
         f"Compiled for {targets.describe(newest)}, params and state "
-        "donated, adamw, k=4; per setting of `tests/gpu_compile/targets.py` "
+        "donated, adamw, k=4; per setting of `tools/compiled/targets.py` "
         "(`triton`: XLA's Triton GEMMs, what a compile without a GPU picks; "
         "`cublas`: `xla_gpu_enable_triton_gemm=False`, cuBLAS-LT calls; "
         "`+options`: with `oa.fold_compiler_options()`): the GEMMs that take "
@@ -317,12 +317,12 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if os.environ.get("OPTAXACCUM_GPU_COMPILE") != "1":
-        site = _run.ensure_site(pathlib.Path(args.cache))
+        site = plugins.ensure_site(pathlib.Path(args.cache))
         if isinstance(site, str):
-            print(_run.SKIP, site)
+            print(plugins.SKIP, site)
             return 0
         cmd = [sys.executable, __file__, *(argv or sys.argv[1:])]
-        return subprocess.call(cmd, env=_run.environment(site))
+        return subprocess.call(cmd, env=plugins.environment(site))
     text = measure(args.quick)
     out = pathlib.Path(args.out)
     old = out.read_text() if out.exists() else ""

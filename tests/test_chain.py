@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 from optaxaccum._src import gating as _gating
-from optaxaccum._src import hlo as _hlo
+from tests import hlo_queries as _hlo
 
 
 def _only_positive_gate():

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import optaxaccum as oa
-from optaxaccum._src import hlo
+from tests import hlo_queries as hlo
 from tests import test_mesh as tm
 from tests import test_multidevice as tmd
 

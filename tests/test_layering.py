@@ -404,3 +404,65 @@ def test_the_combinator_defines_no_composition_rule():
     assert not defined & rules, defined & rules
     old = {"_follow", "_passed_on", "_shut", "_emit_into", "_follow_eager"}
     assert not defined & old, defined & old
+
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _repo_imports(folder: str) -> dict[str, set[str]]:
+    """``{file: top-level names it imports}`` of the Python files under a
+    folder of the repository (absolute imports, lazy ones included), with
+    ``sys.path:<folder>`` for each ``sys.path.insert`` of a repository
+    folder."""
+    out = {}
+    for path in sorted((REPO / folder).rglob("*.py")):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                found.add((node.module or "").split(".")[0])
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "insert"
+                and "sys.path" in ast.unparse(node.func.value)
+            ):
+                text = ast.unparse(node)
+                found.update(
+                    f"sys.path:{f}"
+                    for f in ("benchmarks", "tests")
+                    if f"'{f}'" in text or f'"{f}"' in text
+                )
+        out[str(path.relative_to(REPO))] = found
+    return out
+
+
+def test_the_benchmarks_import_no_test_module():
+    """``benchmarks/`` and ``tests/`` share what both need through
+    ``tools/``; a benchmark imports nothing from ``tests/``."""
+    bad = {
+        f: names & {"tests", "sys.path:tests"}
+        for f, names in _repo_imports("benchmarks").items()
+        if names & {"tests", "sys.path:tests"}
+    }
+    assert not bad, bad
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the communication model's checks import benchmarks/comm_model.py"
+    " (it imports benchmarks/_common.py) with benchmarks/ on sys.path",
+)
+def test_the_tests_import_no_benchmark_module():
+    """A test imports no module of ``benchmarks/`` and puts no folder of it
+    on ``sys.path`` (running a benchmark script in a process of its own is
+    no import)."""
+    names = {p.stem for p in (REPO / "benchmarks").glob("*.py")}
+    names |= {"benchmarks", "sys.path:benchmarks"}
+    bad = {
+        f: found & names
+        for f, found in _repo_imports("tests").items()
+        if found & names
+    }
+    assert not bad, bad

@@ -19,7 +19,8 @@ import optax
 import pytest
 
 import optaxaccum as oa
-from optaxaccum._src import hlo, numerics
+from optaxaccum._src import numerics
+from tests import hlo_queries as hlo
 
 N = 1000
 K = 2

@@ -26,7 +26,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
-from optaxaccum._src import hlo
+from tests import hlo_queries as hlo
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 AXIS = "d"

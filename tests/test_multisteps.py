@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import optaxaccum as oa
-from optaxaccum._src import hlo as _hlo
 from tests import helpers
+from tests import hlo_queries as _hlo
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 

@@ -483,7 +483,7 @@ def test_hlo_no_collective_added_per_micro_batch(runner):
     top level (every micro-step); in the closing branch the gradient tree
     and the weight as before plus the two scalars (sq_sum, count: 8 bytes)
     of the estimate, in one more small all-reduce at most."""
-    from optaxaccum._src import hlo
+    from tests import hlo_queries as hlo
 
     def census(decay):
         tx = _tx(decay, k=2, axis_name=AXIS)

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import optaxaccum as oa
 from tests import test_mesh as tm
 from tests import test_shard_update as ts
+from tools import sharded_steps
 
 pytestmark = pytest.mark.devices(8)
 
@@ -29,8 +30,7 @@ MESHES = ["data8", "data2xfsdp4"]
 MUON_TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def _muon():
-    return optax.contrib.muon(0.05)
+_muon = sharded_steps.muon
 
 
 @pytest.mark.parametrize("mesh_name", [*MESHES, *tm.ONE_DEVICE])
@@ -55,94 +55,13 @@ def test_muon_equals_single_device_muon_on_the_window(mesh_name):
 
 # ------------------------------------------- transformer-shaped and stacked
 
-V, D, SEQ = 64, 32, 16
-
-
-def _transformer_params(stacked=False):
-    """The shapes of a small transformer LM: embeddings, per layer q/k/v/o
-    (D, D), MLP (D, 4D) and (4D, D), layer-norm scales and biases, head.
-    ``stacked``: the layers' leaves stacked along a leading layer axis
-    (scanned layers): 8 of them, which the data size divides; else 2."""
-    rng = np.random.default_rng(0)
-
-    def w(*shape):
-        return (rng.normal(size=shape) / np.sqrt(shape[-2])).astype(np.float32)
-
-    def layer():
-        return {
-            "q": w(D, D),
-            "k": w(D, D),
-            "v": w(D, D),
-            "o": w(D, D),
-            "up": w(D, 4 * D),
-            "down": w(4 * D, D),
-            "ln": np.ones(D, np.float32),
-            "bias": np.zeros(4 * D, np.float32),
-        }
-
-    layers = [layer() for _ in range(8 if stacked else 2)]
-    params = {"embed": w(V, D), "pos": w(SEQ, D), "head": w(D, V)}
-    if stacked:
-        params["layers"] = jax.tree.map(lambda *x: np.stack(x), *layers)
-    else:
-        params.update({f"layer{i}": lay for i, lay in enumerate(layers)})
-    return params
-
-
-def _stacked_muon():
-    dims = optax.contrib.MuonDimensionNumbers(1, 2)
-
-    def dim_nums(params):
-        return jax.tree.map(
-            lambda x: (
-                dims
-                if x.ndim == 3
-                else (
-                    optax.contrib.MuonDimensionNumbers()
-                    if x.ndim == 2
-                    else None
-                )
-            ),
-            params,
-        )
-
-    return optax.contrib.muon(0.05, muon_weight_dimension_numbers=dim_nums)
-
-
-def _specs(params, fsdp):
-    """fsdp on the first dimension of every leaf it divides."""
-    return jax.tree.map(
-        lambda x: P(fsdp) if fsdp and x.shape[0] % 4 == 0 else P(), params
-    )
-
-
-def _optimizer_step(mesh, axis, opt, params, specs=None):
-    """The jitted ``tx.update`` of ``oa.chain(accumulate(1, shard_update),
-    opt)`` on gradients at the params' sharding (``specs``, else
-    :func:`_specs`), its state and params."""
-    tx = ts._tx(opt, axis, k=1)
-    fsdp = "fsdp" if "fsdp" in mesh.axis_names else None
-    if specs is None:
-        specs = _specs(params, fsdp)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-    with jax.set_mesh(mesh), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # gradients not unreduced: on purpose
-        p = jax.device_put(params, shardings)
-        state = jax.jit(tx.init)(p)
-        step = jax.jit(lambda g, s, p: tx.update(g, s, p))
-        compiled = step.lower(p, state, p).compile()
-        out = step(p, state, p)
-    return compiled, state, p, out
-
-
-def _flops(compiled):
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return float(cost["flops"])
-
-
-def _state_bytes(tree):
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+V, D, SEQ = sharded_steps.V, sharded_steps.D, sharded_steps.SEQ
+_transformer_params = sharded_steps.transformer_params
+_stacked_muon = sharded_steps.stacked_muon
+_specs = sharded_steps.fsdp_specs
+_optimizer_step = sharded_steps.optimizer_step
+_flops = sharded_steps.flops
+_state_bytes = sharded_steps.state_bytes
 
 
 @pytest.mark.slow

@@ -278,7 +278,9 @@ def test_sdist_holds_license_changelog_and_no_tests(dists):
     ):
         assert name in names, name
     assert not [
-        n for n in names if n.split("/")[0] in ("tests", "benchmarks", "docs")
+        n
+        for n in names
+        if n.split("/")[0] in ("tests", "benchmarks", "docs", "tools")
     ]
     _license_ok(licence)
 

@@ -22,38 +22,20 @@ from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 from tests import test_mesh as tm
+from tools import sharded_steps
 
 # Meshes of 8 devices of the default backend (conftest: 8 CPU devices).
 pytestmark = pytest.mark.devices(8)
 
 K = tm.K
-MESHES = {
-    "data2xfsdp4": ((2, 4), ("data", "fsdp"), "data"),
-    "data8": ((8,), ("data",), "data"),
-    "dcn2xdata2xfsdp2": ((2, 2, 2), ("dcn", "data", "fsdp"), ("dcn", "data")),
-}
-
-
-def _mesh(name):
-    shape, names, axis = MESHES[name]
-    mesh = jax.make_mesh(
-        shape, names, axis_types=(AxisType.Explicit,) * len(shape)
-    )
-    return mesh, axis
-
-
-def _data_size(mesh, axis):
-    return int(np.prod([mesh.shape[a] for a in oa_axes(axis)]))
-
-
-def oa_axes(axis):
-    return axis if isinstance(axis, tuple) else (axis,)
+MESHES = sharded_steps.MESHES
+_mesh = sharded_steps.mesh
+_data_size = sharded_steps.data_size
+oa_axes = sharded_steps.oa_axes
 
 
 def _tx(opt, axis, k=K, **kwargs):
-    return oa.chain(
-        oa.accumulate(k, axis_name=axis, shard_update=True, **kwargs), opt
-    )
+    return sharded_steps.shard_update_tx(opt, axis, k, **kwargs)
 
 
 def _opt(name):

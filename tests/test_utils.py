@@ -9,6 +9,7 @@ import pytest
 
 import optaxaccum as oa
 from optaxaccum._src import checks, collectives, hlo, numerics, windows
+from tests import hlo_queries
 
 # ------------------------------------------------------------ arithmetic
 
@@ -163,7 +164,7 @@ def test_one_hlo_walker_serves_both_readers():
     text = jax.jit(g).lower(jnp.ones(3), True).compile().as_text()
     walked = list(hlo.instructions(text))
     assert walked, text
-    reduces = hlo.all_reduces(text)
+    reduces = hlo_queries.all_reduces(text)
     census = [
         c
         for c in collectives.collective_census(text, mesh)

@@ -500,6 +500,12 @@ MUTANTS = {
         "inner = branches",
         ["tests/test_utils.py", "-k", "hlo_walker"],
     ),
+    "hlo_every_call_enters_branches": (
+        "hlo.py",
+        "if through_branches or index is None",
+        "if True",
+        ["tests/gpu_compile/test_hlo_reader.py", "-k", "placement"],
+    ),
     # ------------------------------- one reducer per mesh mode (reducer.py)
     "noise_sum_reduction_not_undone": (  # pmap: "sum" averages the sums
         "reducer.py",

@@ -1,14 +1,21 @@
-"""A small reader of optimized HLO text, for tests and benchmarks that count
-operations (not part of the public API).
+"""The reader of compiled XLA programs (optimized HLO text, from
+``jax.jit(f).lower(...).compile().as_text()``; not part of the public API).
 
-It splits a module into computations and follows calls, so a caller can ask
-which operations run on every call (reachable from the entry computation
-without entering a ``conditional``'s branch) and which only inside a branch,
-and how many bytes each all-reduce moves.
+:meth:`Module.parse` splits a module into computations of instructions
+(:class:`Instr`: name, shape, opcode, operands, attributes) and the
+computations each one calls, so a caller can ask which operations run on
+every call (reachable from the entry computation without entering a
+``conditional``'s branch) and which only inside a branch
+(:func:`instructions`), which run inside a loop (:func:`loop_computations`),
+and which collectives of a scheduled program have compute in flight
+(:func:`overlaps`, :func:`exposure`). ``collective_census`` and
+``collective_exposure`` read programs with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from collections.abc import Iterator
 
@@ -32,8 +39,9 @@ _DTYPE_BYTES = {
     "c128": 16,
 }
 _ARRAY_RE = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_NAME_RE = re.compile(r"%([\w.\-]+)")
 _CALLEE_RE = re.compile(
-    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
     r"=%?([\w.\-]+)"
 )
 # The name scope of the fused step's loop (flags.GATE_LOOP), in its metadata.
@@ -42,7 +50,7 @@ _BRANCHES_RE = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRUE_FALSE_RE = re.compile(
     r"\btrue_computation=%?([\w.\-]+).*?\bfalse_computation=%?([\w.\-]+)"
 )
-_ALL_REDUCE_OPS = ("all-reduce", "all-reduce-start")
+_KIND_RE = re.compile(r"\bkind=(k\w+)")
 
 
 def shape_bytes(shape: str) -> int:
@@ -57,70 +65,184 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
-def split_instruction(line: str) -> tuple[str, str] | None:
-    """``(shape, opcode)`` of an HLO instruction line, else None."""
+@dataclasses.dataclass
+class Instr:
+    """One instruction of a computation.
+
+    Attributes:
+      name: its name, without the ``%``.
+      shape: its result's shape, e.g. ``f32[3,5]{1,0}`` or a tuple's
+        ``(f32[], s32[])``.
+      opcode: e.g. ``fusion``, ``all-reduce-start``.
+      operands: the names of the instructions it reads.
+      attrs: the text after its operands (``kind=``, ``calls=``,
+        ``metadata=``...).
+      line: the instruction's line of text.
+    """
+
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+    line: str = ""
+
+    @property
+    def counts(self) -> list[int]:
+        """The element count of each array in the shape (one for an
+        array, one per element of a tuple)."""
+        return [
+            math.prod(int(d) for d in dims.split(",") if d)
+            for _, dims in _ARRAY_RE.findall(self.shape)
+        ]
+
+    @property
+    def dims(self) -> list[tuple[int, ...]]:
+        """The sorted dimensions of each array in the shape (a transposed
+        array has the dimensions of the original)."""
+        return [
+            tuple(sorted(int(d) for d in dims.split(",") if d))
+            for _, dims in _ARRAY_RE.findall(self.shape)
+        ]
+
+    @property
+    def kind(self) -> str | None:
+        """A fusion's kind (``kLoop``, ``kCustom``...), else None."""
+        m = _KIND_RE.search(self.attrs)
+        return m.group(1) if m else None
+
+    @property
+    def is_gate_loop(self) -> bool:
+        """The fused step's loop of 0 or 1 trips (``flags.loop_or_call``,
+        found by its name scope): a branch, like a conditional's."""
+        return self.opcode == "while" and _GATE_LOOP in self.attrs
+
+    def _edges(self) -> list[tuple[str, str, int | None]]:
+        """``(edge, computation, branch index)`` of every computation the
+        instruction calls (see :attr:`callees` and :attr:`called`)."""
+        tf = _TRUE_FALSE_RE.search(self.attrs)
+        if tf:  # a predicated conditional: branch 1 is the true computation
+            return [("branch", tf.group(2), 0), ("branch", tf.group(1), 1)]
+        m = _BRANCHES_RE.search(self.attrs)
+        if m:
+            names = [n.strip().lstrip("%") for n in m.group(1).split(",")]
+            return [("branch", n, i) for i, n in enumerate(names)]
+        # The fused step's loop of 0 or 1 trips: its body is the gate's
+        # open branch (1, as lax.cond's true branch).
+        gate_loop = self.is_gate_loop
+        return [
+            ("branch", name, 1)
+            if gate_loop and key == "body"
+            else (key, name, None)
+            for key, name in _CALLEE_RE.findall(self.attrs)
+        ]
+
+    @property
+    def callees(self) -> list[tuple[str, int | None]]:
+        """``(computation, branch index)`` of the computations it calls;
+        the index is None for calls that always run (fusions,
+        reductions...), 1 for ``lax.cond``'s true branch."""
+        return [(name, index) for _, name, index in self._edges()]
+
+    @property
+    def called(self) -> list[tuple[str, str]]:
+        """``(edge, computation)``: ``edge`` is ``"branch"`` for the
+        branches of a conditional and the body of the gate's loop, the
+        attribute's name otherwise (``calls``, ``to_apply``, ``body``...)."""
+        return [(edge, name) for edge, name, _ in self._edges()]
+
+
+def _closing(text: str, depth: int) -> int:
+    """The index of the ``)`` that brings ``depth`` open parentheses to 0."""
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def parse_instruction(line: str) -> Instr | None:
+    """The instruction of one line of HLO text, else None."""
     head, sep, rest = line.partition(" = ")
     if not sep or not head.split() or not head.split()[-1].startswith("%"):
         return None
     rest = rest.lstrip()
-    if rest.startswith("("):  # tuple shape: up to the matching parenthesis
-        depth = 0
-        end = 0
-        for end, c in enumerate(rest, 1):  # noqa: B007
-            depth += (c == "(") - (c == ")")
-            if depth == 0:
-                break
+    if rest.startswith("("):  # a tuple shape: up to its matching ")"
+        end = _closing(rest, 0) + 1
         shape, rest = rest[:end], rest[end:].lstrip()
     else:
         shape, _, rest = rest.partition(" ")
-    opcode = rest.split("(", 1)[0].strip()
-    return shape, opcode
+    opcode, _, rest = rest.partition("(")
+    end = _closing(rest, 1)
+    return Instr(
+        name=head.split()[-1].lstrip("%"),
+        shape=shape,
+        opcode=opcode.strip(),
+        operands=_NAME_RE.findall(rest[:end]),
+        attrs=rest[end + 1 :],
+        line=line,
+    )
 
 
-def parse_hlo(text: str) -> tuple[dict[str, list[str]], str]:
-    """Splits HLO text into computations: ``({name: lines}, entry name)``."""
-    comps: dict[str, list[str]] = {}
-    entry = None
-    current = None
-    for line in text.splitlines():
-        if current is None:
-            if line and not line[0].isspace() and line.rstrip().endswith("{"):
-                words = line.split()
-                is_entry = words[0] == "ENTRY"
-                name = words[1 if is_entry else 0].lstrip("%")
-                if not re.match(r"^[\w.\-]+$", name):
-                    continue  # e.g. "HloModule ..., {...}" has no body
-                current = comps.setdefault(name, [])
-                if is_entry:
-                    entry = name
-        elif line.strip() == "}":
-            current = None
-        else:
-            current.append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return comps, entry
+@dataclasses.dataclass
+class Module:
+    """An HLO module: its computations' instructions, by name, and the name
+    of its entry computation."""
 
+    computations: dict[str, list[Instr]]
+    entry: str
 
-def callees(line: str) -> Iterator[tuple[str, int | None]]:
-    """Computations called by an instruction: ``(name, branch index)``;
-    the index is None for calls that always run (fusions, reductions...)."""
-    tf = _TRUE_FALSE_RE.search(line)
-    if tf:  # a predicated conditional: branch 1 is the true computation
-        yield tf.group(2), 0
-        yield tf.group(1), 1
-        return
-    m = _BRANCHES_RE.search(line)
-    if m:
-        for i, name in enumerate(m.group(1).split(",")):
-            yield name.strip().lstrip("%"), i
-        return
-    gate_loop = " while(" in line and _GATE_LOOP in line
-    for name in _CALLEE_RE.findall(line):
-        # The fused step's loop of 0 or 1 trips: its body is the gate's
-        # open branch (1, as lax.cond's true branch).
-        body = gate_loop and re.search(rf"\bbody=%?{re.escape(name)}\b", line)
-        yield name, 1 if body else None
+    @classmethod
+    def parse(cls, text: str) -> Module:
+        """Reads HLO text (``compile().as_text()``).
+
+        Raises:
+          ValueError: if the text has no ``ENTRY`` computation.
+        """
+        comps: dict[str, list[Instr]] = {}
+        entry = None
+        current = None
+        for line in text.splitlines():
+            if current is None:
+                if (
+                    line
+                    and not line[0].isspace()
+                    and line.rstrip().endswith("{")
+                ):
+                    words = line.split()
+                    is_entry = words[0] == "ENTRY"
+                    name = words[1 if is_entry else 0].lstrip("%")
+                    if not re.match(r"^[\w.\-]+$", name):
+                        continue  # e.g. "HloModule ..., {...}" has no body
+                    current = comps.setdefault(name, [])
+                    if is_entry:
+                        entry = name
+            elif line.strip() == "}":
+                current = None
+            elif (instr := parse_instruction(line)) is not None:
+                current.append(instr)
+        if entry is None:
+            raise ValueError("no ENTRY computation in the HLO text")
+        return cls(comps, entry)
+
+    def reachable(self, start: str, through_branches: bool) -> set[str]:
+        """The computations of the module ``start`` calls, transitively
+        (with ``start``); a conditional's branches only if
+        ``through_branches``."""
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in self.computations:
+                continue
+            seen.add(name)
+            for instr in self.computations[name]:
+                todo.extend(
+                    callee
+                    for callee, index in instr.callees
+                    if through_branches or index is None
+                )
+        return seen
 
 
 def instructions(
@@ -137,72 +259,20 @@ def instructions(
       ``lax.cond``'s true branch) that lead to it, ``()`` when it runs on
       every call. A computation is walked once per such path.
     """
-    comps, entry = parse_hlo(text)
+    comps = Module.parse(text)
     seen: set[tuple[str, tuple[int, ...]]] = set()
 
     def visit(name: str, branches: tuple[int, ...]) -> Iterator:
-        if (name, branches) in seen or name not in comps:
+        if (name, branches) in seen or name not in comps.computations:
             return
         seen.add((name, branches))
-        for line in comps[name]:
-            parsed = split_instruction(line)
-            if parsed is not None:
-                yield (name, branches, line, *parsed)
-            for callee, index in callees(line):
+        for instr in comps.computations[name]:
+            yield (name, branches, instr.line, instr.shape, instr.opcode)
+            for callee, index in instr.callees:
                 inner = branches if index is None else (*branches, index)
                 yield from visit(callee, inner)
 
-    yield from visit(entry, ())
-
-
-def all_reduces(text: str) -> list[dict]:
-    """Every all-reduce of an HLO module, with where it runs.
-
-    Returns:
-      One dict per all-reduce op (``all-reduce`` or ``all-reduce-start``):
-      ``bytes`` it reduces, ``computation`` holding it and ``branches``: the
-      ``conditional`` branches (index; 1 is ``lax.cond``'s true branch) that
-      lead to it from the entry computation, ``()`` when it runs on every
-      call (see :func:`instructions`).
-    """
-    return [
-        dict(bytes=shape_bytes(shape), computation=name, branches=branches)
-        for name, branches, _, shape, opcode in instructions(text)
-        if opcode in _ALL_REDUCE_OPS
-    ]
-
-
-def summarize(text: str) -> dict:
-    """All-reduce ops and bytes at the top level and inside conditionals."""
-    ops = all_reduces(text)
-    top = [o for o in ops if not o["branches"]]
-    cond = [o for o in ops if o["branches"]]
-    return {
-        "top_ops": len(top),
-        "top_bytes": sum(o["bytes"] for o in top),
-        "branch_ops": len(cond),
-        "branch_bytes": sum(o["bytes"] for o in cond),
-        "true_branch_only": all(o["branches"][-1] == 1 for o in cond),
-    }
-
-
-def _reachable(
-    comps: dict[str, list[str]], entry: str, *, into_branches: bool
-) -> set[str]:
-    seen: set[str] = set()
-    todo = [entry]
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in comps:
-            continue
-        seen.add(name)
-        for line in comps[name]:
-            todo.extend(
-                callee
-                for callee, index in callees(line)
-                if into_branches or index is None
-            )
-    return seen
+    yield from visit(comps.entry, ())
 
 
 _WHILE_RE = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
@@ -212,41 +282,15 @@ def loop_computations(text: str) -> set[str]:
     """The computations of an HLO module that run inside a ``while`` loop
     (a ``lax.scan``'s or ``lax.fori_loop``'s body, once per iteration):
     those reachable from a ``while`` instruction's body or condition."""
-    comps, _ = parse_hlo(text)
+    module = Module.parse(text)
     found: set[str] = set()
-    for lines in comps.values():
-        for line in lines:
-            parsed = split_instruction(line)
-            if parsed is None or parsed[1] != "while":
+    for instrs in module.computations.values():
+        for instr in instrs:
+            if instr.opcode != "while":
                 continue
-            for name in _WHILE_RE.findall(line):
-                found |= _reachable(comps, name, into_branches=True)
+            for name in _WHILE_RE.findall(instr.line):
+                found |= module.reachable(name, through_branches=True)
     return found
-
-
-def split(text: str) -> tuple[list[str], list[str]]:
-    """``(unconditional_lines, branch_lines)`` of an HLO module.
-
-    ``unconditional_lines`` are the instructions that run on every call: those
-    reachable from the entry computation without entering a conditional's
-    branch; ``branch_lines`` are those reachable only through a branch.
-    """
-    comps, entry = parse_hlo(text)
-    always = _reachable(comps, entry, into_branches=False)
-    everything = _reachable(comps, entry, into_branches=True)
-    lines = lambda names: [ln for n in names for ln in comps[n]]  # noqa: E731
-    return lines(always), lines(everything - always)
-
-
-def count(lines: list[str], op: str) -> int:
-    """Number of instructions among ``lines`` whose opcode is ``op`` (or its
-    asynchronous ``op-start``)."""
-    n = 0
-    for line in lines:
-        parsed = split_instruction(line)
-        if parsed is not None and parsed[1] in (op, f"{op}-start"):
-            n += 1
-    return n
 
 
 # -------------------------------------------------- the scheduled program
@@ -260,20 +304,20 @@ _COLLECTIVES = (
 )
 _GEMM_TARGET_RE = re.compile(r"custom_call_target=\"[^\"]*(gemm|matmul|triton)")
 _OPERAND_RE = re.compile(r"%([\w.\-]+)")
+_Comps = dict[str, list[Instr]]
 
 
-def _collective_of(opcode: str, line: str, comps: dict) -> str | None:
+def _collective_of(instr: Instr, comps: _Comps) -> str | None:
     """The collective an instruction starts or is (``all-gather`` ...):
     ``X`` / ``X-start`` directly, or an ``async-start`` wrapping it."""
     for op in _COLLECTIVES:
-        if opcode in (op, f"{op}-start"):
+        if instr.opcode in (op, f"{op}-start"):
             return op
-    if opcode == "async-start":
-        for callee, _ in callees(line):
+    if instr.opcode == "async-start":
+        for callee, _ in instr.callees:
             for inner in comps.get(callee, ()):
-                parsed = split_instruction(inner)
-                if parsed is not None and parsed[1] in _COLLECTIVES:
-                    return parsed[1]
+                if inner.opcode in _COLLECTIVES:
+                    return inner.opcode
     return None
 
 
@@ -286,33 +330,31 @@ def _largest_array(shape: str) -> int:
     )
 
 
-def _computes(comps: dict, line: str, opcode: str, memo: dict) -> bool:
+def _computes(comps: _Comps, instr: Instr, memo: dict) -> bool:
     """Whether an instruction is compute worth hiding a collective under:
     a GEMM (``dot``, ``convolution``, a GEMM custom call, or a fusion or
     call holding one) or a loop (``while``)."""
-    if opcode in ("dot", "convolution", "while"):
+    if instr.opcode in ("dot", "convolution", "while"):
         return True
-    if opcode == "custom-call":
-        return bool(_GEMM_TARGET_RE.search(line))
-    if opcode in ("fusion", "call", "conditional", "async-start"):
-        return any(_holds_compute(comps, c, memo) for c, _ in callees(line))
+    if instr.opcode == "custom-call":
+        return bool(_GEMM_TARGET_RE.search(instr.line))
+    if instr.opcode in ("fusion", "call", "conditional", "async-start"):
+        return any(_holds_compute(comps, c, memo) for c, _ in instr.callees)
     return False
 
 
-def _holds_compute(comps: dict, name: str, memo: dict) -> bool:
+def _holds_compute(comps: _Comps, name: str, memo: dict) -> bool:
     if name not in memo:
         memo[name] = False  # a cycle guard
         memo[name] = any(
-            _computes(comps, line, p[1], memo)
-            for line in comps.get(name, ())
-            if (p := split_instruction(line)) is not None
+            _computes(comps, instr, memo) for instr in comps.get(name, ())
         )
     return memo[name]
 
 
-def _operand_bytes(line: str, opcode: str, shapes: dict) -> int:
+def _operand_bytes(instr: Instr, shapes: dict) -> int:
     """Bytes of an instruction's operands defined in its computation."""
-    inside = line.split(f"{opcode}(", 1)[-1].split(")", 1)[0]
+    inside = instr.line.split(f"{instr.opcode}(", 1)[-1].split(")", 1)[0]
     return sum(
         shape_bytes(shapes.get(n, "")) for n in _OPERAND_RE.findall(inside)
     )
@@ -324,7 +366,7 @@ _ASYNC_TARGET_RE = re.compile(
 )
 
 
-def _fused_collective(comps: dict, name: str, memo: dict) -> dict | None:
+def _fused_collective(comps: _Comps, name: str, memo: dict) -> dict | None:
     """What a fusion's body does with a collective (XLA:TPU's forms), or
     None if it holds none: ``kind`` is ``"start"`` / ``"done"`` (its root
     is an ``AsyncCollectiveStart`` / ``AsyncCollectiveDone`` custom call),
@@ -332,26 +374,22 @@ def _fused_collective(comps: dict, name: str, memo: dict) -> dict | None:
     the collective is in flight) or ``"sync"``; ``op``, ``channel`` (its
     ``channel_id``, the same in every fusion of one collective) and
     ``bytes`` (the larger of its operands and its result)."""
-    lines = comps.get(name, ())
+    instrs = comps.get(name, ())
     shapes: dict[str, str] = {}
     found = None
-    for line in lines:
-        parsed = split_instruction(line)
-        if parsed is None:
-            continue
-        shape, opcode = parsed
-        shapes[line.split(" = ", 1)[0].split()[-1].lstrip("%")] = shape
-        if found is None and opcode in _COLLECTIVES:
-            nbytes = _operand_bytes(line, opcode, shapes)
-            channel = _CHANNEL_RE.search(line)
+    for instr in instrs:
+        shapes[instr.name] = instr.shape
+        if found is None and instr.opcode in _COLLECTIVES:
+            nbytes = _operand_bytes(instr, shapes)
+            channel = _CHANNEL_RE.search(instr.line)
             found = dict(
-                op=opcode,
+                op=instr.opcode,
                 channel=channel.group(1) if channel else None,
-                bytes=max(nbytes, shape_bytes(shape)),
+                bytes=max(nbytes, shape_bytes(instr.shape)),
             )
     if found is None:
         return None
-    target = _ASYNC_TARGET_RE.search("\n".join(lines))
+    target = _ASYNC_TARGET_RE.search("\n".join(i.line for i in instrs))
     if target:
         found["kind"] = target.group(1).lower()
     elif _holds_compute(comps, name, memo):
@@ -369,41 +407,35 @@ def _row(op: str, nbytes: int, name: str, loop: bool, sync: bool) -> dict:
     )
 
 
-def _schedule(comps: dict, name: str, loop: bool, memo: dict) -> list[dict]:
+def _schedule(comps: _Comps, name: str, loop: bool, memo: dict) -> list[dict]:
     """The collectives of one scheduled computation (see :func:`overlaps`)."""
     shapes: dict[str, str] = {}
     started: dict[str, dict] = {}
     fused: dict[str, dict] = {}  # XLA:TPU's: one per channel
     rows = []
-    for line in comps[name]:
-        parsed = split_instruction(line)
-        if parsed is None:
-            continue
-        shape, opcode = parsed
-        lhs = line.split(" = ", 1)[0].split()[-1].lstrip("%")
+    for instr in comps[name]:
+        shape, opcode, lhs = instr.shape, instr.opcode, instr.name
         shapes[lhs] = shape
-        if started and _computes(comps, line, opcode, memo):
+        if started and _computes(comps, instr, memo):
             for row in started.values():
                 row["compute"] += 1
         if opcode == "fusion":
-            body = next((c for c, _ in callees(line)), "")
+            body = next((c for c, _ in instr.callees), "")
             info = _fused_collective(comps, body, memo)
             if info is not None:
                 rows += _fused_step(info, lhs, name, loop, started, fused)
             continue
-        op = _collective_of(opcode, line, comps)
+        op = _collective_of(instr, comps)
         if op is not None:
             sync = not opcode.endswith("-start")
-            row = _row(
-                op, _operand_bytes(line, opcode, shapes), name, loop, sync
-            )
+            row = _row(op, _operand_bytes(instr, shapes), name, loop, sync)
             if sync:
                 row["bytes"] = max(row["bytes"], shape_bytes(shape))
             else:
                 started[lhs] = row
             rows.append(row)
         elif opcode.endswith("-done"):
-            inside = line.split(f"{opcode}(", 1)[-1]
+            inside = instr.line.split(f"{opcode}(", 1)[-1]
             for operand in _OPERAND_RE.findall(inside):
                 row = started.pop(operand, None)
                 if row is not None:
@@ -462,16 +494,15 @@ def overlaps(text: str) -> list[dict]:
       a fusion, call or conditional holding one) or a loop; 0 for a sync
       collective.
     """
-    comps, _ = parse_hlo(text)
+    comps = Module.parse(text).computations
     in_loop = loop_computations(text)
     memo: dict = {}
     inner = {
         callee
-        for lines in comps.values()
-        for line in lines
-        if (p := split_instruction(line)) is not None
-        and p[1] in ("async-start", "fusion")
-        for callee, _ in callees(line)
+        for instrs in comps.values()
+        for instr in instrs
+        if instr.opcode in ("async-start", "fusion")
+        for callee, _ in instr.callees
     }
     rows = []
     for name in comps:

@@ -37,7 +37,7 @@ if os.environ.get("OPTAXACCUM_GPU_COMPILE") != "1":
 import jax  # noqa: E402
 import jaxlib  # noqa: E402
 
-from tests.gpu_compile import hlo, steps, targets  # noqa: E402
+from tools.compiled import hlo, steps, targets  # noqa: E402
 
 pytestmark = pytest.mark.gpu_compile
 
@@ -269,7 +269,7 @@ def test_off_the_floor(api, model, setting):
 
 
 def _premise_shape(target):
-    """XLA:TPU's premises are measured past its VMEM (steps.py)."""
+    """XLA:TPU's premises are measured past its VMEM (tools/compiled/steps.py)."""
     return steps.TPU_PREMISE_SHAPE if target == "tpu" else steps.PREMISE_SHAPE
 
 
@@ -336,7 +336,7 @@ def test_headline_chain_holds_one_tree(target):
 
 
 def _train_model(target):
-    """XLA:TPU's train steps are measured past its VMEM (steps.py)."""
+    """XLA:TPU's train steps are measured past its VMEM (tools/compiled/steps.py)."""
     return "mlp_wide" if target == "tpu" else "mlp"
 
 

@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jaxlib  # noqa: E402
 
 from optaxaccum._src import hlo  # noqa: E402
-from tests.gpu_compile import steps, targets  # noqa: E402
+from tools.compiled import steps, targets  # noqa: E402
 
 pytestmark = pytest.mark.gpu_compile
 

@@ -1,4 +1,5 @@
-"""The compiled-program reader (``hlo.py``) on XLA:CPU programs: it runs in
+"""The compiled-program reader (``optaxaccum._src.hlo``) and its queries
+(``tools/compiled/hlo.py``) on XLA:CPU programs: it runs in
 the default suite, where the GPU and TPU compilers are not installed."""
 
 import jax
@@ -6,7 +7,7 @@ import jax.numpy as jnp
 import optax
 
 import optaxaccum as oa
-from tests.gpu_compile import hlo
+from tools.compiled import hlo
 
 
 def _module(fn, *args):

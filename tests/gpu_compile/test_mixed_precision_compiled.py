@@ -36,7 +36,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import optaxaccum as oa  # noqa: E402
-from tests.gpu_compile import hlo, steps, targets  # noqa: E402
+from tools.compiled import hlo, steps, targets  # noqa: E402
 
 pytestmark = pytest.mark.gpu_compile
 

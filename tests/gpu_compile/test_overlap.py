@@ -37,9 +37,9 @@ import jaxlib  # noqa: E402
 
 import optaxaccum as oa  # noqa: E402
 from optaxaccum._src import hlo  # noqa: E402
+from optaxaccum._src.hlo import Module  # noqa: E402
 from tests.fixtures.hlo import make  # noqa: E402
-from tests.gpu_compile import steps, targets  # noqa: E402
-from tests.gpu_compile.hlo import Module  # noqa: E402
+from tools.compiled import steps, targets  # noqa: E402
 
 pytestmark = pytest.mark.gpu_compile
 

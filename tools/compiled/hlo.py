@@ -1,7 +1,5 @@
-"""Reads a compiled XLA program (``jax.jit(f).lower(...).compile().as_text()``).
-
-The text is parsed into computations of instructions with their shapes,
-operands and called computations. Two questions are answered from it:
+"""Queries of compiled XLA:GPU and XLA:TPU programs, on the library's reader
+(``optaxaccum._src.hlo``: :class:`Module`, :class:`Instr`).
 
 * where does an op run: outside every ``conditional`` (on every call) or
   only inside one of its branches (``placement``);
@@ -13,166 +11,54 @@ operands and called computations. Two questions are answered from it:
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
 
-_SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
-_NAME = re.compile(r"%([\w.\-]+)")
-_CALLED = re.compile(
-    r"\b(calls|to_apply|body|condition|true_computation|false_computation)"
-    r"=%([\w.\-]+)"
-)
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_KIND = re.compile(r"\bkind=(k\w+)")
+from optaxaccum._src.hlo import Instr, Module
+
+__all__ = [
+    "GEMM_TARGETS",
+    "Instr",
+    "Module",
+    "branch_bodies",
+    "conditionals",
+    "every_call",
+    "fold",
+    "is_gemm",
+    "is_kernel_accumulator",
+    "non_closing",
+    "op_name",
+    "opcode_counts",
+    "placement",
+]
+
 _FOLLOW = frozenset({"bitcast", "copy", "get-tuple-element", "reshape"})
-_GATE_LOOP = 'optaxaccum_gate/while"'
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__triton")
 
 
-@dataclasses.dataclass
-class Instr:
-    name: str
-    shape: str
-    opcode: str
-    operands: list[str]
-    attrs: str
-
-    @property
-    def counts(self) -> list[int]:
-        """The element count of each array in the shape (one for an
-        array, one per element of a tuple)."""
-        return [
-            math.prod(int(d) for d in dims.split(",") if d)
-            for _, dims in _SHAPE.findall(self.shape)
-        ]
-
-    @property
-    def dims(self) -> list[tuple[int, ...]]:
-        """The sorted dimensions of each array in the shape (a transposed
-        array has the dimensions of the original)."""
-        return [
-            tuple(sorted(int(d) for d in dims.split(",") if d))
-            for _, dims in _SHAPE.findall(self.shape)
-        ]
-
-    @property
-    def kind(self) -> str | None:
-        m = _KIND.search(self.attrs)
-        return m.group(1) if m else None
-
-    @property
-    def is_gate_loop(self) -> bool:
-        """The fused step's loop of 0 or 1 trips (``flags.loop_or_call``,
-        found by its name scope): a branch, like a conditional's."""
-        return self.opcode == "while" and _GATE_LOOP in self.attrs
-
-    @property
-    def called(self) -> list[tuple[str, str]]:
-        """``(edge, computation)``: ``edge`` is ``"branch"`` for the
-        branches of a conditional and the body of the gate's loop, the
-        attribute's name otherwise."""
-        out = []
-        for key, name in _CALLED.findall(self.attrs):
-            branch = key.endswith("_computation") or (
-                key == "body" and self.is_gate_loop
-            )
-            out.append(("branch" if branch else key, name))
-        for group in _BRANCHES.findall(self.attrs):
-            out += [("branch", n) for n in _NAME.findall(group)]
-        return out
+def every_call(module: Module) -> set[str]:
+    """The computations that run on every call: reachable from the
+    entry without entering a conditional's branch."""
+    return module.reachable(module.entry, through_branches=False)
 
 
-def _closing(text: str, depth: int) -> int:
-    """The index of the ``)`` that brings ``depth`` open parentheses to 0."""
-    for i, ch in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            return i
-    return len(text)
+def conditionals(module: Module) -> list[Instr]:
+    """The conditionals (and the gate's loops) that run on every call."""
+    return [
+        i
+        for name in every_call(module)
+        for i in module.computations[name]
+        if i.opcode == "conditional" or i.is_gate_loop
+    ]
 
 
-def _split_instr(line: str) -> Instr | None:
-    line = line.strip()
-    if line.startswith("ROOT "):
-        line = line[5:]
-    if not line.startswith("%") or " = " not in line:
-        return None
-    name, rest = line[1:].split(" = ", 1)
-    if rest.startswith("("):  # a tuple shape: up to its matching ")"
-        end = _closing(rest, 0)
-        shape, rest = rest[: end + 1], rest[end + 2 :]
-    else:
-        shape, rest = rest.split(" ", 1)
-    opcode, rest = rest.split("(", 1)
-    end = _closing(rest, 1)
-    return Instr(
-        name, shape, opcode, _NAME.findall(rest[:end]), rest[end + 1 :]
-    )
-
-
-@dataclasses.dataclass
-class Module:
-    computations: dict[str, list[Instr]]
-    entry: str
-
-    @classmethod
-    def parse(cls, text: str) -> Module:
-        comps: dict[str, list[Instr]] = {}
-        entry, current = "", None
-        for line in text.splitlines():
-            if line.endswith("{") and (
-                line.startswith("%") or line.startswith("ENTRY %")
-            ):
-                current = _NAME.search(line).group(1)  # type: ignore[union-attr]
-                comps[current] = []
-                if line.startswith("ENTRY"):
-                    entry = current
-            elif line.startswith("}"):
-                current = None
-            elif current is not None:
-                instr = _split_instr(line)
-                if instr is not None:
-                    comps[current].append(instr)
-        if not entry:
-            raise ValueError("no ENTRY computation in the HLO text")
-        return cls(comps, entry)
-
-    def reachable(self, start: str, through_branches: bool) -> set[str]:
-        """The computations ``start`` calls, transitively (with ``start``);
-        a conditional's branches only if ``through_branches``."""
-        seen, todo = {start}, [start]
-        while todo:
-            for instr in self.computations.get(todo.pop(), []):
-                for edge, name in instr.called:
-                    if edge == "branch" and not through_branches:
-                        continue
-                    if name not in seen:
-                        seen.add(name)
-                        todo.append(name)
-        return seen
-
-    def every_call(self) -> set[str]:
-        """The computations that run on every call: reachable from the
-        entry without entering a conditional's branch."""
-        return self.reachable(self.entry, through_branches=False)
-
-    def conditionals(self) -> list[Instr]:
-        return [
-            i
-            for name in self.every_call()
-            for i in self.computations[name]
-            if i.opcode == "conditional" or i.is_gate_loop
-        ]
-
-    def branch_bodies(self) -> set[str]:
-        """Every computation a conditional's branch calls (transitively)."""
-        out: set[str] = set()
-        for cond in self.conditionals():
-            for edge, name in cond.called:
-                if edge == "branch":
-                    out |= self.reachable(name, through_branches=True)
-        return out
+def branch_bodies(module: Module) -> set[str]:
+    """Every computation a conditional's branch calls (transitively)."""
+    out: set[str] = set()
+    for cond in conditionals(module):
+        for edge, name in cond.called:
+            if edge == "branch":
+                out |= module.reachable(name, through_branches=True)
+    return out
 
 
 def placement(
@@ -191,11 +77,11 @@ def placement(
             if i.opcode in opcodes and max(i.counts, default=0) >= min_count
         )
 
-    every = module.every_call()
+    every = every_call(module)
     return {
         "outside": count(every),
-        "inside": count(module.branch_bodies() - every),
-        "conditionals": len(module.conditionals()),
+        "inside": count(branch_bodies(module) - every),
+        "conditionals": len(conditionals(module)),
     }
 
 
@@ -265,7 +151,7 @@ def _where(readers, param, origin) -> str:
             if src is None or not is_gemm(src):
                 continue
             (count,) = src.counts[:1] or [0]
-            lead = _SHAPE.search(src.shape).group(2).split(",")[0]  # type: ignore[union-attr]
+            lead = _lead_dim(src.shape)
             if count == size:
                 return "loop"
             if count % size == 0 and int(lead) == count // size:
@@ -273,6 +159,11 @@ def _where(readers, param, origin) -> str:
             if count > size:
                 return "merged"
     return ",".join(sorted({r.opcode for r in readers})) or "unread"
+
+
+def _lead_dim(shape: str) -> str:
+    """The first dimension of the first array of an HLO shape."""
+    return shape.split("[", 1)[1].split("]", 1)[0].split(",")[0]
 
 
 def is_kernel_accumulator(path: str) -> bool:
@@ -328,7 +219,7 @@ def non_closing(
         )
 
     paths = [module.entry]
-    for cond in module.conditionals():
+    for cond in conditionals(module):
         paths += [
             n for e, n in cond.called if e == "branch" and not holds_closing(n)
         ]

@@ -3,9 +3,10 @@
 XLA:GPU compiles for an H100 or H200 that is not there when the jax CUDA
 plugin (``jax-cuda13-pjrt`` and ``jax-cuda13-plugin`` of jaxlib's version) is
 importable and is given one of XLA's target configs (this folder's
-``*.txtpb``, see README.md); XLA:TPU compiles for a v5e slice with ``libtpu``.
+``*.txtpb``, see tests/gpu_compile/README.md); XLA:TPU compiles for a v5e
+slice with ``libtpu``.
 Run with ``JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` and the
-folder holding the wheels on ``PYTHONPATH`` (``site.py`` sets that up).
+folder holding the wheels on ``PYTHONPATH`` (``plugins.py`` sets that up).
 """
 
 from __future__ import annotations
