@@ -34,7 +34,6 @@ __all__ = [
 ]
 
 
-
 def either(a: Any, b: Any) -> Any:
     """``a | b`` for flags, keeping the literals ``True`` and ``False``."""
     if a is True or b is False:
