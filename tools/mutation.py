@@ -715,6 +715,25 @@ MUTANTS = {
         "moved[o, off : off + size] = rows[o, off : off + size]",
         ["tests/test_owned.py", "-m", "not slow", "-k", "new_owner"],
     ),
+    "muon_found_inside_another_transformation": (  # a global norm breaks
+        "owned.py",
+        '    inner = getattr(state, "inner_states", None)\n',
+        "    found = jax.tree.leaves(\n"
+        "        state, is_leaf=lambda x: isinstance(x, optax.PartitionState)\n"
+        "    )\n"
+        "    state = next(\n"
+        "        (x for x in found if isinstance(x, optax.PartitionState)),\n"
+        "        state,\n"
+        "    )\n"
+        '    inner = getattr(state, "inner_states", None)\n',
+        ["tests/test_shard_update.py", "-k", "refused_by_name"],
+    ),
+    "muon_not_recognised": (  # muon itself runs on each device's piece
+        "owned.py",
+        '        set(inner) == {"muon", "adam"}\n',
+        '        set(inner) == {"muon", "adam", "never"}\n',
+        ["tests/test_owned.py", "-m", "not slow", "-k", "equals"],
+    ),
     "owned_unbalanced": (  # every matrix to the first device
         "owned.py",
         "d = int(np.argmin(share))  # the first of equals",

@@ -127,14 +127,27 @@ def layer_axis_of(tx: Any) -> int | None:
 
 def needs_whole_leaves(tx: Any, state: Any) -> bool:
     """Whether the follower ``tx``, whose state (or its shapes) is
-    ``state``, runs by ownership: marked by :func:`whole_leaves`, or its
-    state holds ``optax.contrib.MuonState`` (``optax.contrib.muon``) or is
-    already a :class:`WholeLeavesState`."""
-    if isinstance(tx, _WholeLeaves):
+    ``state``, runs by ownership: marked by :func:`whole_leaves`, already
+    holding a :class:`WholeLeavesState`, or ``optax.contrib.muon`` itself,
+    known by the state it makes (optax's public types): a partition into
+    ``'muon'``, led by a ``MuonState``, and ``'adam'``. Muon inside another
+    transformation is not: that one may not treat leaves independently."""
+    if isinstance(tx, _WholeLeaves) or isinstance(state, WholeLeavesState):
         return True
-    kinds = (WholeLeavesState, optax.contrib.MuonState)
-    found = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kinds))
-    return any(isinstance(x, kinds) for x in found)
+    inner = getattr(state, "inner_states", None)
+    if not isinstance(state, optax.PartitionState) or not isinstance(
+        inner, dict
+    ):
+        return False
+    muon = inner.get("muon")
+    led = getattr(muon, "inner_state", None)
+    return (
+        set(inner) == {"muon", "adam"}
+        and isinstance(muon, optax.MaskedState)
+        and isinstance(led, tuple)
+        and bool(led)
+        and isinstance(led[0], optax.contrib.MuonState)
+    )
 
 
 def probed_state(tx: Any) -> Any:
