@@ -830,7 +830,9 @@ def test_two_processes_one_mesh_match_single_process(tmp_path, script):
 
     from tests.test_multidevice import run_two_processes
 
-    path = pathlib.Path(__file__).resolve().parent / "_mesh_worker.py"
+    path = (
+        pathlib.Path(__file__).resolve().parent / "workers" / "_mesh_worker.py"
+    )
     spec = importlib.util.spec_from_file_location("_mesh_worker", path)
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)

@@ -47,7 +47,9 @@ def _load(name, path):
 
 
 # The problem (data, loss) is shared with the two-process worker.
-worker = _load("_multihost_worker", ROOT / "tests" / "_multihost_worker.py")
+worker = _load(
+    "_multihost_worker", ROOT / "tests" / "workers" / "_multihost_worker.py"
+)
 
 
 def _optimizers():
@@ -798,11 +800,11 @@ def _run_two_workers(tmp_path, out, attempt, script):
 
 
 def run_two_processes(tmp_path, script):
-    """Runs ``script`` (``tests/<script>``) as two ``jax.distributed``
+    """Runs ``script`` (``tests/workers/<script>``) as two ``jax.distributed``
     processes; returns the path of the params process 0 saved. Skips where
     gloo CPU collectives are missing; fails with both logs otherwise."""
     out = tmp_path / "params.npy"
-    script = str(ROOT / "tests" / script)
+    script = str(ROOT / "tests" / "workers" / script)
     ok, report = _run_two_workers(tmp_path, out, 0, script)
     if not ok and "address already in use" in report.lower():
         ok, report = _run_two_workers(tmp_path, out, 1, script)  # port race

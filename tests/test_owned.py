@@ -527,7 +527,7 @@ def test_comm_model_owned_mode_equals_the_census_when_balanced():
     the all-to-all and the all-gather over the data axes of the compiled
     step equal the communication model's ``owned`` rows
     (benchmarks/comm_model.py)."""
-    from tests.test_comm_model import cm
+    from tests.repo.test_comm_model import cm
 
     mesh, axis = ts._mesh("data8")
     rng = np.random.default_rng(0)

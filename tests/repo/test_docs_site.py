@@ -1,4 +1,4 @@
-"""The checks of the built docs site (``tests/docs_site_check.py``), on
+"""The checks of the built docs site (``tests/repo/docs_site_check.py``), on
 small pages written here, and on the built site when there is one (``make
 docs`` runs the same checks on its build)."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.docs_site_check import (
+from tests.repo.docs_site_check import (
     BUILT,
     CODE_WIDTH,
     MAX_TABLE_COLUMNS,
