@@ -156,3 +156,27 @@ def ones_and_zeros() -> dict:
         params = ones_and_zeros()
     """
     return {"w": jnp.ones((3, 4)), "b": jnp.zeros((4,))}
+
+
+def mesh_mlp_params(din=8, hidden=16, dout=4) -> dict:
+    """The mesh tests' two-layer perceptron (``tests/mesh_helpers.py``).
+
+    Args:
+      din: the input width.
+      hidden: the hidden width.
+      dout: the output width.
+
+    Returns:
+      ``{"w1": (din, hidden), "b1": (hidden,), "w2": (hidden, dout)}``,
+      float32, drawn from seed 1: normal over 3, times 0.1, over 4.
+
+    Example::
+
+        params = mesh_mlp_params()
+    """
+    rng = np.random.default_rng(1)
+    return {
+        "w1": (rng.normal(size=(din, hidden)) / 3).astype(np.float32),
+        "b1": (0.1 * rng.normal(size=hidden)).astype(np.float32),
+        "w2": (rng.normal(size=(hidden, dout)) / 4).astype(np.float32),
+    }

@@ -19,7 +19,8 @@ import pytest
 
 import optaxaccum as oa
 from optaxaccum._src import hlo
-from tests import test_mesh as tm
+from tests import helpers
+from tests import mesh_helpers as mh
 from tests import test_multidevice as tmd
 
 TOL = dict(rtol=2e-5, atol=2e-6)
@@ -256,7 +257,7 @@ def _feed_one_device(tx, params, state, data, ts, closed):
 
     def step(params, state, x, y, mask):
         def loss(p):
-            per = tm._per_example(p, x, y)
+            per = mh._per_example(p, x, y)
             return (mask * per).sum() / jnp.maximum(mask.sum(), 1.0)
 
         grads = jax.grad(loss)(params)
@@ -272,17 +273,17 @@ def _feed_one_device(tx, params, state, data, ts, closed):
 
 
 def _feed(tx, mesh, params, state, data, ts, closed):
-    step = jax.jit(tm._step_fn(tx, mesh))
+    step = jax.jit(mh._step_fn(tx, mesh))
     with jax.set_mesh(mesh):
         for t in ts:
-            batch = tm._put_batch(mesh, *(a[t] for a in data))
+            batch = mh._put_batch(mesh, *(a[t] for a in data))
             params, state, _ = step(params, state, *batch)
             closed.append(bool(oa.has_updated(state)))
     return params, state
 
 
 def _moved(tx, state, params, mesh):
-    params = tm._put_params(mesh, jax.device_get(params))
+    params = mh._put_params(mesh, jax.device_get(params))
     return params, oa.reshard_state(tx, jax.device_get(state), params)
 
 
@@ -295,19 +296,19 @@ def test_jit_mesh_resharded_mid_window_keeps_the_boundaries(last):
     the hand loop, no collective added per micro-batch, and the params
     equal single-device Adam on each window's whole batch."""
     steps, cuts = 12, (5, 9)
-    data = tm._make_data(steps, seed=4)
+    data = mh._make_data(steps, seed=4)
     weights = data[2].sum(1)
     windows, _ = _hand_windows(weights, 40)
     ends = {w[-1] for w in windows}
     assert not {c - 1 for c in cuts} & ends  # both cuts are mid-window
     tx = _tx()
-    mesh = tm._mesh("data2xfsdp4")
+    mesh = mh._mesh("data2xfsdp4")
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
     closed = []
     params, state = _feed(tx, mesh, params, state, data, range(cuts[0]), closed)
-    mesh = tm._mesh("data8")
+    mesh = mh._mesh("data8")
     params, state = _moved(tx, state, params, mesh)
     assert state[0].acc["w1"].shape[0] == 8
     params, state = _feed(tx, mesh, params, state, data, range(*cuts), closed)
@@ -322,15 +323,15 @@ def test_jit_mesh_resharded_mid_window_keeps_the_boundaries(last):
         assert state[0].acc["w1"].shape == params["w1"].shape
         params, state = _feed_one_device(one, params, state, data, rest, closed)
     assert closed == [t in ends for t in range(steps)]
-    want = tm._init_params()
+    want = helpers.mesh_mlp_params()
     opt = optax.adam(0.05)
     opt_state = opt.init(want)
     for win in windows:
         sl = slice(win[0], win[-1] + 1)
-        g = tm._window_grad(want, *(a[sl] for a in data))
+        g = mh._window_grad(want, *(a[sl] for a in data))
         u, opt_state = opt.update(g, opt_state, want)
         want = optax.apply_updates(want, u)
-    chex.assert_trees_all_close(jax.device_get(params), want, **tm.TOL)
+    chex.assert_trees_all_close(jax.device_get(params), want, **mh.TOL)
 
 
 @pytest.mark.devices(8)
@@ -338,13 +339,13 @@ def test_jit_mesh_decides_without_a_collective():
     """On a ``jit`` mesh the window's weight is global already: the
     compiled micro-step has no more collectives over 'data' outside the
     window's branch with a budget than with a fixed ``every_k``."""
-    mesh = tm._mesh("data8")
+    mesh = mh._mesh("data8")
     opt = optax.adam(0.1)
     from optaxaccum._src import collectives
 
     def top(every_k):
         tx = oa.chain(oa.accumulate(every_k, axis_name="data"), opt)
-        ops, _, _ = tm._compiled_census(mesh, tx, ours=True)
+        ops, _, _ = mh._compiled_census(mesh, tx, ours=True)
         return collectives.over(ops, "data", top=True)
 
     assert len(top(oa.every_weight(40))) == len(top(3))

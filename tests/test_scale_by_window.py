@@ -20,7 +20,7 @@ import pytest
 from jax import lax
 
 import optaxaccum as oa
-from tests import test_mesh as tm
+from tests import mesh_helpers as mh
 from tests import test_multidevice as tmd
 from tests import test_noise_scale as tns
 
@@ -323,14 +323,14 @@ def test_devices_scale_by_the_global_window_weight(runner):
 def test_jit_mesh_scales_by_the_global_window_weight():
     """``jax.jit`` on data=8: the window's weight is the global token
     count (the sum of each micro-batch's mask)."""
-    mesh = tm._mesh("data8")
-    data = tm._make_data(4, seed=1)
+    mesh = mh._mesh("data8")
+    data = mh._make_data(4, seed=1)
     tx = oa.chain(
         oa.accumulate(2, axis_name="data", noise_scale_decay=0.5),
         optax.sgd(0.1),
         oa.scale_by_window(10.0, rule="linear"),
     )
-    _, state = tm._run(tx, mesh, data)
+    _, state = mh._run(tx, mesh, data)
     want = data[2].sum() / 10.0
     np.testing.assert_allclose(oa.window_progress(state), want, rtol=1e-6)
 
