@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 from optaxaccum._src import collectives, reducer, sharding
-from tests import helpers
+from tests import helpers, workers
 from tests.mesh_helpers import (
     D_IN,
     D_OUT,
@@ -648,19 +648,9 @@ def test_two_processes_one_mesh_match_single_process(tmp_path, script):
     token counts, several windows: the params equal a single-process
     big-batch run on the same global batches; also with
     ``shard_update=True`` (Adam's state sharded over data and fsdp)."""
-    import importlib.util
-    import pathlib
+    worker = workers.load("_mesh_worker")
 
-    from tests.test_multidevice import run_two_processes
-
-    path = (
-        pathlib.Path(__file__).resolve().parent / "workers" / "_mesh_worker.py"
-    )
-    spec = importlib.util.spec_from_file_location("_mesh_worker", path)
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-
-    out = run_two_processes(tmp_path, script)
+    out = workers.run_two_processes(tmp_path, script)
     x, y, mask = worker.make_data(worker.WINDOWS * worker.K)
     opt = optax.adam(worker.LEARNING_RATE)
     params = worker.init_params()
