@@ -19,9 +19,9 @@ import pytest
 
 import optaxaccum as oa
 from optaxaccum._src import hlo
+from tests import data_parallel_helpers as dp
 from tests import helpers
 from tests import mesh_helpers as mh
-from tests import test_multidevice as tmd
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 
@@ -193,28 +193,28 @@ def test_devices_close_on_the_global_weight(runner):
     """Each device passes its own token count: the windows close on the
     budget of their sum over the devices, and land on single-device Adam
     on each window's whole batch."""
-    x, y, mask = tmd._data(9, ragged=True, seed=3)
+    x, y, mask = dp._data(9, ragged=True, seed=3)
     tx = oa.chain(
-        oa.accumulate(oa.every_weight(40), axis_name=tmd.AXIS),
+        oa.accumulate(oa.every_weight(40), axis_name=dp.AXIS),
         optax.adam(0.05),
     )
-    params, state = tmd.RUNNERS[runner](
-        tx, tmd._params(), (x, y, mask), weighted=True
+    params, state = dp.RUNNERS[runner](
+        tx, dp._params(), (x, y, mask), weighted=True
     )
     windows, rest = _hand_windows(mask.sum((1, 2)), 40)
     assert 2 <= len(windows) and {len(w) for w in windows} != {1}, windows
-    want = tmd._params()
+    want = dp._params()
     opt = optax.adam(0.05)
     opt_state = opt.init(want)
     for win in windows:
         sl = slice(win[0], win[-1] + 1)
-        g = tmd._window_grad(
+        g = dp._window_grad(
             want, x[sl], y[sl], mask[sl], weighted=True, reduction="mean"
         )
         u, opt_state = opt.update(g, opt_state, want)
         want = optax.apply_updates(want, u)
-    tmd._assert_same_on_every_device(params)
-    chex.assert_trees_all_close(tmd._first(params), want, **TOL)
+    dp._assert_same_on_every_device(params)
+    chex.assert_trees_all_close(dp._first(params), want, **TOL)
     acc = state[0]
     assert (np.asarray(acc.gradient_step) == len(windows)).all()
     assert (np.asarray(acc.mini_step) == len(rest)).all()
@@ -226,15 +226,15 @@ def test_hlo_one_scalar_psum_per_micro_batch(runner):
     """Compiled micro-step: deciding on the global weight costs exactly one
     float32 scalar all-reduce outside the window's branch; the gradient is
     still all-reduced only in the closing branch."""
-    varying = tmd.AXIS if runner == "shard_map" else None
-    tree_bytes = 4 * (tmd.worker.D_IN * tmd.worker.D_OUT + tmd.worker.D_OUT)
+    varying = dp.AXIS if runner == "shard_map" else None
+    tree_bytes = 4 * (dp.worker.D_IN * dp.worker.D_OUT + dp.worker.D_OUT)
     tx = oa.chain(
-        oa.accumulate(oa.every_weight(40), axis_name=tmd.AXIS),
+        oa.accumulate(oa.every_weight(40), axis_name=dp.AXIS),
         optax.adam(0.1),
     )
     ours = hlo.summarize(
-        tmd._compiled_text(
-            runner, tx, tmd._local_step(tx, weighted=True, varying=varying)
+        dp._compiled_text(
+            runner, tx, dp._local_step(tx, weighted=True, varying=varying)
         )
     )
     assert (ours["top_ops"], ours["top_bytes"]) == (1, 4), ours

@@ -20,8 +20,8 @@ import pytest
 from jax import lax
 
 import optaxaccum as oa
+from tests import data_parallel_helpers as dp
 from tests import mesh_helpers as mh
-from tests import test_multidevice as tmd
 from tests import test_noise_scale as tns
 
 TOL = dict(rtol=2e-5, atol=2e-6)
@@ -303,15 +303,13 @@ def test_bad_input_is_named():
 def test_devices_scale_by_the_global_window_weight(runner):
     """Under pmap/shard_map the window's weight reaching the factor is its
     total over the devices."""
-    x, y, mask = tmd._data(4, ragged=True, seed=2)
+    x, y, mask = dp._data(4, ragged=True, seed=2)
     tx = oa.chain(
-        oa.accumulate(2, axis_name=tmd.AXIS),
+        oa.accumulate(2, axis_name=dp.AXIS),
         optax.sgd(0.1),
         oa.scale_by_window(10.0, rule="linear"),
     )
-    _, state = tmd.RUNNERS[runner](
-        tx, tmd._params(), (x, y, mask), weighted=True
-    )
+    _, state = dp.RUNNERS[runner](tx, dp._params(), (x, y, mask), weighted=True)
     w = mask.sum((1, 2)).reshape(2, 2).sum(1)
     tau = np.asarray(state[2].tau).reshape(-1)
     np.testing.assert_allclose(
