@@ -180,3 +180,42 @@ def mesh_mlp_params(din=8, hidden=16, dout=4) -> dict:
         "b1": (0.1 * rng.normal(size=hidden)).astype(np.float32),
         "w2": (rng.normal(size=(hidden, dout)) / 4).astype(np.float32),
     }
+
+
+# Synthetic micro-batch gradients with a known noise scale.
+NOISE_DIM = 64  # dimensions of the synthetic gradient
+NOISE_VARIANCE = 1.0  # per-unit-of-weight noise variance of each coordinate
+NOISE_MEAN = 0.5  # every coordinate of the true gradient ``G``
+
+
+def noisy_gradients(key, weights, windows):
+    """Synthetic micro-batch gradients of a known noise scale.
+
+    Args:
+      key: the ``jax.random`` key of the noise.
+      weights: one window's micro-batch weights ``w_i``.
+      windows: how many windows (``weights`` repeated).
+
+    Returns:
+      ``(grads, w)``: ``(steps, NOISE_DIM)`` gradients ``G + e_i`` with
+      ``G`` all ``NOISE_MEAN`` and ``Var e_i = NOISE_VARIANCE / w_i``, and
+      the ``(steps,)`` weights, float32.
+
+    Example::
+
+        grads, weights = noisy_gradients(jax.random.key(0), (1.0, 2.0), 3)
+    """
+    g = jnp.full(NOISE_DIM, NOISE_MEAN)
+    w = jnp.tile(jnp.asarray(weights, jnp.float32), windows)
+    e = jax.random.normal(key, (w.shape[0], NOISE_DIM))
+    return g[None] + e * jnp.sqrt(NOISE_VARIANCE / w)[:, None], w
+
+
+def brute_noise(grads, weights):
+    """tr(Sigma), |G|^2 of one window, float64 numpy, residual form."""
+    g, w = np.asarray(grads, np.float64), np.asarray(weights, np.float64)
+    g, w = g[w > 0], w[w > 0]
+    big_w, k = w.sum(), len(w)
+    mean = (w[:, None] * g).sum(0) / big_w
+    trace = (w * ((g - mean) ** 2).sum(1)).sum() / (k - 1)
+    return trace, mean @ mean - trace / big_w
