@@ -394,10 +394,10 @@ def test_trainstate_batchnorm_windows_follow_a_budget():
     longest) close on the calls where the budget closes the optimizer's,
     and the running statistics equal ``nn.BatchNorm`` on each window."""
     from optaxaccum.flax import TrainState
-    from tests.test_flax import _BNHead
+    from tests.flax_helpers import BNHead
 
     batches = _bn_batches(16)
-    model = _BNHead(accum_steps=20)
+    model = BNHead(accum_steps=20)
     variables = model.init(jax.random.key(0), batches[0][0], False)
     state = TrainState.create(
         apply_fn=model.apply,
