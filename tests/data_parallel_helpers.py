@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
-from tests import workers
+from tests import helpers, workers
 
 AXIS = "d"
 N = 8  # devices (conftest.py)
@@ -35,10 +35,6 @@ worker = workers.load("_multihost_worker")
 def _data(steps, *, ragged, seed=0):
     """``x, y, mask`` of shape ``(steps, N, BATCH, ...)``."""
     return worker.make_data(N, steps, ragged=ragged, seed=seed)
-
-
-def _params(dtype=jnp.float32):
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype), worker.init_params())
 
 
 # ------------------------------------------------------------- references
@@ -240,7 +236,7 @@ def _compiled_text(runner, tx, step):
     ``shard_map`` a state holding an ``oa.AccumulateState`` (which, with
     ``axis_name``, differs from device to device) gets the per-device
     layout of :func:`_run_shard_map`; any other state is replicated."""
-    params = _params()
+    params = helpers.multihost_params()
     x, y, mask = (a[0] for a in _data(1, ragged=False))
     if runner == "pmap":
         fn = jax.pmap(step, axis_name=AXIS)

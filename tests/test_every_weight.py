@@ -199,11 +199,11 @@ def test_devices_close_on_the_global_weight(runner):
         optax.adam(0.05),
     )
     params, state = dp.RUNNERS[runner](
-        tx, dp._params(), (x, y, mask), weighted=True
+        tx, helpers.multihost_params(), (x, y, mask), weighted=True
     )
     windows, rest = _hand_windows(mask.sum((1, 2)), 40)
     assert 2 <= len(windows) and {len(w) for w in windows} != {1}, windows
-    want = dp._params()
+    want = helpers.multihost_params()
     opt = optax.adam(0.05)
     opt_state = opt.init(want)
     for win in windows:

@@ -653,7 +653,7 @@ def test_two_processes_one_mesh_match_single_process(tmp_path, script):
     out = workers.run_two_processes(tmp_path, script)
     x, y, mask = worker.make_data(worker.WINDOWS * worker.K)
     opt = optax.adam(worker.LEARNING_RATE)
-    params = worker.init_params()
+    params = helpers.mesh_mlp_params(worker.D_IN, worker.HIDDEN, worker.D_OUT)
     state = opt.init(params)
 
     def window_loss(p, x, y, mask):

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 from optaxaccum._src import hlo
-from tests import workers
+from tests import helpers, workers
 from tests.data_parallel_helpers import (
     AXIS,
     RUNNERS,
@@ -38,7 +38,6 @@ from tests.data_parallel_helpers import (
     _first,
     _local_step,
     _mesh,
-    _params,
     _put,
     _reference,
     _replicate,
@@ -86,7 +85,7 @@ def test_accumulate_axis_name_equals_big_batch(
     == one step on the window's whole batch (per-token mean if weighted)."""
     opt = _optimizers()[opt_name]
     data = _data(K * WINDOWS, ragged=ragged)
-    params = _params()
+    params = helpers.multihost_params()
     tx = oa.chain(oa.accumulate(K, axis_name=AXIS), opt)
     got, state = RUNNERS[runner](tx, params, data, weighted=weighted)
     want = _reference(opt, params, *data, weighted=weighted)
@@ -109,7 +108,7 @@ def test_accumulate_axis_name_sum_reduction(runner, weighted):
     Through the plain ``tx.update`` protocol."""
     opt = optax.sgd(0.02)
     data = _data(K * WINDOWS, ragged=True, seed=1)
-    params = _params()
+    params = helpers.multihost_params()
     tx = oa.chain(oa.accumulate(K, reduction="sum", axis_name=AXIS), opt)
     with jax.numpy_dtype_promotion("strict"):
         got, _ = RUNNERS[runner](
@@ -126,7 +125,7 @@ def test_accumulate_axis_name_low_precision_grads(runner, dtype):
     """bf16 params and grads: accumulated and all-reduced in float32, emitted
     in bf16. Oracle: the same local gradients combined in float64."""
     data = tuple(np.asarray(a, dtype) for a in _data(K, ragged=True, seed=2))
-    params = _params(dtype)
+    params = helpers.multihost_params(dtype)
     lr = 0.5
     tx = oa.chain(oa.accumulate(K, axis_name=AXIS), optax.sgd(lr))
     with jax.numpy_dtype_promotion("strict"):
@@ -284,7 +283,7 @@ def _poisoned_data(bad_step, bad_device):
 def test_skip_nonfinite_one_device_drops_micro_batch_everywhere(runner):
     opt = optax.adam(0.05)
     data, clean = _poisoned_data(bad_step=4, bad_device=5)
-    params = _params()
+    params = helpers.multihost_params()
     tx = oa.chain(oa.accumulate(K, axis_name=AXIS, skip_nonfinite=True), opt)
     got, state = RUNNERS[runner](tx, params, data, weighted=True)
     want = _reference(opt, params, *clean, weighted=True)
@@ -298,7 +297,7 @@ def test_skip_nonfinite_one_device_drops_micro_batch_everywhere(runner):
 def test_dynamic_loss_scale_one_device_overflow_skips_everywhere(runner):
     opt = optax.adam(0.05)
     data, clean = _poisoned_data(bad_step=2, bad_device=0)
-    params = _params()
+    params = helpers.multihost_params()
     init_scale = 2.0**6
     tx = oa.chain(
         oa.dynamic_loss_scale(init_scale, axis_name=AXIS),
@@ -441,7 +440,7 @@ def test_chain_inside_shard_map_with_device_varying_updates():
     gate emits must have that same device-varying type for ``lax.cond``.
     Equals the same chain vmapped over devices."""
     tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
-    params = _replicate(_params())
+    params = _replicate(helpers.multihost_params())
     params = jax.tree.map(
         lambda a: (
             a + jnp.arange(N, dtype=a.dtype).reshape((N,) + (1,) * (a.ndim - 1))
@@ -486,7 +485,7 @@ def test_two_processes_match_single_process(tmp_path):
     data = worker.make_data(2 * worker.LOCAL_DEVICES, worker.WINDOWS * worker.K)
     want = _reference(
         optax.adam(worker.LEARNING_RATE),
-        _params(),
+        helpers.multihost_params(),
         *data,
         weighted=True,
         k=worker.K,

@@ -313,7 +313,9 @@ def test_devices_scale_by_the_global_window_weight(runner):
         optax.sgd(0.1),
         oa.scale_by_window(10.0, rule="linear"),
     )
-    _, state = dp.RUNNERS[runner](tx, dp._params(), (x, y, mask), weighted=True)
+    _, state = dp.RUNNERS[runner](
+        tx, helpers.multihost_params(), (x, y, mask), weighted=True
+    )
     w = mask.sum((1, 2)).reshape(2, 2).sum(1)
     tau = np.asarray(state[2].tau).reshape(-1)
     np.testing.assert_allclose(

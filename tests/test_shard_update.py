@@ -529,15 +529,6 @@ def test_follower_needing_whole_leaves_is_refused_by_name(mesh_name):
 # ---------------------------------- leaves the placement rule does not split
 
 
-def _odd_params():
-    rng = np.random.default_rng(3)
-    return {
-        "w": (rng.normal(size=(mh.D_IN, mh.HIDDEN)) / 3).astype(np.float32),
-        "b": (0.1 * rng.normal(size=3)).astype(np.float32),  # odd size
-        "s": np.float32(1.3),  # a scalar
-    }
-
-
 def _odd_per_example(params, x, y, batch_axes=None):
     """A model with a scalar gain ``s`` and an odd-sized bias ``b``: leaves
     that placed_spec leaves at the params' own spec."""
@@ -585,7 +576,8 @@ def test_unsplit_scalar_and_odd_bias_are_summed_over_the_data_axes(
 
     with jax.set_mesh(mesh):
         params = {
-            k: jax.device_put(v, specs[k]) for k, v in _odd_params().items()
+            k: jax.device_put(v, specs[k])
+            for k, v in helpers.odd_params(mh.D_IN, mh.HIDDEN).items()
         }
         state = jax.jit(tx.init)(params)
         fn = jax.jit(step)
@@ -593,7 +585,7 @@ def test_unsplit_scalar_and_odd_bias_are_summed_over_the_data_axes(
             batch = [jax.device_put(a[t], P(batch_axes)) for a in (x, y, mask)]
             params, state = fn(params, state, *batch)
 
-    want, opt = _odd_params(), optax.adam(0.05)
+    want, opt = helpers.odd_params(mh.D_IN, mh.HIDDEN), optax.adam(0.05)
     opt_state = opt.init(want)
     for t in range(0, steps, K):
         xs, ys, ms = (a[t : t + K] for a in (x, y, mask))
