@@ -54,7 +54,7 @@ dist: $(VENV)/.installed-dev
 # The suite from a copy of tests/ (with the examples, benchmarks and tools/
 # some tests run or import) in $(1)/run, where no source tree of the package
 # can be imported, run by the python $(2) of the leg named $(3)
-# (tests/test_packaging.py reads it), the tests the marker expression in the
+# (tests/repo/test_packaging.py reads it), the tests the marker expression in the
 # file $(1)/marks selects.
 define suite-from-copy
 	mkdir -p $(1)/run/.ci $(1)/run/docs
@@ -72,7 +72,7 @@ endef
 
 # The suite against the wheel as users install it: not editable, in a fresh
 # virtual environment, with jax, jaxlib, optax and flax at the floors
-# pyproject declares (.ci/floors.txt; tests/test_packaging.py keeps the two
+# pyproject declares (.ci/floors.txt; tests/repo/test_packaging.py keeps the two
 # equal), run from a copy of tests/ (with the examples and benchmarks some
 # tests run) where no source tree can be imported.
 # FLOORS_SUITE=whole (the default) runs the whole suite. With
@@ -141,12 +141,12 @@ test-newest: $(VENV)/.installed-dev
 	$(call suite-from-copy,$(NEWEST_DIR),$(NEWEST_PY),newest)
 
 # The HTML build, a check of the built pages as a reader sees them (code
-# lines, table widths, no remote assets; tests/docs_site_check.py), and the
+# lines, table widths, no remote assets; tests/repo/docs_site_check.py), and the
 # doctest build of every page.
 docs: $(VENV)/.installed-docs
 	rm -rf docs/_build
 	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
-	$(PY) tests/docs_site_check.py docs/_build/html
+	$(PY) tests/repo/docs_site_check.py docs/_build/html
 	$(PY) -m sphinx -W --keep-going -b doctest docs docs/_build/doctest
 
 bench: $(VENV)/.installed-dev

@@ -8,8 +8,8 @@ public ``__all__`` is left out of the API reference; ``_ext/doc_links.py``
 turns the ``docs/<page>.md`` pointers in docstrings into links to the
 pages; ``_ext/site_layout.py`` shows the README's peer comparison, fits
 wide figures to the column and titles the source listings by their public
-modules. ``tests/docs_site_check.py`` checks the built HTML (code lines, table
-widths, no remote assets, no work-log words).
+modules. ``tests/repo/docs_site_check.py`` checks the built HTML (code lines,
+table widths, no remote assets, no work-log words).
 """
 
 import os
@@ -73,7 +73,7 @@ myst_enable_extensions = [
 ]
 # Every benchmark figure on a page comes from the record that
 # benchmarks/run_all.py writes: ``{{ fig("B1", "fused closing", "vs floor") }}``
-# (see docs/_ext/figures.py; tests/test_figures.py checks the pages).
+# (see docs/_ext/figures.py; tests/repo/test_figures.py checks the pages).
 myst_substitutions = figures.substitutions(figures.load())
 myst_heading_anchors = 3
 

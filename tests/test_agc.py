@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optaxaccum as oa
+from tests import helpers
 
 WRAPS = [lambda f: f, jax.jit]
 WRAP_IDS = ["eager", "jit"]
@@ -40,19 +41,6 @@ def np_agc(g, w, axes, clipping, eps):
 
 def default_axes(ndim):
     return tuple(range(ndim)) if ndim <= 1 else tuple(range(ndim - 1))
-
-
-def normal(rng, shape, dtype=jnp.float32, scale=1.0):
-    # numpy data (cast with ml_dtypes for bf16): no eager jax compilations.
-    x = (scale * rng.standard_normal(shape)).astype(np.float32)
-    return jnp.asarray(x.astype(dtype))
-
-
-def random_tree(seed, shapes, dtype=jnp.float32, scale=1.0):
-    rng = np.random.default_rng(seed)
-    return {
-        name: normal(rng, shape, dtype, scale) for name, shape in shapes.items()
-    }
 
 
 def spread_grads(seed, shapes, dtype=jnp.float32):
@@ -89,7 +77,7 @@ OPTAX_SHAPES = {
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
 @pytest.mark.parametrize("clipping", [0.01, 0.3])
 def test_agc_matches_optax_float32(wrap, clipping):
-    params = random_tree(0, OPTAX_SHAPES)
+    params = helpers.float32_normal_tree(0, OPTAX_SHAPES)
     grads = spread_grads(1, OPTAX_SHAPES)
     got = run(oa.agc(clipping, eps=1e-3), grads, params, wrap)
     ref_tx = optax.adaptive_grad_clip(clipping, eps=1e-3)
@@ -105,7 +93,7 @@ def test_agc_matches_optax_float32(wrap, clipping):
 
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
 def test_agc_bfloat16_matches_float32_optax(wrap):
-    params = random_tree(2, OPTAX_SHAPES, jnp.bfloat16)
+    params = helpers.float32_normal_tree(2, OPTAX_SHAPES, jnp.bfloat16)
     grads = spread_grads(3, OPTAX_SHAPES, jnp.bfloat16)
     got = run(oa.agc(0.02), grads, params, wrap)
     chex.assert_trees_all_equal_dtypes(got, grads)
@@ -117,8 +105,10 @@ def test_agc_bfloat16_matches_float32_optax(wrap):
 
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
 def test_agc_bfloat16_grads_float32_params_strict(wrap):
-    params = random_tree(4, {"w": (4, 3), "b": (3,)})
-    grads = random_tree(5, {"w": (4, 3), "b": (3,)}, jnp.bfloat16)
+    params = helpers.float32_normal_tree(4, {"w": (4, 3), "b": (3,)})
+    grads = helpers.float32_normal_tree(
+        5, {"w": (4, 3), "b": (3,)}, jnp.bfloat16
+    )
     got = run(oa.agc(0.05), grads, params, wrap)  # strict promotion inside
     chex.assert_trees_all_equal_dtypes(got, grads)
     for k in grads:
@@ -141,8 +131,8 @@ def test_agc_bfloat16_grads_float32_params_strict(wrap):
     ids=["conv1d_WIO", "attn_qkv_F_H_D", "attn_out_H_D_F"],
 )
 def test_agc_3d_kernels(wrap, shape):
-    params = random_tree(6, {"k": shape})
-    grads = random_tree(7, {"k": shape}, scale=0.2)
+    params = helpers.float32_normal_tree(6, {"k": shape})
+    grads = helpers.float32_normal_tree(7, {"k": shape}, scale=0.2)
     got = run(oa.agc(0.05), grads, params, wrap)["k"]
     # The contract's default: all axes but the last.
     want = np_agc(grads["k"], params["k"], (0, 1), 0.05, 1e-3)
@@ -153,12 +143,16 @@ def test_agc_3d_kernels(wrap, shape):
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
 def test_agc_attention_qkv_per_head_units_via_callable(wrap):
     params = {
-        "query": random_tree(8, {"kernel": (6, 2, 3)}),
-        "out": random_tree(9, {"kernel": (2, 3, 6)}),
+        "query": helpers.float32_normal_tree(8, {"kernel": (6, 2, 3)}),
+        "out": helpers.float32_normal_tree(9, {"kernel": (2, 3, 6)}),
     }
     grads = {
-        "query": random_tree(10, {"kernel": (6, 2, 3)}, scale=0.2),
-        "out": random_tree(11, {"kernel": (2, 3, 6)}, scale=0.2),
+        "query": helpers.float32_normal_tree(
+            10, {"kernel": (6, 2, 3)}, scale=0.2
+        ),
+        "out": helpers.float32_normal_tree(
+            11, {"kernel": (2, 3, 6)}, scale=0.2
+        ),
     }
 
     def axis(path, x):
@@ -209,8 +203,8 @@ AXIS_SHAPES = {"a": (4, 3), "b": (2, 3, 4), "c": (5,)}
 
 
 def axis_case(axis, per_leaf_axes, wrap):
-    params = random_tree(12, AXIS_SHAPES)
-    grads = random_tree(13, AXIS_SHAPES, scale=0.3)
+    params = helpers.float32_normal_tree(12, AXIS_SHAPES)
+    grads = helpers.float32_normal_tree(13, AXIS_SHAPES, scale=0.3)
     got = run(oa.agc(0.1, axis=axis), grads, params, wrap)
     for k in grads:
         want = np_agc(grads[k], params[k], per_leaf_axes[k], 0.1, 1e-3)
@@ -234,8 +228,8 @@ def test_agc_axis_global(wrap, axis, per_leaf):
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
 def test_agc_axis_global_tuple(wrap):
     shapes = {"a": (4, 3, 2), "b": (2, 3, 4)}
-    params = random_tree(14, shapes)
-    grads = random_tree(15, shapes, scale=0.3)
+    params = helpers.float32_normal_tree(14, shapes)
+    grads = helpers.float32_normal_tree(15, shapes, scale=0.3)
     got = run(oa.agc(0.1, axis=(0, -1)), grads, params, wrap)
     for k in grads:
         want = np_agc(grads[k], params[k], (0, 2), 0.1, 1e-3)
@@ -251,12 +245,14 @@ def test_agc_axis_pytree_with_none_entries(wrap):
 @pytest.mark.parametrize("wrap", WRAPS, ids=WRAP_IDS)
 def test_agc_axis_pytree_prefix(wrap):
     params = {
-        "enc": random_tree(16, {"w": (4, 3), "v": (3, 5)}),
-        "head": random_tree(17, {"w": (3, 2)}),
+        "enc": helpers.float32_normal_tree(16, {"w": (4, 3), "v": (3, 5)}),
+        "head": helpers.float32_normal_tree(17, {"w": (3, 2)}),
     }
     grads = {
-        "enc": random_tree(18, {"w": (4, 3), "v": (3, 5)}, scale=0.3),
-        "head": random_tree(19, {"w": (3, 2)}, scale=0.3),
+        "enc": helpers.float32_normal_tree(
+            18, {"w": (4, 3), "v": (3, 5)}, scale=0.3
+        ),
+        "head": helpers.float32_normal_tree(19, {"w": (3, 2)}, scale=0.3),
     }
     got = run(oa.agc(0.1, axis={"enc": 1, "head": None}), grads, params, wrap)
     for k in ("w", "v"):
@@ -270,8 +266,14 @@ def test_agc_axis_pytree_prefix(wrap):
 def test_agc_axis_pytree_for_tuple_params(wrap):
     # Per-leaf specs of tuple-shaped params are given as 1-tuples.
     rng = np.random.default_rng(20)
-    params = (normal(rng, (4, 3)), normal(rng, (3, 4)))
-    grads = (normal(rng, (4, 3), scale=0.3), normal(rng, (3, 4), scale=0.3))
+    params = (
+        helpers.float32_normal(rng, (4, 3)),
+        helpers.float32_normal(rng, (3, 4)),
+    )
+    grads = (
+        helpers.float32_normal(rng, (4, 3), scale=0.3),
+        helpers.float32_normal(rng, (3, 4), scale=0.3),
+    )
     got = run(oa.agc(0.1, axis=((0,), (1,))), grads, params, wrap)
     np.testing.assert_allclose(
         got[0], np_agc(grads[0], params[0], (0,), 0.1, 1e-3), **TOL[jnp.float32]
@@ -474,8 +476,8 @@ def test_agc_is_stateless_and_takes_extra_args(wrap):
 def test_agc_inside_optax_masked():
     # The NFNet recipe: no clipping for the final classifier.
     params = {
-        "body": random_tree(21, {"w": (4, 3)}),
-        "head": random_tree(22, {"w": (3, 2)}),
+        "body": helpers.float32_normal_tree(21, {"w": (4, 3)}),
+        "head": helpers.float32_normal_tree(22, {"w": (3, 2)}),
     }
     grads = {
         k: {"w": jnp.asarray(10.0 * np.asarray(v["w"]))}
@@ -499,9 +501,9 @@ def test_agc_inside_optax_masked():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_agc_clips_every_microbatch_in_chain(wrap, dtype):
     shapes = {"w": (4, 3), "b": (3,)}
-    params = random_tree(23, shapes, dtype)
-    g1 = random_tree(24, shapes, dtype, scale=0.5)
-    g2 = random_tree(25, shapes, dtype, scale=0.05)
+    params = helpers.float32_normal_tree(23, shapes, dtype)
+    g1 = helpers.float32_normal_tree(24, shapes, dtype, scale=0.5)
+    g2 = helpers.float32_normal_tree(25, shapes, dtype, scale=0.05)
     lr = 0.5
     tx = oa.chain(oa.agc(0.1), oa.accumulate(2), optax.sgd(lr))
     with jax.numpy_dtype_promotion("strict"):
@@ -555,7 +557,7 @@ def test_agc_clips_every_microbatch_in_chain(wrap, dtype):
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_unitwise_norm(shape, axis, axes, dtype):
-    x = normal(np.random.default_rng(26), shape, dtype)
+    x = helpers.float32_normal(np.random.default_rng(26), shape, dtype)
     got = oa.unitwise_norm(x, axis=axis)
     assert got.dtype == jnp.float32
     x64 = np.asarray(x, np.float64)

@@ -257,30 +257,13 @@ def test_contract_state_is_a_pytree_of_arrays(name):
     chex.assert_trees_all_equal(jax.tree.unflatten(treedef, leaves), state)
 
 
-def _mesh_params():
-    """``_params`` on a ``data=2 x fsdp=4`` mesh of the 8 CPU devices: the
-    kernel sharded over fsdp, the rest replicated."""
-    from jax.sharding import AxisType, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = jax.make_mesh(
-        (2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2
-    )
-    params = helpers.normal_tree(0, SHAPES, jnp.float32)
-    specs = jax.tree.map(lambda _: P(), params)
-    specs["dense"]["kernel"] = P("fsdp", None)
-    return mesh, jax.tree.map(
-        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), params, specs
-    )
-
-
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.devices(8)
 def test_contract_state_shardings_and_device_put(name):
     """oa.state_shardings gives a tree of shardings that jax.device_put
     takes with the state of tx.init: the values unchanged, a params-like
     leaf at its param's sharding."""
-    mesh, params = _mesh_params()
+    mesh, params = helpers.fsdp_mesh_params(SHAPES)
     tx = TRANSFORMS[name][0]()
     with jax.set_mesh(mesh):
         shardings = oa.state_shardings(tx, params)

@@ -18,9 +18,10 @@ import optax
 import pytest
 
 import optaxaccum as oa
+from tests import data_parallel_helpers as dp
+from tests import helpers
 from tests import hlo_queries as hlo
-from tests import test_mesh as tm
-from tests import test_multidevice as tmd
+from tests import mesh_helpers as mh
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 
@@ -192,28 +193,28 @@ def test_devices_close_on_the_global_weight(runner):
     """Each device passes its own token count: the windows close on the
     budget of their sum over the devices, and land on single-device Adam
     on each window's whole batch."""
-    x, y, mask = tmd._data(9, ragged=True, seed=3)
+    x, y, mask = dp._data(9, ragged=True, seed=3)
     tx = oa.chain(
-        oa.accumulate(oa.every_weight(40), axis_name=tmd.AXIS),
+        oa.accumulate(oa.every_weight(40), axis_name=dp.AXIS),
         optax.adam(0.05),
     )
-    params, state = tmd.RUNNERS[runner](
-        tx, tmd._params(), (x, y, mask), weighted=True
+    params, state = dp.RUNNERS[runner](
+        tx, helpers.multihost_params(), (x, y, mask), weighted=True
     )
     windows, rest = _hand_windows(mask.sum((1, 2)), 40)
     assert 2 <= len(windows) and {len(w) for w in windows} != {1}, windows
-    want = tmd._params()
+    want = helpers.multihost_params()
     opt = optax.adam(0.05)
     opt_state = opt.init(want)
     for win in windows:
         sl = slice(win[0], win[-1] + 1)
-        g = tmd._window_grad(
+        g = dp._window_grad(
             want, x[sl], y[sl], mask[sl], weighted=True, reduction="mean"
         )
         u, opt_state = opt.update(g, opt_state, want)
         want = optax.apply_updates(want, u)
-    tmd._assert_same_on_every_device(params)
-    chex.assert_trees_all_close(tmd._first(params), want, **TOL)
+    dp._assert_same_on_every_device(params)
+    chex.assert_trees_all_close(dp._first(params), want, **TOL)
     acc = state[0]
     assert (np.asarray(acc.gradient_step) == len(windows)).all()
     assert (np.asarray(acc.mini_step) == len(rest)).all()
@@ -225,15 +226,15 @@ def test_hlo_one_scalar_psum_per_micro_batch(runner):
     """Compiled micro-step: deciding on the global weight costs exactly one
     float32 scalar all-reduce outside the window's branch; the gradient is
     still all-reduced only in the closing branch."""
-    varying = tmd.AXIS if runner == "shard_map" else None
-    tree_bytes = 4 * (tmd.worker.D_IN * tmd.worker.D_OUT + tmd.worker.D_OUT)
+    varying = dp.AXIS if runner == "shard_map" else None
+    tree_bytes = 4 * (dp.worker.D_IN * dp.worker.D_OUT + dp.worker.D_OUT)
     tx = oa.chain(
-        oa.accumulate(oa.every_weight(40), axis_name=tmd.AXIS),
+        oa.accumulate(oa.every_weight(40), axis_name=dp.AXIS),
         optax.adam(0.1),
     )
     ours = hlo.summarize(
-        tmd._compiled_text(
-            runner, tx, tmd._local_step(tx, weighted=True, varying=varying)
+        dp._compiled_text(
+            runner, tx, dp._local_step(tx, weighted=True, varying=varying)
         )
     )
     assert (ours["top_ops"], ours["top_bytes"]) == (1, 4), ours
@@ -256,7 +257,7 @@ def _feed_one_device(tx, params, state, data, ts, closed):
 
     def step(params, state, x, y, mask):
         def loss(p):
-            per = tm._per_example(p, x, y)
+            per = mh._per_example(p, x, y)
             return (mask * per).sum() / jnp.maximum(mask.sum(), 1.0)
 
         grads = jax.grad(loss)(params)
@@ -272,17 +273,17 @@ def _feed_one_device(tx, params, state, data, ts, closed):
 
 
 def _feed(tx, mesh, params, state, data, ts, closed):
-    step = jax.jit(tm._step_fn(tx, mesh))
+    step = jax.jit(mh._step_fn(tx, mesh))
     with jax.set_mesh(mesh):
         for t in ts:
-            batch = tm._put_batch(mesh, *(a[t] for a in data))
+            batch = mh._put_batch(mesh, *(a[t] for a in data))
             params, state, _ = step(params, state, *batch)
             closed.append(bool(oa.has_updated(state)))
     return params, state
 
 
 def _moved(tx, state, params, mesh):
-    params = tm._put_params(mesh, jax.device_get(params))
+    params = mh._put_params(mesh, jax.device_get(params))
     return params, oa.reshard_state(tx, jax.device_get(state), params)
 
 
@@ -295,19 +296,19 @@ def test_jit_mesh_resharded_mid_window_keeps_the_boundaries(last):
     the hand loop, no collective added per micro-batch, and the params
     equal single-device Adam on each window's whole batch."""
     steps, cuts = 12, (5, 9)
-    data = tm._make_data(steps, seed=4)
+    data = mh._make_data(steps, seed=4)
     weights = data[2].sum(1)
     windows, _ = _hand_windows(weights, 40)
     ends = {w[-1] for w in windows}
     assert not {c - 1 for c in cuts} & ends  # both cuts are mid-window
     tx = _tx()
-    mesh = tm._mesh("data2xfsdp4")
+    mesh = mh._mesh("data2xfsdp4")
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
     closed = []
     params, state = _feed(tx, mesh, params, state, data, range(cuts[0]), closed)
-    mesh = tm._mesh("data8")
+    mesh = mh._mesh("data8")
     params, state = _moved(tx, state, params, mesh)
     assert state[0].acc["w1"].shape[0] == 8
     params, state = _feed(tx, mesh, params, state, data, range(*cuts), closed)
@@ -322,15 +323,15 @@ def test_jit_mesh_resharded_mid_window_keeps_the_boundaries(last):
         assert state[0].acc["w1"].shape == params["w1"].shape
         params, state = _feed_one_device(one, params, state, data, rest, closed)
     assert closed == [t in ends for t in range(steps)]
-    want = tm._init_params()
+    want = helpers.mesh_mlp_params()
     opt = optax.adam(0.05)
     opt_state = opt.init(want)
     for win in windows:
         sl = slice(win[0], win[-1] + 1)
-        g = tm._window_grad(want, *(a[sl] for a in data))
+        g = mh._window_grad(want, *(a[sl] for a in data))
         u, opt_state = opt.update(g, opt_state, want)
         want = optax.apply_updates(want, u)
-    chex.assert_trees_all_close(jax.device_get(params), want, **tm.TOL)
+    chex.assert_trees_all_close(jax.device_get(params), want, **mh.TOL)
 
 
 @pytest.mark.devices(8)
@@ -338,13 +339,13 @@ def test_jit_mesh_decides_without_a_collective():
     """On a ``jit`` mesh the window's weight is global already: the
     compiled micro-step has no more collectives over 'data' outside the
     window's branch with a budget than with a fixed ``every_k``."""
-    mesh = tm._mesh("data8")
+    mesh = mh._mesh("data8")
     opt = optax.adam(0.1)
     from optaxaccum._src import collectives
 
     def top(every_k):
         tx = oa.chain(oa.accumulate(every_k, axis_name="data"), opt)
-        ops, _, _ = tm._compiled_census(mesh, tx, ours=True)
+        ops, _, _ = mh._compiled_census(mesh, tx, ours=True)
         return collectives.over(ops, "data", top=True)
 
     assert len(top(oa.every_weight(40))) == len(top(3))
@@ -393,10 +394,10 @@ def test_trainstate_batchnorm_windows_follow_a_budget():
     longest) close on the calls where the budget closes the optimizer's,
     and the running statistics equal ``nn.BatchNorm`` on each window."""
     from optaxaccum.flax import TrainState
-    from tests.test_flax import _BNHead
+    from tests.flax_helpers import BNHead
 
     batches = _bn_batches(16)
-    model = _BNHead(accum_steps=20)
+    model = BNHead(accum_steps=20)
     variables = model.init(jax.random.key(0), batches[0][0], False)
     state = TrainState.create(
         apply_fn=model.apply,

@@ -23,6 +23,7 @@ import optaxaccum as oa
 from optaxaccum import flax as oa_flax
 from optaxaccum.flax import AccumBatchNorm, TrainState, flush_batch_stats
 from optaxaccum.flax import nnx as oa_nnx
+from tests.flax_helpers import BNHead, bn_trainstate_steps
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 _WINDOW_KEYS = ("window_count", "window_mean", "window_m2", "window_step")
@@ -1350,19 +1351,6 @@ def test_recorded_momentum_follows_the_layer():
 # ------------------------------- BatchNorm windows follow the optimizer's --
 
 
-class _BNHead(nn.Module):
-    """AccumBatchNorm on the input, then a linear head."""
-
-    accum_steps: int = 1
-
-    @nn.compact
-    def __call__(self, x, train):
-        x = AccumBatchNorm(
-            not train, momentum=0.8, accum_steps=self.accum_steps
-        )(x)
-        return nn.Dense(1)(x)[:, 0]
-
-
 def _critical_batch_tx():
     """Windows of 2 to 5 micro-batches, sized from the noise scale."""
     every_k = oa.critical_batch_every_k(2, 5, micro_batch_weight=1)
@@ -1384,7 +1372,7 @@ def test_trainstate_batchnorm_windows_close_with_a_critical_batch_window(jit):
     longest) close exactly on the calls where the optimizer's closes, and
     the running statistics equal ``nn.BatchNorm`` on each concatenated
     window."""
-    model = _BNHead(accum_steps=5)
+    model = BNHead(accum_steps=5)
     batches = [
         (
             3.0 + 2.0 * jax.random.normal(jax.random.key(i), (6, 4)),
@@ -1441,7 +1429,7 @@ def _with_older_batch_stats(tx):
     """A ``TrainState`` of ``tx`` whose ``batch_stats`` come from an older
     optaxaccum (a window, no recorded momentum); those ``batch_stats``; and
     gradients of ones."""
-    model = _BNHead(accum_steps=2)
+    model = BNHead(accum_steps=2)
     x = jax.random.normal(jax.random.key(0), (4, 4))
     variables = model.init(jax.random.key(0), x, False)
     layer = variables["batch_stats"]["AccumBatchNorm_0"]
@@ -1522,39 +1510,6 @@ def test_trainstate_warns_about_older_batch_stats_only_where_a_close_is_due(
     assert warned == ([0] * 4 if plain else [0, 1, 0, 1])
 
 
-def _bn_trainstate_steps(accum_steps, k, calls, jit):
-    """``calls`` micro-steps of a TrainState (window ``k``) holding an
-    AccumBatchNorm(accum_steps); returns the state."""
-    model = _BNHead(accum_steps=accum_steps)
-    x0 = jax.random.normal(jax.random.key(0), (6, 4))
-    variables = model.init(jax.random.key(0), x0, False)
-    state = TrainState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        tx=oa.chain(oa.accumulate(k), optax.sgd(0.1)),
-        batch_stats=variables["batch_stats"],
-    )
-
-    def step(state, x, y):
-        def loss(params):
-            out, upd = state.apply_fn(
-                {"params": params, "batch_stats": state.batch_stats},
-                x,
-                True,
-                mutable=["batch_stats"],
-            )
-            return ((out - y) ** 2).mean(), upd["batch_stats"]
-
-        grads, bs = jax.grad(loss, has_aux=True)(state.params)
-        return state.apply_gradients(grads=grads, batch_stats=bs)
-
-    step = jax.jit(step) if jit else step
-    for i in range(calls):
-        x = 3.0 + 2.0 * jax.random.normal(jax.random.key(i), (6, 4))
-        state = step(state, x, jax.random.normal(jax.random.key(50 + i), (6,)))
-    return jax.block_until_ready(state)
-
-
 @pytest.mark.parametrize("jit", [False, True])
 def test_trainstate_batchnorm_accum_steps_shorter_than_the_window_raises(jit):
     """AccumBatchNorm(accum_steps=4) under a TrainState whose windows are 6
@@ -1565,9 +1520,9 @@ def test_trainstate_batchnorm_accum_steps_shorter_than_the_window_raises(jit):
     step runs); accum_steps equal to the window, or longer, steps on."""
     match = r"AccumBatchNorm at batch_stats\['AccumBatchNorm_0'\].*accum_steps"
     with pytest.raises(Exception, match=match):
-        _bn_trainstate_steps(4, 6, 5, jit)
-    _bn_trainstate_steps(4, 6, 3, jit)  # before the 4th: nothing yet
+        bn_trainstate_steps(4, 6, 5, jit)
+    bn_trainstate_steps(4, 6, 3, jit)  # before the 4th: nothing yet
     for accum_steps in (6, 7):
-        state = _bn_trainstate_steps(accum_steps, 6, 8, jit)
+        state = bn_trainstate_steps(accum_steps, 6, 8, jit)
         bn = state.batch_stats["AccumBatchNorm_0"]
         assert int(bn["window_step"]) == 2

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 from optaxaccum._src import sharding
+from tests import helpers
 
 pytestmark = pytest.mark.devices(8)
 
@@ -52,15 +53,6 @@ def _mesh(name):
         axis_types=(AxisType.Explicit,) * 2,
         devices=jax.devices()[: int(np.prod(shape))],
     )
-
-
-def _params():
-    rng = np.random.default_rng(1)
-    return {
-        "w1": (rng.normal(size=(D_IN, HIDDEN)) / 3).astype(np.float32),
-        "b1": (0.1 * rng.normal(size=HIDDEN)).astype(np.float32),
-        "w2": (rng.normal(size=(HIDDEN, D_OUT)) / 4).astype(np.float32),
-    }
 
 
 def _data(seed=0):
@@ -142,7 +134,11 @@ def _run(mesh_name, k, gather_once, params=None, batch=None):
         return value, jax.tree.map(_reduced, grads)
 
     with jax.set_mesh(mesh):
-        p, b = _put(mesh_name, params or _params(), batch or _data())
+        p, b = _put(
+            mesh_name,
+            params or helpers.mesh_mlp_params(D_IN, HIDDEN, D_OUT),
+            batch or _data(),
+        )
         value, grads = jax.jit(step)(p, b)
     return float(value), jax.tree.map(np.asarray, grads), types
 
@@ -153,7 +149,9 @@ def _census(mesh_name, k, gather_once, unreduced=True):
     mesh = _mesh(mesh_name)
     f = _grad_fn(mesh_name, k, gather_once, unreduced)
     with jax.set_mesh(mesh):
-        p, b = _put(mesh_name, _params(), _data())
+        p, b = _put(
+            mesh_name, helpers.mesh_mlp_params(D_IN, HIDDEN, D_OUT), _data()
+        )
         compiled = jax.jit(f).lower(p, b).compile()
     m = compiled.memory_analysis()
     memory = (
@@ -179,7 +177,9 @@ def _of_weight(ops, name, op, *, loop):
 
 def _want(batch=None):
     x, y, mask = batch or _data()
-    return jax.value_and_grad(_loss(None))(_params(), (x, y, mask))
+    return jax.value_and_grad(_loss(None))(
+        helpers.mesh_mlp_params(D_IN, HIDDEN, D_OUT), (x, y, mask)
+    )
 
 
 # ------------------------------------------------------------- numerics
@@ -240,7 +240,11 @@ def test_peeled_step_keeps_order_of_losses_aux_and_state(k):
         rows = 16 * k if k < 4 else BATCH  # 2 rows per device
         batch = tuple(a[:rows] for a in _data())
         with jax.set_mesh(mesh):
-            p, b = _put("data2xfsdp4", _params(), batch)
+            p, b = _put(
+                "data2xfsdp4",
+                helpers.mesh_mlp_params(D_IN, HIDDEN, D_OUT),
+                batch,
+            )
             return jax.tree.map(np.asarray, jax.jit(step)(p, b))
 
     got = run(oa.GatherOnce(("data", "fsdp")))
@@ -356,7 +360,13 @@ def test_without_deferral_data_is_reduced_once_per_step():
     assert over_data(held) == (shards, {False}), held  # once per step
     value, grads = _grad_fn("data2xfsdp4", 4, hold, unreduced=False), None
     with jax.set_mesh(_mesh("data2xfsdp4")):
-        value, grads = jax.jit(value)(*_put("data2xfsdp4", _params(), _data()))
+        value, grads = jax.jit(value)(
+            *_put(
+                "data2xfsdp4",
+                helpers.mesh_mlp_params(D_IN, HIDDEN, D_OUT),
+                _data(),
+            )
+        )
     chex.assert_trees_all_close(
         jax.tree.map(np.asarray, grads), _want()[1], **TOL
     )
@@ -414,7 +424,13 @@ def test_fsdp_gather_of_a_held_leaf_moves_nothing():
         loss, 2, interleave=True, gather_once=oa.GatherOnce(axes)
     )
     with jax.set_mesh(mesh):
-        jax.jit(f).trace(*_put("data2xfsdp4", _params(), _data()))
+        jax.jit(f).trace(
+            *_put(
+                "data2xfsdp4",
+                helpers.mesh_mlp_params(D_IN, HIDDEN, D_OUT),
+                _data(),
+            )
+        )
         spec = seen["w1"].sharding.spec
         assert spec.partitions in ((), (None, None)), spec
         assert spec.reduced == set(axes), spec
@@ -434,7 +450,9 @@ def test_gather_once_none_changes_nothing():
     mesh = _mesh("data2xfsdp4")
     loss, micro = _loss(("data", "fsdp")), oa.microbatched_value_and_grad
     with jax.set_mesh(mesh):
-        p, b = _put("data2xfsdp4", _params(), _data())
+        p, b = _put(
+            "data2xfsdp4", helpers.mesh_mlp_params(D_IN, HIDDEN, D_OUT), _data()
+        )
         texts = [
             jax.jit(micro(loss, 4, interleave=True, **kw)).lower(p, b).as_text()
             for kw in ({}, {"gather_once": None})
@@ -545,7 +563,7 @@ def test_no_mesh_says_to_drop_gather_once():
         _loss(None), 2, gather_once=oa.GatherOnce(("data", "fsdp"))
     )
     with pytest.raises(ValueError, match=r"drop gather_once=") as info:
-        jax.jit(step)(_params(), _data())
+        jax.jit(step)(helpers.mesh_mlp_params(D_IN, HIDDEN, D_OUT), _data())
     message = str(info.value)
     assert "axis_name" not in message, message
     assert message.count("GatherOnce") == 1, message
@@ -556,7 +574,9 @@ def _equations(mesh_name, k, gather_once):
     included)."""
     f = _grad_fn(mesh_name, k, gather_once)
     with jax.set_mesh(_mesh(mesh_name)):
-        p, b = _put(mesh_name, _params(), _data())
+        p, b = _put(
+            mesh_name, helpers.mesh_mlp_params(D_IN, HIDDEN, D_OUT), _data()
+        )
         closed = jax.jit(f).trace(p, b).jaxpr
 
     def walk(jaxpr):

@@ -22,7 +22,7 @@ import optaxaccum as oa
 from optaxaccum import flax as oa_flax
 from optaxaccum.flax import nnx as oa_nnx
 from tests import helpers
-from tests import test_mesh as tm
+from tests import mesh_helpers as mh
 
 K = 2
 BARRIER = "stablehlo.optimization_barrier"
@@ -191,10 +191,10 @@ def test_mesh_and_shard_update_branches_are_kept(shard_update):
         oa.accumulate(K, axis_name="data", shard_update=shard_update), ADAM
     )
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
-        batch = tm._put_batch(mesh, *(a[0] for a in tm._make_data(1)))
-        step = jax.jit(tm._step_fn(tx, mesh, axis="data"))
+        batch = mh._put_batch(mesh, *(a[0] for a in mh._make_data(1)))
+        step = jax.jit(mh._step_fn(tx, mesh, axis="data"))
         _assert_kept(step.lower(params, state, *batch))
 
 

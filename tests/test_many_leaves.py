@@ -20,6 +20,7 @@ import pytest
 
 import optaxaccum as oa
 from optaxaccum._src import numerics
+from tests import helpers
 from tests import hlo_queries as hlo
 
 N = 1000
@@ -34,18 +35,6 @@ TOL = {jnp.float32: 1e-6, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
 
 def _names():
     return [f"p{i:04d}" for i in range(N)]
-
-
-def _tree(seed, scale=1.0):
-    """N leaves cycling through SHAPES and DTYPES (7 and 3: every pair)."""
-    rng = np.random.default_rng(seed)
-    return {
-        name: jnp.asarray(
-            scale * rng.standard_normal(SHAPES[i % len(SHAPES)]),
-            DTYPES[i % len(DTYPES)],
-        )
-        for i, name in enumerate(_names())
-    }
 
 
 def _poison(tree, index, value):
@@ -91,11 +80,14 @@ def test_fused_and_plain_match_the_big_batch_update():
     with SGD with momentum on each window's mean gradient (and so the
     follower's momentum steps once per window, on every leaf)."""
     sgd = optax.sgd(0.1, momentum=0.9)
-    grads = [_tree(s) for s in range(1, 2 * K + 1)]
+    grads = [
+        helpers.cycled_tree(s, _names(), SHAPES, DTYPES)
+        for s in range(1, 2 * K + 1)
+    ]
     tx = oa.chain(oa.accumulate(K), sgd)
     results = {}
     for name, make in (("fused", _fused), ("plain", _plain)):
-        step, p = make(tx), _tree(0)
+        step, p = make(tx), helpers.cycled_tree(0, _names(), SHAPES, DTYPES)
         s = tx.init(p)
         for g in grads:
             p, s = step(p, s, g)
@@ -103,7 +95,10 @@ def test_fused_and_plain_match_the_big_batch_update():
     # Big-batch reference, in float64 numpy: one step of SGD with momentum
     # (optax.trace: t <- g + 0.9 t; p <- p - 0.1 t) per window, on the
     # window's mean gradient.
-    p = {n: np.asarray(x, np.float64) for n, x in _tree(0).items()}
+    p = {
+        n: np.asarray(x, np.float64)
+        for n, x in helpers.cycled_tree(0, _names(), SHAPES, DTYPES).items()
+    }
     t = {n: np.zeros_like(x) for n, x in p.items()}
     for w in range(2):
         for n in p:
@@ -137,7 +132,10 @@ def test_loss_scale_sees_one_nonfinite_element_anywhere(loss_scaled, value):
     combined flags) skips the micro-batch: accumulator and params untouched,
     scale halved. The clean micro-batch counts."""
     tx, step = loss_scaled
-    clean, params = _tree(1, scale=16.0), _tree(0)
+    clean, params = (
+        helpers.cycled_tree(1, _names(), SHAPES, DTYPES, scale=16.0),
+        helpers.cycled_tree(0, _names(), SHAPES, DTYPES),
+    )
     state = tx.init(params)
     for index in NONFINITE_AT:
         p, s = step(params, state, _poison(clean, index, value))
@@ -163,11 +161,16 @@ def test_loss_scale_sees_one_nonfinite_element_anywhere(loss_scaled, value):
 def test_skip_nonfinite_sees_one_nonfinite_element_anywhere():
     tx = oa.accumulate(K, skip_nonfinite=True)
     update = tx.update  # eagerly: a compile of 1 000 leaves costs more
-    state = tx.init(_tree(0))
+    state = tx.init(helpers.cycled_tree(0, _names(), SHAPES, DTYPES))
     for index in NONFINITE_AT:
-        _, s = update(_poison(_tree(1), index, np.nan), state)
+        _, s = update(
+            _poison(
+                helpers.cycled_tree(1, _names(), SHAPES, DTYPES), index, np.nan
+            ),
+            state,
+        )
         assert int(s.mini_step) == 0, index
-    _, s = update(_tree(1), state)
+    _, s = update(helpers.cycled_tree(1, _names(), SHAPES, DTYPES), state)
     assert int(s.mini_step) == 1
 
 
@@ -190,7 +193,7 @@ def test_no_fusion_grows_with_the_number_of_leaves(loss_scaled):
     were stacked into one fusion with an operand per leaf, which XLA compiled
     in time quadratic in the leaf count (20 s at 1 000 leaves on CPU)."""
     tx, step = loss_scaled
-    params = _tree(0)
+    params = helpers.cycled_tree(0, _names(), SHAPES, DTYPES)
     compiled = step.lower(params, tx.init(params), params).compile()
     assert _max_fusion_operands(compiled.as_text()) <= 2 * numerics.FAN_IN
 
@@ -205,7 +208,10 @@ def test_agc_matches_optax_on_many_leaves():
         if DTYPES[i % len(DTYPES)] == jnp.float32
         and SHAPES[i % len(SHAPES)] in ((2, 3), (5, 4), (4,))
     ]
-    params, grads = _tree(0), _tree(1)
+    params, grads = (
+        helpers.cycled_tree(0, _names(), SHAPES, DTYPES),
+        helpers.cycled_tree(1, _names(), SHAPES, DTYPES),
+    )
     params, grads = ({n: t[n] for n in keep} for t in (params, grads))
     mine, ref = oa.agc(0.05), optax.adaptive_grad_clip(0.05)
     got = jax.jit(lambda g, p: mine.update(g, mine.init(p), p)[0])(

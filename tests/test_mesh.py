@@ -18,181 +18,37 @@ from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 from optaxaccum._src import collectives, reducer, sharding
+from tests import helpers, workers
+from tests.mesh_helpers import (
+    D_IN,
+    D_OUT,
+    HIDDEN,
+    MESHES,
+    ONE_DEVICE,
+    TOL,
+    WINDOWS,
+    K,
+    _batch_axes,
+    _compiled_census,
+    _loss,
+    _make_data,
+    _mesh,
+    _nan_on_one_device,
+    _param_specs,
+    _per_example,
+    _put_batch,
+    _put_params,
+    _reference,
+    _run,
+    _same_sharding,
+    _scaled_step,
+    _shard_bytes,
+    _step_fn,
+    _window_grad,
+)
 
 # Meshes of 8 devices of the default backend (conftest: 8 CPU devices).
 pytestmark = pytest.mark.devices(8)
-
-K = 3  # micro-batches per window
-WINDOWS = 2
-BATCH = 16  # global examples per micro-batch
-D_IN, HIDDEN, D_OUT = 8, 16, 4
-TOL = dict(rtol=2e-5, atol=2e-6)
-MESHES = {"data2xfsdp4": (2, 4), "data8": (8,)}
-# A mesh whose axes all have size 1: a run resumed on one device.
-ONE_DEVICE = {"one1x1": (1, 1)}
-
-
-def _mesh(name):
-    shape = {**MESHES, **ONE_DEVICE}[name]
-    names = ("data", "fsdp")[: len(shape)]
-    return jax.make_mesh(
-        shape,
-        names,
-        axis_types=(AxisType.Explicit,) * len(shape),
-        devices=jax.devices()[: int(np.prod(shape))],
-    )
-
-
-def _init_params():
-    rng = np.random.default_rng(1)
-    return {
-        "w1": (rng.normal(size=(D_IN, HIDDEN)) / 3).astype(np.float32),
-        "b1": (0.1 * rng.normal(size=HIDDEN)).astype(np.float32),
-        "w2": (rng.normal(size=(HIDDEN, D_OUT)) / 4).astype(np.float32),
-    }
-
-
-def _param_specs(mesh):
-    fsdp = "fsdp" if "fsdp" in mesh.axis_names else None
-    return {"w1": P(fsdp, None), "b1": P(), "w2": P(fsdp, None)}
-
-
-def _batch_axes(mesh):
-    return tuple(mesh.axis_names)
-
-
-def _make_data(steps, seed=0):
-    """``x, y, mask`` of shape ``(steps, BATCH, ...)``; unequal token counts
-    per micro-batch (one has a single real example)."""
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(steps, BATCH, D_IN)).astype(np.float32)
-    y = rng.normal(size=(steps, BATCH, D_OUT)).astype(np.float32)
-    counts = rng.integers(BATCH // 2, BATCH + 1, size=steps)
-    counts[0] = 1
-    mask = np.zeros((steps, BATCH), np.float32)
-    for t, c in enumerate(counts):
-        mask[t, rng.permutation(BATCH)[:c]] = 1.0
-    return x, y, mask
-
-
-# ------------------------------------------------------------------ model
-
-
-def _gather(w, batch_axes):
-    """All-gathers a weight for the forward. When it is reduced (over the
-    data axis, from oa.unreduced_value_and_grad), oa.fsdp_gather keeps the
-    gathered copy reduced over every axis that shards the batch, so that
-    its gradient is unreduced over them (not all-reduced inside the
-    backward pass) and reduce-scattered back over fsdp."""
-    if jax.typeof(w).sharding.spec.reduced:
-        return oa.fsdp_gather(w, batch_axes)
-    return jax.reshard(w, P(*(None,) * w.ndim))
-
-
-def _add_bias(h, b, batch_axes):
-    """``h + b``; a reduced ``b`` is broadcast to ``h``'s sharding first
-    (JAX rejects an elementwise op of a reduced and a sharded operand)."""
-    if not jax.typeof(b).sharding.spec.reduced:
-        return h + b[None]
-    b = jnp.broadcast_to(_gather(b, batch_axes), h.shape)
-    return h + jax.reshard(b, jax.typeof(h).sharding.spec)
-
-
-def _per_example(params, x, y, batch_axes=None):
-    if batch_axes is None:  # single device
-        b1 = params["b1"].reshape((1,) * (x.ndim - 1) + (HIDDEN,))
-        h = jnp.tanh(x @ params["w1"] + b1)
-        return ((h @ params["w2"] - y) ** 2).mean(-1)
-    h = x @ _gather(params["w1"], batch_axes)
-    h = jnp.tanh(_add_bias(h, params["b1"], batch_axes))
-    return ((h @ _gather(params["w2"], batch_axes) - y) ** 2).mean(-1)
-
-
-def _loss(batch_axes):
-    def loss(params, x, y, mask):
-        per = _per_example(params, x, y, batch_axes)
-        return (mask * per).sum() / jnp.maximum(mask.sum(), 1.0)
-
-    return loss
-
-
-# ------------------------------------------------------------- reference
-
-
-@jax.jit
-def _window_grad(params, x, y, mask):
-    """Gradient of the per-token mean loss over a window's whole batch."""
-
-    def loss(p):
-        return (mask * _per_example(p, x, y)).sum() / mask.sum()
-
-    return jax.grad(loss)(params)
-
-
-def _reference(opt, params, x, y, mask, k=K):
-    state = opt.init(params)
-    for t in range(0, len(x), k):
-        g = _window_grad(params, x[t : t + k], y[t : t + k], mask[t : t + k])
-        updates, state = opt.update(g, state, params)
-        params = optax.apply_updates(params, updates)
-    return params
-
-
-# ---------------------------------------------------------------- drivers
-
-
-def _put_params(mesh, params):
-    return jax.tree.map(
-        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
-        params,
-        _param_specs(mesh),
-    )
-
-
-def _put_batch(mesh, *arrays):
-    spec = P(_batch_axes(mesh))
-    return [jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays]
-
-
-def _step_fn(tx, mesh, *, ours=True, fused=True, weighted=True, axis="data"):
-    loss = _loss(_batch_axes(mesh))
-    vg = (
-        oa.unreduced_value_and_grad(loss, axis)
-        if ours
-        else jax.value_and_grad(loss)
-    )
-
-    def step(params, state, x, y, mask):
-        loss_value, grads = vg(params, x, y, mask)
-        kwargs = {"accum_weight": mask.sum()} if weighted else {}
-        if fused:
-            params, state = oa.apply_gradients(
-                tx, grads, state, params, **kwargs
-            )
-        else:
-            updates, state = tx.update(grads, state, params, **kwargs)
-            params = optax.apply_updates(params, updates)
-        return params, state, loss_value
-
-    return step
-
-
-def _run(tx, mesh, data, eager_init=False, **kwargs):
-    """Feeds ``data``'s micro-steps to the jitted step. The state comes from
-    ``jax.jit(tx.init)`` under the mesh (unreduced accumulator), or with
-    ``eager_init`` from ``tx.init`` outside any mesh context (plain zeros,
-    made unreduced by the first step)."""
-    if eager_init:
-        state = tx.init(_put_params(mesh, _init_params()))
-    with jax.set_mesh(mesh):
-        params = _put_params(mesh, _init_params())
-        if not eager_init:
-            state = jax.jit(tx.init)(params)
-        step = jax.jit(_step_fn(tx, mesh, **kwargs), donate_argnums=(0, 1))
-        for t in range(len(data[0])):
-            micro = _put_batch(mesh, *(a[t] for a in data))
-            params, state, _ = step(params, state, *micro)
-        return params, state
 
 
 def _padded(spec, ndim):
@@ -203,16 +59,6 @@ def _partitions(x):
     """The dims of ``x``'s sharding, padded with None to ``x.ndim``."""
     typ = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
     return _padded(typ.sharding.spec, typ.ndim)
-
-
-def _same_sharding(tree, params):
-    for a, p in zip(
-        jax.tree.leaves(tree), jax.tree.leaves(params), strict=True
-    ):
-        assert a.sharding.is_equivalent_to(p.sharding, a.ndim), (
-            a.sharding,
-            p.sharding,
-        )
 
 
 # ------------------------------------------------------------------ tests
@@ -253,7 +99,7 @@ def test_unreduced_value_and_grad_type_and_value(mesh_name):
         )
 
     with jax.set_mesh(mesh):
-        params = _put_params(mesh, _init_params())
+        params = _put_params(mesh, helpers.mesh_mlp_params())
         value, grads = jax.jit(f)(params, *_put_batch(mesh, x, y, mask))
     for t, spec in zip(
         jax.tree.leaves(seen["types"]),
@@ -264,7 +110,7 @@ def test_unreduced_value_and_grad_type_and_value(mesh_name):
         assert _partitions(t) == _padded(spec, t.ndim), t
     assert not seen["loss"].sharding.spec.unreduced
     want_value, want = jax.value_and_grad(_loss(None))(
-        _init_params(), x, y, mask
+        helpers.mesh_mlp_params(), x, y, mask
     )
     chex.assert_trees_all_close(grads, want, **TOL)
     np.testing.assert_allclose(value, want_value, **TOL)
@@ -294,19 +140,19 @@ def test_accumulate_axis_name_equals_big_batch(
     data = _make_data(K * WINDOWS)
     tx = oa.chain(oa.accumulate(K, axis_name="data"), opt)
     params, state = _run(tx, mesh, data, eager_init, fused=fused)
-    want = _reference(opt, _init_params(), *data)
+    want = _reference(opt, helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
     acc = state[0]
     assert int(acc.gradient_step) == WINDOWS and int(acc.mini_step) == 0
     _check_stacked(acc.acc, mesh)
-    _same_sharding(params, _put_params(mesh, _init_params()))
+    _same_sharding(params, _put_params(mesh, helpers.mesh_mlp_params()))
 
 
 def _check_stacked(acc, mesh, axis="data"):
     """The state's accumulator is each device's partial sum, stacked: a
     leading axis of the data size sharded over 'data', then the params'
     shape and sharding; an ordinary array (nothing unreduced)."""
-    params = _init_params()
+    params = helpers.mesh_mlp_params()
     for a, p, spec in zip(
         jax.tree.leaves(acc),
         jax.tree.leaves(params),
@@ -328,7 +174,7 @@ def test_accumulate_sum_reduction_is_the_global_weighted_sum():
         oa.accumulate(K, reduction="sum", axis_name="data"), optax.sgd(lr)
     )
     params, _ = _run(tx, mesh, data, fused=False)
-    want = _init_params()
+    want = helpers.mesh_mlp_params()
     grads = [
         _window_grad(want, *(a[t : t + 1] for a in data)) for t in range(K)
     ]
@@ -358,31 +204,12 @@ def test_flush_partial_window_under_mesh():
 
     with jax.set_mesh(mesh):
         params, state = jax.jit(flush)(params, state)
-    want = _reference(opt, _init_params(), *data, k=2)
+    want = _reference(opt, helpers.mesh_mlp_params(), *data, k=2)
     chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
     assert int(state[0].gradient_step) == 1
 
 
 # ------------------------------------------------------------ HLO census
-
-
-def _compiled_census(mesh, tx, ours):
-    with jax.set_mesh(mesh):
-        params = _put_params(mesh, _init_params())
-        state = jax.jit(tx.init)(params)
-        batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
-        lowered = jax.jit(_step_fn(tx, mesh, ours=ours)).lower(
-            params, state, *batch
-        )
-        ops = collectives.collective_census(lowered.compile().as_text(), mesh)
-    return ops, lowered.as_text(), params
-
-
-def _shard_bytes(tree):
-    """Bytes one device holds of ``tree``."""
-    return sum(
-        a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(tree)
-    )
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
@@ -416,7 +243,7 @@ def test_hlo_one_data_reduction_per_window(mesh_name):
         mesh, oa.chain(oa.accumulate(K), opt), ours=False
     )
     tree_bytes = sum(
-        np.asarray(a).nbytes for a in jax.tree.leaves(_init_params())
+        np.asarray(a).nbytes for a in jax.tree.leaves(helpers.mesh_mlp_params())
     )
     top = collectives.over(naive, "data", top=True)
     assert sum(o["bytes"] for o in top) >= tree_bytes, naive
@@ -452,7 +279,7 @@ def test_no_data_collective_until_the_window_closes(mesh_name):
             return result.emit().updates
 
     with jax.set_mesh(mesh):
-        params = _put_params(mesh, _init_params())
+        params = _put_params(mesh, helpers.mesh_mlp_params())
         state = jax.jit(acc.init)(params)
         batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
         grads = jax.jit(grads_of)(params, *batch)
@@ -483,7 +310,7 @@ def test_hlo_fsdp_reduce_scatter_per_micro_step():
     ops, _, _ = _compiled_census(mesh, tx, ours=True)
     top = [o for o in ops if not o["branches"]]
     tree_bytes = sum(
-        np.asarray(a).nbytes for a in jax.tree.leaves(_init_params())
+        np.asarray(a).nbytes for a in jax.tree.leaves(helpers.mesh_mlp_params())
     )
     assert sum(o["bytes"] for o in top) <= (1 + 1 / 4) * tree_bytes, top
     scattered = [o for o in top if o["op"] == "reduce-scatter"]
@@ -504,12 +331,12 @@ def test_naming_fsdp_too_defers_both_reductions():
     tx = oa.chain(oa.accumulate(K, axis_name=axis), optax.adam(0.05))
     data = _make_data(K * WINDOWS)
     params, state = _run(tx, mesh, data, axis=axis)
-    want = _reference(optax.adam(0.05), _init_params(), *data)
+    want = _reference(optax.adam(0.05), helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
     tree_bytes = sum(np.asarray(a).nbytes for a in jax.tree.leaves(want))
     assert _shard_bytes(state[0].acc) == tree_bytes
     with jax.set_mesh(mesh):
-        p = _put_params(mesh, _init_params())
+        p = _put_params(mesh, helpers.mesh_mlp_params())
         s = jax.jit(tx.init)(p)
         batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
         step = jax.jit(_step_fn(tx, mesh, axis=axis))
@@ -537,7 +364,9 @@ def test_axis_names_out_of_mesh_order(eager_init):
 
     def check_stacked(acc):
         for a, p in zip(
-            jax.tree.leaves(acc), jax.tree.leaves(_init_params()), strict=True
+            jax.tree.leaves(acc),
+            jax.tree.leaves(helpers.mesh_mlp_params()),
+            strict=True,
         ):
             assert a.shape == (mesh.size, *p.shape), (a.shape, p.shape)
             assert _partitions(a)[0] == ("data", "fsdp"), a.sharding
@@ -545,17 +374,17 @@ def test_axis_names_out_of_mesh_order(eager_init):
             # What the steps read as a stack over the named axes.
             assert reducer.stacked_axes(a, axis) == ("data", "fsdp")
 
-    params = _put_params(mesh, _init_params())
+    params = _put_params(mesh, helpers.mesh_mlp_params())
     if not eager_init:  # tx.init off the mesh context: plain, stacked later
         with jax.set_mesh(mesh):
             check_stacked(jax.jit(tx.init)(params)[0].acc)
     data = _make_data(K * WINDOWS)
     params, state = _run(tx, mesh, data, eager_init, axis=axis)
-    want = _reference(optax.adam(0.05), _init_params(), *data)
+    want = _reference(optax.adam(0.05), helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
     assert int(state[0].gradient_step) == WINDOWS
     check_stacked(state[0].acc)
-    _same_sharding(params, _put_params(mesh, _init_params()))
+    _same_sharding(params, _put_params(mesh, helpers.mesh_mlp_params()))
 
 
 def test_hlo_plain_gather_reduces_every_micro_batch():
@@ -578,7 +407,7 @@ def test_hlo_plain_gather_reduces_every_micro_batch():
         return g["w1"], g["w2"]
 
     with jax.set_mesh(mesh):
-        params = _put_params(mesh, _init_params())
+        params = _put_params(mesh, helpers.mesh_mlp_params())
         batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
         g = jax.jit(grads)(params, *batch)
         text = jax.jit(grads).lower(params, *batch).compile().as_text()
@@ -602,25 +431,16 @@ def test_accumulator_per_device_bytes_are_tree_over_fsdp():
     for name in ("w1", "w2"):
         assert (
             _shard_bytes(acc[name]) * 4
-            == np.asarray(_init_params()[name]).nbytes
+            == np.asarray(helpers.mesh_mlp_params()[name]).nbytes
         )
         assert (
             _shard_bytes(state[1][0].mu[name]) * 4
-            == np.asarray(_init_params()[name]).nbytes
+            == np.asarray(helpers.mesh_mlp_params()[name]).nbytes
         )
     assert _shard_bytes(acc["b1"]) == 4 * HIDDEN  # replicated like b1
 
 
 # ------------------------------------------------- non-finite micro-batches
-
-
-def _nan_on_one_device(data, t):
-    """Micro-batch ``t`` gets a NaN in an example on the last data shard."""
-    x = data[0].copy()
-    x[t, BATCH - 1, 0] = np.nan
-    mask = data[2].copy()
-    mask[t, BATCH - 1] = 1.0
-    return x, data[1], mask
 
 
 @pytest.mark.parametrize("mesh_name", [*MESHES, *ONE_DEVICE])
@@ -639,7 +459,7 @@ def test_skip_nonfinite_one_device_skips_everywhere(mesh_name):
     params, state = _run(tx, mesh, data)
     keep = [t for t in range(K * WINDOWS + 1) if t != bad]
     want = _reference(
-        optax.adam(0.05), _init_params(), *(a[keep] for a in data)
+        optax.adam(0.05), helpers.mesh_mlp_params(), *(a[keep] for a in data)
     )
     chex.assert_trees_all_close(jax.tree.map(np.asarray, params), want, **TOL)
     assert int(state[0].gradient_step) == WINDOWS
@@ -660,7 +480,7 @@ def test_dynamic_loss_scale_axis_name_agrees_across_devices(mesh_name):
     )
 
     with jax.set_mesh(mesh):
-        params = _put_params(mesh, _init_params())
+        params = _put_params(mesh, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
         jstep = _scaled_step(tx, mesh)
         for t in range(len(data[0])):
@@ -668,7 +488,9 @@ def test_dynamic_loss_scale_axis_name_agrees_across_devices(mesh_name):
                 params, state, *_put_batch(mesh, *(a[t] for a in data))
             )
     keep = [t for t in range(K * WINDOWS + 1) if t != 1]
-    want = _reference(optax.sgd(0.3), _init_params(), *(a[keep] for a in data))
+    want = _reference(
+        optax.sgd(0.3), helpers.mesh_mlp_params(), *(a[keep] for a in data)
+    )
     chex.assert_trees_all_close(
         jax.tree.map(np.asarray, params), want, rtol=1e-4, atol=1e-5
     )
@@ -689,7 +511,7 @@ def test_state_shardings_explicit_and_auto():
             (2, 4), ("data", "fsdp"), axis_types=(axis_type,) * 2
         )
         with jax.set_mesh(mesh):
-            params = _put_params(mesh, _init_params())
+            params = _put_params(mesh, helpers.mesh_mlp_params())
             axis = "data" if axis_type == AxisType.Explicit else None
             tx = oa.chain(oa.accumulate(K, axis_name=axis), optax.adam(0.1))
             shardings = oa.state_shardings(tx, params)
@@ -705,7 +527,8 @@ def test_state_shardings_explicit_and_auto():
 def test_map_accumulators_per_device_leaves():
     tx = oa.chain(oa.accumulate(2, axis_name="d"), optax.adam(0.1))
     state = oa.map_accumulators(
-        tx.init(_init_params()), lambda a: jnp.broadcast_to(a, (3, *a.shape))
+        tx.init(helpers.mesh_mlp_params()),
+        lambda a: jnp.broadcast_to(a, (3, *a.shape)),
     )
     assert state[0].acc["w1"].shape == (3, D_IN, HIDDEN)
     assert state[0].weight.shape == (3,)
@@ -825,20 +648,12 @@ def test_two_processes_one_mesh_match_single_process(tmp_path, script):
     token counts, several windows: the params equal a single-process
     big-batch run on the same global batches; also with
     ``shard_update=True`` (Adam's state sharded over data and fsdp)."""
-    import importlib.util
-    import pathlib
+    worker = workers.load("_mesh_worker")
 
-    from tests.test_multidevice import run_two_processes
-
-    path = pathlib.Path(__file__).resolve().parent / "_mesh_worker.py"
-    spec = importlib.util.spec_from_file_location("_mesh_worker", path)
-    worker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(worker)
-
-    out = run_two_processes(tmp_path, script)
+    out = workers.run_two_processes(tmp_path, script)
     x, y, mask = worker.make_data(worker.WINDOWS * worker.K)
     opt = optax.adam(worker.LEARNING_RATE)
-    params = worker.init_params()
+    params = helpers.mesh_mlp_params(worker.D_IN, worker.HIDDEN, worker.D_OUT)
     state = opt.init(params)
 
     def window_loss(p, x, y, mask):
@@ -895,14 +710,14 @@ def test_microbatched_unreduced_value_and_grad_under_mesh():
         return value, reduced
 
     with jax.set_mesh(mesh):
-        params = _put_params(mesh, _init_params())
+        params = _put_params(mesh, helpers.mesh_mlp_params())
         batch = tuple(_put_batch(mesh, x, y, mask))
         value, grads = jax.jit(step)(params, batch)
         ops = oa.collective_census(
             jax.jit(lambda p, b: f(p, b)).lower(params, batch).compile(), mesh
         )
     want_value, want = jax.value_and_grad(_loss(None))(
-        _init_params(), x, y, mask
+        helpers.mesh_mlp_params(), x, y, mask
     )
     chex.assert_trees_all_close(grads, want, **TOL)
     np.testing.assert_allclose(value, want_value, **TOL)
@@ -1068,22 +883,6 @@ def _ckpt_tx(k):
     )
 
 
-def _scaled_step(tx, mesh):
-    """The documented mesh step with the loss scale in the chain."""
-    loss = _loss(_batch_axes(mesh))
-
-    def step(params, state, x, y, mask):
-        scale = oa.loss_scale(state)
-        _, grads = oa.unreduced_value_and_grad(
-            lambda p, *a: loss(p, *a) * scale, "data"
-        )(params, x, y, mask)
-        return oa.apply_gradients(
-            tx, grads, state, params, accum_weight=mask.sum()
-        )
-
-    return jax.jit(step)
-
-
 @pytest.mark.parametrize("k,before,after", [(4, 6, 2), (3, 6, 3)])
 def test_checkpoint_round_trip_mid_window_and_boundary(
     tmp_path, k, before, after
@@ -1108,7 +907,7 @@ def test_checkpoint_round_trip_mid_window_and_boundary(
         return params, state
 
     with jax.set_mesh(mesh):
-        params = _put_params(mesh, _init_params())
+        params = _put_params(mesh, helpers.mesh_mlp_params())
         shardings = oa.state_shardings(tx, params)
         state = jax.device_put(tx.init(params), shardings)
         params, state = feed(params, state, range(before))
@@ -1138,7 +937,10 @@ def test_checkpoint_round_trip_mid_window_and_boundary(
     )
     windows = (before + after) // k
     want = _reference(
-        optax.adam(0.05), _init_params(), *(a[: windows * k] for a in data), k=k
+        optax.adam(0.05),
+        helpers.mesh_mlp_params(),
+        *(a[: windows * k] for a in data),
+        k=k,
     )
     chex.assert_trees_all_close(jax.device_get(resumed), want, **TOL)
 
@@ -1150,7 +952,7 @@ def _one_step(tx, mesh, vg):
     """One jitted step of ``tx`` with the gradients of ``vg`` (a
     value_and_grad of the mesh loss)."""
     with jax.set_mesh(mesh):
-        params = _put_params(mesh, _init_params())
+        params = _put_params(mesh, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
         batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
 
@@ -1368,7 +1170,7 @@ def test_mesh_of_one_device_steps_like_the_big_batch(shape, kwargs):
     opt = optax.adam(0.05)
     tx = oa.chain(oa.accumulate(K, axis_name="data", **kwargs), opt)
     params, state = _run(tx, mesh, data)
-    want = _reference(opt, _init_params(), *data)
+    want = _reference(opt, helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(jax.device_get(params), want, **TOL)
     assert int(state[0].gradient_step) == WINDOWS
 
@@ -1391,7 +1193,7 @@ def test_reshard_state_onto_one_device_mesh_resumes():
         for t in range(K + 1, K * WINDOWS):
             micro = _put_batch(mesh, *(a[t] for a in data))
             params, state, _ = step(params, state, *micro)
-    want = _reference(opt, _init_params(), *data)
+    want = _reference(opt, helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(jax.device_get(params), want, **TOL)
 
 

@@ -7,13 +7,10 @@ window. References are single-device optax runs on the whole window's batch.
 conftest.py gives every test process 8 CPU devices.
 """
 
-import importlib.util
 import os
 import pathlib
-import socket
 import subprocess
 import sys
-import time
 
 import chex
 import jax
@@ -26,235 +23,32 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
+from tests import helpers, workers
 from tests import hlo_queries as hlo
+from tests.data_parallel_helpers import (
+    AXIS,
+    RUNNERS,
+    TOL,
+    WINDOWS,
+    K,
+    N,
+    _assert_same_on_every_device,
+    _compiled_text,
+    _data,
+    _first,
+    _local_step,
+    _mesh,
+    _put,
+    _reference,
+    _replicate,
+    worker,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-AXIS = "d"
-N = 8  # devices (conftest.py)
-K = 3  # micro-batches per window
-WINDOWS = 3
-TOL = {
-    jnp.float32: dict(rtol=2e-5, atol=2e-6),
-    jnp.bfloat16: dict(rtol=3e-2, atol=3e-3),
-}
-
-
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# The problem (data, loss) is shared with the two-process worker.
-worker = _load("_multihost_worker", ROOT / "tests" / "_multihost_worker.py")
 
 
 def _optimizers():
     return {"sgd": optax.sgd(0.1), "adam": optax.adam(0.05)}
-
-
-def _data(steps, *, ragged, seed=0):
-    """``x, y, mask`` of shape ``(steps, N, BATCH, ...)``."""
-    return worker.make_data(N, steps, ragged=ragged, seed=seed)
-
-
-def _params(dtype=jnp.float32):
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype), worker.init_params())
-
-
-# ------------------------------------------------------------- references
-
-
-def _window_loss(params, x, y, mask, *, weighted, reduction):
-    """The loss whose gradient a window of ``(k, N, BATCH)`` emits."""
-    local = jax.vmap(
-        jax.vmap(worker.local_loss, (None, 0, 0, 0)), (None, 0, 0, 0)
-    )(params, x, y, mask)  # (k, N)
-    counts = mask.sum(-1)
-    if reduction == "sum":  # mean over devices of each device's window sum
-        w = counts if weighted else jnp.ones_like(counts)
-        return (w * local).sum(0).mean()
-    if weighted:  # the global per-token mean over the whole window
-        return (mask * worker.per_token_loss(params, x, y)).sum() / mask.sum()
-    return local.mean()  # the mean of the micro-batches' mean losses
-
-
-_window_grad = jax.jit(
-    jax.grad(_window_loss), static_argnames=("weighted", "reduction")
-)
-
-
-def _reference(opt, params, x, y, mask, *, weighted, reduction="mean", k=K):
-    """Single device: one ``opt`` step per window of ``k`` micro-steps."""
-    state = opt.init(params)
-    for t in range(0, len(x), k):
-        g = _window_grad(
-            params,
-            x[t : t + k],
-            y[t : t + k],
-            mask[t : t + k],
-            weighted=weighted,
-            reduction=reduction,
-        )
-        updates, state = opt.update(g, state, params)
-        params = optax.apply_updates(params, updates)
-    return params
-
-
-# ---------------------------------------------------------------- drivers
-
-
-def _local_step(tx, *, weighted, fused=True, varying=None, scaled=False):
-    """The per-device step: plain local gradients, then ``tx``.
-
-    ``varying``: inside ``shard_map``, the axis over which the (replicated)
-    params are cast to varying before differentiating, so that the gradient
-    stays local (JAX otherwise sums the gradient of a replicated input over
-    the axis itself).
-    """
-
-    def step(params, state, x, y, mask):
-        p = (
-            params
-            if varying is None
-            else lax.pcast(params, varying, to="varying")
-        )
-        if scaled:
-            _, grads = oa.scaled_value_and_grad(worker.local_loss, state)(
-                p, x, y, mask
-            )
-        else:
-            grads = jax.grad(worker.local_loss)(p, x, y, mask)
-        kwargs = {"accum_weight": mask.sum()} if weighted else {}
-        if fused:
-            return oa.apply_gradients(tx, grads, state, params, **kwargs)
-        updates, state = tx.update(grads, state, params, **kwargs)
-        return optax.apply_updates(params, updates), state
-
-    return step
-
-
-map_per_device = oa.map_accumulators
-
-
-def _per_device_specs(state):
-    """shard_map specs of a state: its accumulators (which differ from
-    device to device) get a leading device axis, the rest is replicated."""
-    specs = jax.tree.map(lambda _: P(), state)
-    return oa.map_accumulators(specs, lambda _: P(AXIS))
-
-
-def _replicate(tree):
-    return jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *jnp.shape(a))), tree)
-
-
-def _pmap_inputs(tree):
-    """One copy of ``tree`` per device, placed as pmap places its outputs
-    (in jax 0.10), so that feeding the outputs back does not recompile."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), (AXIS,))
-    return jax.device_put(_replicate(tree), NamedSharding(mesh, P(AXIS)))
-
-
-def _run_pmap(tx, params, data, **step_kwargs):
-    """Feeds every micro-step of ``data`` to a pmapped step. Returns the
-    params of every device (leading axis N) and the final state."""
-    step = jax.pmap(_local_step(tx, **step_kwargs), axis_name=AXIS)
-    params, state = _pmap_inputs((params, tx.init(params)))
-    for t in range(len(data[0])):
-        params, state = step(params, state, *(a[t] for a in data))
-    return params, state
-
-
-def _mesh():
-    return jax.make_mesh((N,), (AXIS,), axis_types=(AxisType.Explicit,))
-
-
-def _per_device_copies(tree):
-    """Each device's copy of a replicated global array, stacked."""
-
-    def copies(a):
-        shards = sorted(a.addressable_shards, key=lambda s: s.device.id)
-        return np.stack([np.asarray(s.data) for s in shards])
-
-    return jax.tree.map(copies, tree)
-
-
-def _put(mesh, tree, specs):
-    return jax.tree.map(
-        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs
-    )
-
-
-def _run_shard_map(tx, params, data, **step_kwargs):
-    """As :func:`_run_pmap` with ``jax.shard_map``: params and the state's
-    replicated leaves are replicated (``P()``); the accumulators, which
-    differ from device to device, carry a leading device axis."""
-    mesh = _mesh()
-    local = _local_step(tx, varying=AXIS, **step_kwargs)
-
-    def step(params, state, x, y, mask):
-        state = map_per_device(state, lambda a: a[0])
-        params, state = local(params, state, x[0], y[0], mask[0])
-        return params, map_per_device(state, lambda a: a[None])
-
-    state = map_per_device(
-        tx.init(params), lambda a: jnp.broadcast_to(a, (N, *a.shape))
-    )
-    specs = _per_device_specs(state)
-    batch = P(AXIS)
-    fn = jax.jit(
-        jax.shard_map(
-            step,
-            mesh=mesh,
-            in_specs=(P(), specs, batch, batch, batch),
-            out_specs=(P(), specs),
-        )
-    )
-    params = _put(mesh, params, jax.tree.map(lambda _: P(), params))
-    state = _put(mesh, state, specs)
-    for t in range(len(data[0])):
-        micro = [_put(mesh, a[t][:, None], P(AXIS)) for a in data]
-        params, state = fn(params, state, *micro)
-    return _per_device_copies(params), state
-
-
-def _run_shard_map_per_device(tx, params, data, **step_kwargs):
-    """``jax.shard_map`` with pmap's layout: every leaf of the params and
-    the state has a leading device axis (all device-varying)."""
-    mesh = _mesh()
-    local = _local_step(tx, **step_kwargs)
-
-    def step(*args):
-        out = local(*jax.tree.map(lambda a: a[0], args))
-        return jax.tree.map(lambda a: a[None], out)
-
-    d = P(AXIS)
-    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=d, out_specs=d))
-    put = lambda t: jax.device_put(t, NamedSharding(mesh, d))  # noqa: E731
-    params, state = put(_replicate((params, tx.init(params))))
-    for t in range(len(data[0])):
-        params, state = fn(params, state, *put(tuple(a[t] for a in data)))
-    return jax.tree.map(np.asarray, params), state
-
-
-RUNNERS = {
-    "pmap": _run_pmap,
-    "shard_map": _run_shard_map,
-    "shard_map_per_device": _run_shard_map_per_device,
-}
-
-
-def _assert_same_on_every_device(per_device):
-    for leaf in jax.tree.leaves(per_device):
-        leaf = np.asarray(leaf)
-        np.testing.assert_array_equal(
-            leaf, np.broadcast_to(leaf[:1], leaf.shape)
-        )
-
-
-def _first(per_device):
-    return jax.tree.map(lambda a: np.asarray(a)[0], per_device)
 
 
 # ------------------------------------------------------------------ tests
@@ -291,7 +85,7 @@ def test_accumulate_axis_name_equals_big_batch(
     == one step on the window's whole batch (per-token mean if weighted)."""
     opt = _optimizers()[opt_name]
     data = _data(K * WINDOWS, ragged=ragged)
-    params = _params()
+    params = helpers.multihost_params()
     tx = oa.chain(oa.accumulate(K, axis_name=AXIS), opt)
     got, state = RUNNERS[runner](tx, params, data, weighted=weighted)
     want = _reference(opt, params, *data, weighted=weighted)
@@ -314,7 +108,7 @@ def test_accumulate_axis_name_sum_reduction(runner, weighted):
     Through the plain ``tx.update`` protocol."""
     opt = optax.sgd(0.02)
     data = _data(K * WINDOWS, ragged=True, seed=1)
-    params = _params()
+    params = helpers.multihost_params()
     tx = oa.chain(oa.accumulate(K, reduction="sum", axis_name=AXIS), opt)
     with jax.numpy_dtype_promotion("strict"):
         got, _ = RUNNERS[runner](
@@ -331,7 +125,7 @@ def test_accumulate_axis_name_low_precision_grads(runner, dtype):
     """bf16 params and grads: accumulated and all-reduced in float32, emitted
     in bf16. Oracle: the same local gradients combined in float64."""
     data = tuple(np.asarray(a, dtype) for a in _data(K, ragged=True, seed=2))
-    params = _params(dtype)
+    params = helpers.multihost_params(dtype)
     lr = 0.5
     tx = oa.chain(oa.accumulate(K, axis_name=AXIS), optax.sgd(lr))
     with jax.numpy_dtype_promotion("strict"):
@@ -365,56 +159,6 @@ def test_accumulate_axis_name_low_precision_grads(runner, dtype):
 
 
 # ------------------------------------------------------------- HLO counts
-
-
-def _compiled_text(runner, tx, step):
-    """Compiled HLO text of one micro-step of the per-device ``step``. Under
-    ``shard_map`` a state holding an ``oa.AccumulateState`` (which, with
-    ``axis_name``, differs from device to device) gets the per-device
-    layout of :func:`_run_shard_map`; any other state is replicated."""
-    params = _params()
-    x, y, mask = (a[0] for a in _data(1, ragged=False))
-    if runner == "pmap":
-        fn = jax.pmap(step, axis_name=AXIS)
-        args = (_replicate(params), _replicate(tx.init(params)), x, y, mask)
-        return fn.lower(*args).compile().as_text()
-    state = tx.init(params)
-    per_device = any(
-        isinstance(s, oa.AccumulateState)
-        for s in jax.tree.leaves(
-            state, is_leaf=lambda s: isinstance(s, oa.AccumulateState)
-        )
-    )
-    if per_device:
-        state = map_per_device(
-            state, lambda a: jnp.broadcast_to(a, (N, *a.shape))
-        )
-        specs = _per_device_specs(state)
-    else:
-        specs = jax.tree.map(lambda _: P(), state)
-
-    def body(p, s, x, y, mask):
-        s = map_per_device(s, lambda a: a[0])
-        p, s = step(p, s, x[0], y[0], mask[0])
-        return p, map_per_device(s, lambda a: a[None])
-
-    mesh = _mesh()
-    b = P(AXIS)
-    fn = jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(P(), specs, b, b, b),
-            out_specs=(P(), specs),
-        )
-    )
-    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
-    args = (
-        jax.tree.map(lambda a: put(a, P()), params),
-        jax.tree.map(put, state, specs),
-        *(put(a[:, None], b) for a in (x, y, mask)),
-    )
-    return fn.lower(*args).compile().as_text()
 
 
 def _pmean_step(tx, varying):
@@ -539,7 +283,7 @@ def _poisoned_data(bad_step, bad_device):
 def test_skip_nonfinite_one_device_drops_micro_batch_everywhere(runner):
     opt = optax.adam(0.05)
     data, clean = _poisoned_data(bad_step=4, bad_device=5)
-    params = _params()
+    params = helpers.multihost_params()
     tx = oa.chain(oa.accumulate(K, axis_name=AXIS, skip_nonfinite=True), opt)
     got, state = RUNNERS[runner](tx, params, data, weighted=True)
     want = _reference(opt, params, *clean, weighted=True)
@@ -553,7 +297,7 @@ def test_skip_nonfinite_one_device_drops_micro_batch_everywhere(runner):
 def test_dynamic_loss_scale_one_device_overflow_skips_everywhere(runner):
     opt = optax.adam(0.05)
     data, clean = _poisoned_data(bad_step=2, bad_device=0)
-    params = _params()
+    params = helpers.multihost_params()
     init_scale = 2.0**6
     tx = oa.chain(
         oa.dynamic_loss_scale(init_scale, axis_name=AXIS),
@@ -696,7 +440,7 @@ def test_chain_inside_shard_map_with_device_varying_updates():
     gate emits must have that same device-varying type for ``lax.cond``.
     Equals the same chain vmapped over devices."""
     tx = oa.chain(oa.accumulate(2), optax.adam(0.1))
-    params = _replicate(_params())
+    params = _replicate(helpers.multihost_params())
     params = jax.tree.map(
         lambda a: (
             a + jnp.arange(N, dtype=a.dtype).reshape((N,) + (1,) * (a.ndim - 1))
@@ -733,98 +477,15 @@ def test_chain_inside_shard_map_with_device_varying_updates():
 # ------------------------------------------------- two processes (gloo)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_GLOO_MISSING = (
-    "not available",
-    "unavailable",
-    "not supported",
-    "unsupported",
-    "not built",
-    "unimplemented",
-)
-_MULTIHOST_TIMEOUT = 120  # seconds, both processes together
-
-
-def _run_two_workers(tmp_path, out, attempt, script):
-    """Starts both worker processes, waits for them (killing any still
-    running at the deadline); returns ``(all succeeded, report)``."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    logs = [tmp_path / f"worker{i}-{attempt}.log" for i in range(2)]
-    procs = []
-    deadline = time.monotonic() + _MULTIHOST_TIMEOUT
-    try:
-        for i, log in enumerate(logs):
-            with open(log, "w") as f:
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            script,
-                            str(i),
-                            "2",
-                            str(port),
-                            str(out),
-                        ],
-                        stdout=f,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        cwd=tmp_path,
-                    )
-                )
-        for p in procs:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass  # reported below
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    report = "\n".join(
-        f"--- worker {i} (exit {p.returncode}):\n{log.read_text()[-3000:]}"
-        for i, (p, log) in enumerate(zip(procs, logs, strict=True))
-    )
-    return all(p.returncode == 0 for p in procs), report
-
-
-def run_two_processes(tmp_path, script):
-    """Runs ``script`` (``tests/<script>``) as two ``jax.distributed``
-    processes; returns the path of the params process 0 saved. Skips where
-    gloo CPU collectives are missing; fails with both logs otherwise."""
-    out = tmp_path / "params.npy"
-    script = str(ROOT / "tests" / script)
-    ok, report = _run_two_workers(tmp_path, out, 0, script)
-    if not ok and "address already in use" in report.lower():
-        ok, report = _run_two_workers(tmp_path, out, 1, script)  # port race
-    if not ok:
-        lowered = report.lower()
-        if "gloo" in lowered and any(r in lowered for r in _GLOO_MISSING):
-            pytest.skip(f"gloo CPU collectives unavailable here:\n{report}")
-        pytest.fail(
-            f"a worker failed or ran past {_MULTIHOST_TIMEOUT} s:\n{report}"
-        )
-    return out
-
-
 def test_two_processes_match_single_process(tmp_path):
     """Two ``jax.distributed`` processes x 2 CPU devices (gloo collectives),
     pmap + ``accumulate(axis_name)``, weighted by token counts: the params
     equal a single-process big-batch run on the same global batches."""
-    out = run_two_processes(tmp_path, "_multihost_worker.py")
+    out = workers.run_two_processes(tmp_path, "_multihost_worker.py")
     data = worker.make_data(2 * worker.LOCAL_DEVICES, worker.WINDOWS * worker.K)
     want = _reference(
         optax.adam(worker.LEARNING_RATE),
-        _params(),
+        helpers.multihost_params(),
         *data,
         weighted=True,
         k=worker.K,

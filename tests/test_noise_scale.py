@@ -24,20 +24,14 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 import optaxaccum as oa
+from tests import helpers
 
-D = 64  # dimensions of the synthetic gradient
+D = helpers.NOISE_DIM  # dimensions of the synthetic gradient
 K = 4  # micro-batches per window
-S2 = 1.0  # per-unit-of-weight noise variance of each coordinate
-G = jnp.full(D, 0.5)  # |G|^2 = 16, so b_simple = D S2 / |G|^2 = 4
+S2 = helpers.NOISE_VARIANCE  # per-unit-of-weight noise variance
+G = jnp.full(D, helpers.NOISE_MEAN)  # |G|^2 = 16: b_simple = D S2 / |G|^2 = 4
 G_SQ = float(G @ G)
 TRACE = D * S2
-
-
-def _synthetic(key, weights, windows):
-    """``(steps, D)`` gradients ``G + e_i`` with ``Var e_i = S2 / w_i``."""
-    w = jnp.tile(jnp.asarray(weights, jnp.float32), windows)
-    e = jax.random.normal(key, (w.shape[0], D))
-    return G[None] + e * jnp.sqrt(S2 / w)[:, None], w
 
 
 def _run(tx, grads, weights, fused):
@@ -62,16 +56,6 @@ def _tx(decay, k=K, **kwargs):
     )
 
 
-def _brute(grads, weights):
-    """tr(Sigma), |G|^2 of one window, float64 numpy, residual form."""
-    g, w = np.asarray(grads, np.float64), np.asarray(weights, np.float64)
-    g, w = g[w > 0], w[w > 0]
-    big_w, k = w.sum(), len(w)
-    mean = (w[:, None] * g).sum(0) / big_w
-    trace = (w * ((g - mean) ** 2).sum(1)).sum() / (k - 1)
-    return trace, mean @ mean - trace / big_w
-
-
 WEIGHTS = {"equal": (4.0, 4.0, 4.0, 4.0), "unequal": (1.0, 2.0, 5.0, 8.0)}
 
 
@@ -91,7 +75,7 @@ def test_single_window_estimates_are_unbiased_over_seeds(fused, weights):
     big_w = sum(w)
 
     def one(key):
-        grads, ws = _synthetic(key, w, 1)
+        grads, ws = helpers.noisy_gradients(key, w, 1)
         return oa.noise_scale(_run(_tx(0.0), grads, ws, fused))
 
     est = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), seeds))
@@ -122,7 +106,9 @@ def test_moving_average_lands_on_the_true_noise_scale(fused, weights):
     independent, so b_simple's relative SE is sqrt(sum a_j^2) * 0.169
     (0.9%); we allow 4 of them, about 3.4%."""
     decay, windows = 0.995, 2000
-    grads, ws = _synthetic(jax.random.key(1), WEIGHTS[weights], windows)
+    grads, ws = helpers.noisy_gradients(
+        jax.random.key(1), WEIGHTS[weights], windows
+    )
     state = jax.jit(_run, static_argnums=(0, 3))(_tx(decay), grads, ws, fused)
     est = oa.noise_scale(state)
     a = (1 - decay) * decay ** np.arange(windows)
@@ -153,7 +139,7 @@ def _window(tx, grads, weights, params=None):
 
 
 def _assert_brute(state, grads, weights, rtol=2e-5):
-    trace, gsq = _brute(grads, weights)
+    trace, gsq = helpers.brute_noise(grads, weights)
     est = oa.noise_scale(state)
     np.testing.assert_allclose(float(est.trace_cov), trace, rtol=rtol)
     np.testing.assert_allclose(float(est.grad_sq), gsq, rtol=rtol)
@@ -163,7 +149,9 @@ def _assert_brute(state, grads, weights, rtol=2e-5):
 def test_padding_weight_zero_micro_batch_does_not_count():
     """A fully padded micro-batch (weight 0, 0/0 gradient) adds nothing:
     the estimate is that of the other three (k = 3, not 4)."""
-    grads, ws = _synthetic(jax.random.key(2), (1.0, 2.0, 3.0, 1.0), 1)
+    grads, ws = helpers.noisy_gradients(
+        jax.random.key(2), (1.0, 2.0, 3.0, 1.0), 1
+    )
     grads = grads.at[1].set(jnp.nan)
     ws = ws.at[1].set(0.0)
     _assert_brute(_window(_tx(0.0), grads, ws), grads, ws)
@@ -172,7 +160,9 @@ def test_padding_weight_zero_micro_batch_does_not_count():
 def test_skip_nonfinite_dropped_micro_batch_does_not_count():
     """A dropped micro-batch is as if never seen: the window takes a fifth
     one and the estimate is that of the four counted."""
-    grads, ws = _synthetic(jax.random.key(3), (1.0, 2.0, 3.0, 1.0, 2.0), 1)
+    grads, ws = helpers.noisy_gradients(
+        jax.random.key(3), (1.0, 2.0, 3.0, 1.0, 2.0), 1
+    )
     grads = grads.at[2].set(jnp.inf)
     state = _window(_tx(0.0, skip_nonfinite=True), grads, ws)
     keep = np.array([0, 1, 3, 4])
@@ -183,7 +173,9 @@ def test_flush_closes_the_window_with_its_micro_batches():
     """flush after 3 of 5: the estimate of those 3; a flushed window of one
     micro-batch (k < 2) changes nothing, also not the averages."""
     tx = _tx(0.0, k=5)
-    grads, ws = _synthetic(jax.random.key(4), (1.0, 3.0, 2.0, 1.0), 1)
+    grads, ws = helpers.noisy_gradients(
+        jax.random.key(4), (1.0, 3.0, 2.0, 1.0), 1
+    )
     params = jnp.zeros(D)
     state = _window(tx, grads[:3], ws[:3])
     _, state = jax.jit(lambda s: oa.flush(tx, s, params))(state)
@@ -196,7 +188,9 @@ def test_flush_closes_the_window_with_its_micro_batches():
 
 
 def test_nan_until_a_window_of_two_and_windows_of_one_change_nothing():
-    state = _window(_tx(0.5, k=1), *_synthetic(jax.random.key(5), (1.0,), 5))
+    state = _window(
+        _tx(0.5, k=1), *helpers.noisy_gradients(jax.random.key(5), (1.0,), 5)
+    )
     assert int(state[0].gradient_step) == 5
     assert all(np.isnan(x) for x in oa.noise_scale(state))
 
@@ -205,7 +199,9 @@ def test_checkpoint_round_trip_continues_to_the_same_estimate():
     """Mid-window: the state through host numpy and back into the structure
     of ``jax.eval_shape(tx.init, params)`` continues like the original."""
     tx = _tx(0.8)
-    grads, ws = _synthetic(jax.random.key(6), (1.0, 2.0, 3.0, 4.0), 3)
+    grads, ws = helpers.noisy_gradients(
+        jax.random.key(6), (1.0, 2.0, 3.0, 4.0), 3
+    )
     params = jnp.zeros(D)
     state = _window(tx, grads[:6], ws[:6])
     saved = jax.device_get(state)
@@ -218,7 +214,9 @@ def test_checkpoint_round_trip_continues_to_the_same_estimate():
         _, restored = tx.update(g, restored, params, accum_weight=w)
     chex.assert_trees_all_equal(restored, state)
     # and the result is the truth: the decayed mean of the three windows
-    est = [_brute(grads[i : i + 4], ws[i : i + 4]) for i in (0, 4, 8)]
+    est = [
+        helpers.brute_noise(grads[i : i + 4], ws[i : i + 4]) for i in (0, 4, 8)
+    ]
     a = np.array([0.2 * 0.8**2, 0.2 * 0.8, 0.2]) / (1 - 0.8**3)
     trace = sum(ai * e[0] for ai, e in zip(a, est))
     np.testing.assert_allclose(
@@ -463,7 +461,7 @@ def test_devices_micro_batches_are_the_small_batches(runner, reduction):
     tx = _tx(0.0, k=2, axis_name=AXIS, reduction=reduction)
     fn, params, state = _device_inputs(runner, tx)
     w = np.array([[1.0, 2.0, 0.0, 4.0], [3.0, 1.0, 2.0, 5.0]], np.float32)
-    grads, _ = _synthetic(jax.random.key(9), (1.0,) * 8, 1)
+    grads, _ = helpers.noisy_gradients(jax.random.key(9), (1.0,) * 8, 1)
     grads = grads.reshape(2, NDEV, D).at[0, 2].set(jnp.nan)
     for t in range(2):
         params, state = fn(params, state, grads[t], jnp.asarray(w[t]))
@@ -471,7 +469,7 @@ def test_devices_micro_batches_are_the_small_batches(runner, reduction):
     if runner == "pmap":  # one copy per device, all equal
         assert all(np.all(x == x[0]) for x in est)
         est = jax.tree.map(lambda x: x[0], est)
-    trace, gsq = _brute(grads.reshape(8, D), w.reshape(8))
+    trace, gsq = helpers.brute_noise(grads.reshape(8, D), w.reshape(8))
     np.testing.assert_allclose(est.trace_cov, trace, rtol=2e-5)
     np.testing.assert_allclose(est.grad_sq, gsq, rtol=2e-5)
 
@@ -581,7 +579,7 @@ def test_noise_scale_in_flax_train_state_and_nnx_optimizer():
     from optaxaccum.flax import TrainState
     from optaxaccum.flax import nnx as oa_nnx
 
-    grads, ws = _synthetic(jax.random.key(12), (1.0, 3.0, 2.0), 1)
+    grads, ws = helpers.noisy_gradients(jax.random.key(12), (1.0, 3.0, 2.0), 1)
     tx = _tx(0.0, k=3)
     state = TrainState.create(apply_fn=None, params=jnp.zeros(D), tx=tx)
     for g, w in zip(grads, ws):
@@ -693,7 +691,7 @@ def test_jit_mesh_device_shares_are_the_small_batches(name):
                     )(params)
                 )[0]
             )
-    trace, gsq = _brute(np.stack(shares), np.full(2 * n, 16.0 / n))
+    trace, gsq = helpers.brute_noise(np.stack(shares), np.full(2 * n, 16.0 / n))
     _, est = _mesh_run(name, 0.0)
     np.testing.assert_allclose(est.trace_cov, trace, rtol=1e-4)
     np.testing.assert_allclose(est.grad_sq, gsq, rtol=1e-4)

@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
-from tests import test_mesh as tm
+from tests import helpers
+from tests import mesh_helpers as mh
 from tests import test_shard_update as ts
 from tools import sharded_steps
 
@@ -33,24 +34,24 @@ MUON_TOL = dict(rtol=1e-4, atol=1e-5)
 _muon = sharded_steps.muon
 
 
-@pytest.mark.parametrize("mesh_name", [*MESHES, *tm.ONE_DEVICE])
+@pytest.mark.parametrize("mesh_name", [*MESHES, *mh.ONE_DEVICE])
 def test_muon_equals_single_device_muon_on_the_window(mesh_name):
     """Several windows of token-weighted micro-batches: the params equal
     single-device optax.contrib.muon stepped once per window on the
     window's whole batch (refused before), and keep their sharding; also
     on a mesh whose axes all have size 1 (a run resumed on one device)."""
-    if mesh_name in tm.ONE_DEVICE:
-        mesh, axis = tm._mesh(mesh_name), "data"
+    if mesh_name in mh.ONE_DEVICE:
+        mesh, axis = mh._mesh(mesh_name), "data"
     else:
         mesh, axis = ts._mesh(mesh_name)
-    data = tm._make_data(tm.K * 3)
-    params, state = tm._run(ts._tx(_muon(), axis), mesh, data, axis=axis)
-    want = tm._reference(_muon(), tm._init_params(), *data)
+    data = mh._make_data(mh.K * 3)
+    params, state = mh._run(ts._tx(_muon(), axis), mesh, data, axis=axis)
+    want = mh._reference(_muon(), helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(
         jax.tree.map(np.asarray, params), want, **MUON_TOL
     )
     assert int(state[0].gradient_step) == 3
-    tm._same_sharding(params, tm._put_params(mesh, tm._init_params()))
+    mh._same_sharding(params, mh._put_params(mesh, helpers.mesh_mlp_params()))
 
 
 # ------------------------------------------- transformer-shaped and stacked
@@ -137,7 +138,7 @@ def test_hlo_collectives_once_per_window_none_per_micro_batch(mesh_name):
     for o in over:
         if o["branches"]:
             by_op[o["op"]] = by_op.get(o["op"], 0) + o["bytes"]
-    tree = tm._shard_bytes(params)
+    tree = mh._shard_bytes(params)
     n = ts._data_size(mesh, axis)
     assert by_op.pop("reduce-scatter") * n == tree, by_op
     # To the owners: each device's data-slice of the window gradient and
@@ -180,7 +181,7 @@ def test_stacked_leaf_returns_the_params_shard_over_data(spec, capfd):
     compiled, _, p, (updates, _) = _optimizer_step(
         mesh, axis, oa.whole_leaves(opt, layer_axis=0), params, {"w": spec}
     )
-    shard = tm._shard_bytes(p)
+    shard = mh._shard_bytes(p)
     assert shard == 1024
     back = [
         o
@@ -232,7 +233,7 @@ def test_whole_leaves_bad_input_and_position():
             oa.whole_leaves(optax.sgd(0.1), layer_axis=bad)
     with pytest.raises(ValueError, match="last of the chain"):
         oa.chain(
-            oa.accumulate(tm.K, axis_name="data", shard_update=True),
+            oa.accumulate(mh.K, axis_name="data", shard_update=True),
             _muon(),
             optax.add_decayed_weights(0.1),
         )
@@ -242,7 +243,7 @@ def test_init_with_params_on_no_mesh_is_the_followers_own_state():
     """tx.init of a muon shard_update chain on params that lie on no mesh
     (host arrays, eagerly or under jax.jit with no jax.set_mesh): the
     follower's part is muon's own init, not an error."""
-    params = tm._init_params()
+    params = helpers.mesh_mlp_params()
     tx = ts._tx(_muon(), "data")
     want = _muon().init(params)
     for init in (tx.init, jax.jit(tx.init)):
@@ -275,10 +276,10 @@ def test_whole_leaves_marks_any_transformation():
         )
 
     mesh, axis = ts._mesh("data8")
-    data = tm._make_data(tm.K * 2)
+    data = mh._make_data(mh.K * 2)
     tx = ts._tx(oa.whole_leaves(orthogonalise()), axis)
-    params, _ = tm._run(tx, mesh, data, axis=axis)
-    want = tm._reference(orthogonalise(), tm._init_params(), *data)
+    params, _ = mh._run(tx, mesh, data, axis=axis)
+    want = mh._reference(orthogonalise(), helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(
         jax.tree.map(np.asarray, params), want, **MUON_TOL
     )
@@ -288,10 +289,10 @@ def test_whole_leaves_marks_any_transformation():
 
 
 def _feed(tx, mesh, params, state, data, ts_range):
-    step = jax.jit(tm._step_fn(tx, mesh))
+    step = jax.jit(mh._step_fn(tx, mesh))
     with jax.set_mesh(mesh):
         for t in ts_range:
-            batch = tm._put_batch(mesh, *(a[t] for a in data))
+            batch = mh._put_batch(mesh, *(a[t] for a in data))
             params, state, _ = step(params, state, *batch)
     return params, state
 
@@ -305,10 +306,10 @@ def test_state_shardings_and_orbax_round_trip_mid_window(tmp_path):
 
     mesh, axis = ts._mesh("data2xfsdp4")
     tx = ts._tx(_muon(), axis)
-    data = tm._make_data(tm.K * 2)
-    before = tm.K + 1
+    data = mh._make_data(mh.K * 2)
+    before = mh.K + 1
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         shardings = oa.state_shardings(tx, params)
         state = jax.jit(tx.init)(params)
     got = jax.tree.map(lambda x: x.sharding.spec, state)
@@ -329,9 +330,9 @@ def test_state_shardings_and_orbax_round_trip_mid_window(tmp_path):
     resumed, _ = _feed(tx, mesh, params, restored, data, rest)
     uninterrupted, _ = _feed(tx, mesh, params, state, data, rest)
     chex.assert_trees_all_close(
-        jax.device_get(resumed), jax.device_get(uninterrupted), **tm.TOL
+        jax.device_get(resumed), jax.device_get(uninterrupted), **mh.TOL
     )
-    want = tm._reference(_muon(), tm._init_params(), *data)
+    want = mh._reference(_muon(), helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(jax.device_get(resumed), want, **MUON_TOL)
 
 
@@ -340,12 +341,12 @@ def test_reshard_state_mid_window_onto_another_data_size():
     its owner of 8), resumed with oa.reshard_state on data=2 x fsdp=4
     (ownership recomputed over 2, the rows moved): the run equals the
     uninterrupted one on data=8 and single-device muon."""
-    data = tm._make_data(tm.K * 3)
-    before = tm.K + 2
+    data = mh._make_data(mh.K * 3)
+    before = mh.K + 2
     old, axis = ts._mesh("data8")
     tx = ts._tx(_muon(), axis)
     with jax.set_mesh(old):
-        params = tm._put_params(old, tm._init_params())
+        params = mh._put_params(old, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
     params, state = _feed(tx, old, params, state, data, range(before))
     rest = range(before, len(data[0]))
@@ -353,14 +354,14 @@ def test_reshard_state_mid_window_onto_another_data_size():
     saved, host_params = jax.device_get((state, params))
     new, _ = ts._mesh("data2xfsdp4")
     with jax.set_mesh(new):
-        params = tm._put_params(new, host_params)
+        params = mh._put_params(new, host_params)
         moved = oa.reshard_state(tx, saved, params)
     assert moved[1].rows["float32"].shape[0] == 2
     resumed, _ = _feed(tx, new, params, moved, data, rest)
     chex.assert_trees_all_close(
-        jax.device_get(resumed), jax.device_get(uninterrupted), **tm.TOL
+        jax.device_get(resumed), jax.device_get(uninterrupted), **mh.TOL
     )
-    want = tm._reference(_muon(), tm._init_params(), *data)
+    want = mh._reference(_muon(), helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(jax.device_get(resumed), want, **MUON_TOL)
 
 
@@ -446,7 +447,7 @@ def test_comm_model_owned_mode_equals_the_census_when_balanced():
     the all-to-all and the all-gather over the data axes of the compiled
     step equal the communication model's ``owned`` rows
     (benchmarks/comm_model.py)."""
-    from tests.test_comm_model import cm
+    from tests.repo.test_comm_model import cm
 
     mesh, axis = ts._mesh("data8")
     rng = np.random.default_rng(0)
@@ -472,8 +473,8 @@ def test_flush_partial_window_runs_muon_by_ownership():
     ownership steps on the mean over those 2, as single-device muon."""
     mesh, axis = ts._mesh("data2xfsdp4")
     tx = ts._tx(_muon(), axis)
-    data = tm._make_data(2)
-    params, state = tm._run(tx, mesh, data, axis=axis)
+    data = mh._make_data(2)
+    params, state = mh._run(tx, mesh, data, axis=axis)
 
     def flush(params, state):
         updates, state = oa.flush(tx, state, params)
@@ -481,7 +482,7 @@ def test_flush_partial_window_runs_muon_by_ownership():
 
     with jax.set_mesh(mesh):
         params, state = jax.jit(flush)(params, state)
-    want = tm._reference(_muon(), tm._init_params(), *data, k=2)
+    want = mh._reference(_muon(), helpers.mesh_mlp_params(), *data, k=2)
     chex.assert_trees_all_close(
         jax.tree.map(np.asarray, params), want, **MUON_TOL
     )

@@ -4,7 +4,7 @@ state (any mesh, or none) for the params on the current mesh, folding the
 unclosed window's per-device partial sums (API.md, section 7).
 
 On the 8 CPU devices of conftest.py, against the single-device big-batch
-reference of tests/test_mesh.py.
+reference of tests/mesh_helpers.py.
 """
 
 import warnings
@@ -19,7 +19,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
-from tests import test_mesh as tm
+from tests import helpers
+from tests import mesh_helpers as mh
 
 # optax transformations whose state holds MaskedNode leaves, or wraps another
 # optimizer's state: each after a gate, with and without shard_update.
@@ -60,7 +61,7 @@ def test_state_shardings_of_optax_wrappers(name, mode):
     over the data axis too with shard_update); on an auto mesh every leaf
     shaped like a param (Adam's moments, muon's momentum) lies at that
     param's sharding, the others replicated."""
-    mesh = tm._mesh("data2xfsdp4")
+    mesh = mh._mesh("data2xfsdp4")
     if mode == "auto":
         mesh = jax.make_mesh(
             (2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2
@@ -74,7 +75,7 @@ def test_state_shardings_of_optax_wrappers(name, mode):
         WRAPPERS[name](),
     )
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         shardings = oa.state_shardings(tx, params)
         state = tx.init(params)
         placed = jax.device_put(state, shardings)
@@ -118,11 +119,11 @@ def _tx(k, shard_update):
 
 
 def _feed(tx, mesh_name, params, state, data, ts):
-    mesh = tm._mesh(mesh_name)
-    step = tm._scaled_step(tx, mesh)
+    mesh = mh._mesh(mesh_name)
+    step = mh._scaled_step(tx, mesh)
     with jax.set_mesh(mesh):
         for t in ts:
-            batch = tm._put_batch(mesh, *(a[t] for a in data))
+            batch = mh._put_batch(mesh, *(a[t] for a in data))
             params, state = step(params, state, *batch)
     return params, state
 
@@ -150,8 +151,8 @@ def _move(tx, saved, params, mesh_name):
     """``saved`` and the host ``params`` resumed on ``mesh_name``: the
     params put at their specs there, the state by oa.reshard_state, called
     outside any mesh context (its layout does not depend on it)."""
-    mesh = tm._mesh(mesh_name)
-    params = tm._put_params(mesh, jax.device_get(params))
+    mesh = mh._mesh(mesh_name)
+    params = mh._put_params(mesh, jax.device_get(params))
     state = oa.reshard_state(tx, saved, params)
     with jax.set_mesh(mesh):
         want = jax.jit(tx.init)(params)
@@ -197,10 +198,10 @@ def test_reshard_state_across_meshes_equals_uninterrupted_run(
     params equal the uninterrupted run on data=2 x fsdp=4 and single-device
     Adam on each window's whole batch."""
     tx = _tx(k, shard_update)
-    data = tm._make_data(cuts[-1])
-    mesh = tm._mesh(A)
+    data = mh._make_data(cuts[-1])
+    mesh = mh._mesh(A)
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         state = jax.device_put(tx.init(params), oa.state_shardings(tx, params))
     params, state = _feed(tx, A, params, state, data, range(cuts[0]))
     saved = _save(state, via, tmp_path / "a")
@@ -237,10 +238,12 @@ def test_reshard_state_across_meshes_equals_uninterrupted_run(
 
     assert int(state[1].gradient_step) == cuts[-1] // k
     chex.assert_trees_all_close(
-        jax.device_get(resumed), jax.device_get(uninterrupted), **tm.TOL
+        jax.device_get(resumed), jax.device_get(uninterrupted), **mh.TOL
     )
-    want = tm._reference(optax.adam(0.05), tm._init_params(), *data, k=k)
-    chex.assert_trees_all_close(jax.device_get(resumed), want, **tm.TOL)
+    want = mh._reference(
+        optax.adam(0.05), helpers.mesh_mlp_params(), *data, k=k
+    )
+    chex.assert_trees_all_close(jax.device_get(resumed), want, **mh.TOL)
     assert np.isfinite(oa.noise_scale(state).b_simple)
 
 
@@ -249,7 +252,7 @@ def test_reshard_state_from_a_single_device_and_bad_input():
     stacked rows of a mesh and back; a leaf of the wrong shape, a missing
     one, or one too many are named."""
     tx = oa.chain(oa.accumulate(3, axis_name="data"), optax.adam(0.05))
-    plain = tm._init_params()
+    plain = helpers.mesh_mlp_params()
     state = tx.init(plain)  # one micro-batch of weight 2, gradients 1
     acc = state[0]._replace(
         acc=jax.tree.map(lambda p: 2 * jnp.ones_like(p), plain),
@@ -257,8 +260,8 @@ def test_reshard_state_from_a_single_device_and_bad_input():
         mini_step=jnp.asarray(1, jnp.int32),
     )
     saved = jax.device_get((acc, *state[1:]))
-    mesh = tm._mesh(A)
-    params = tm._put_params(mesh, plain)
+    mesh = mh._mesh(A)
+    params = mh._put_params(mesh, plain)
     moved = oa.reshard_state(tx, saved, params)
     rows = np.asarray(moved[0].acc["w1"])
     assert rows.shape == (2, *plain["w1"].shape)
@@ -348,27 +351,29 @@ def test_reshard_state_onto_fewer_devices_mid_window():
     lands on single-device Adam on each window's whole batch."""
     k, cut, total = 4, 6, 8
     tx = _tx(k, shard_update=False)
-    data = tm._make_data(total)
-    mesh = tm._mesh(A)
+    data = mh._make_data(total)
+    mesh = mh._mesh(A)
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
     params, state = _feed(tx, A, params, state, data, range(cut))
     saved = jax.device_get(state)
     small = jax.make_mesh(
         (4,), ("data",), (AxisType.Explicit,), devices=jax.devices()[:4]
     )
-    params = tm._put_params(small, jax.device_get(params))
+    params = mh._put_params(small, jax.device_get(params))
     moved = oa.reshard_state(tx, saved, params)
     assert moved[1].acc["w1"].shape[0] == 4
     assert set(moved[1].acc["w1"].sharding.device_set) == set(
         small.devices.flat
     )
-    step = tm._scaled_step(tx, small)
+    step = mh._scaled_step(tx, small)
     with jax.set_mesh(small):
         for t in range(cut, total):
-            batch = tm._put_batch(small, *(a[t] for a in data))
+            batch = mh._put_batch(small, *(a[t] for a in data))
             params, moved = step(params, moved, *batch)
-    want = tm._reference(optax.adam(0.05), tm._init_params(), *data, k=k)
-    chex.assert_trees_all_close(jax.device_get(params), want, **tm.TOL)
+    want = mh._reference(
+        optax.adam(0.05), helpers.mesh_mlp_params(), *data, k=k
+    )
+    chex.assert_trees_all_close(jax.device_get(params), want, **mh.TOL)
     assert int(moved[1].gradient_step) == total // k

@@ -20,9 +20,9 @@ import pytest
 from jax import lax
 
 import optaxaccum as oa
-from tests import test_mesh as tm
-from tests import test_multidevice as tmd
-from tests import test_noise_scale as tns
+from tests import data_parallel_helpers as dp
+from tests import helpers
+from tests import mesh_helpers as mh
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 
@@ -50,7 +50,7 @@ def _feed(tx, grads, weights, fused=False, params=None):
 def _hand_gain(grads, weights, base):
     """AdaScale's gain ratio of one window from the estimator's hand
     formula, unclipped (the callers check that no bound binds)."""
-    trace, grad_sq = tns._brute(grads, weights)
+    trace, grad_sq = helpers.brute_noise(grads, weights)
     big_w = float(np.sum(weights))
     return (trace / base + grad_sq) / (trace / big_w + grad_sq), big_w
 
@@ -60,7 +60,9 @@ def test_gain_equals_the_hand_formula(fused):
     """decay 0: each window's factor is the hand formula's gain from that
     window's micro-batches (unequal weights); the updates are SGD's times
     it; tau adds the factors up."""
-    grads, weights = tns._synthetic(jax.random.key(0), (1.0, 2.0, 5.0, 8.0), 3)
+    grads, weights = helpers.noisy_gradients(
+        jax.random.key(0), (1.0, 2.0, 5.0, 8.0), 3
+    )
     tx = oa.chain(
         oa.accumulate(4, noise_scale_decay=0.0),
         optax.sgd(1.0),
@@ -83,7 +85,7 @@ def test_gain_of_a_window_lighter_than_the_base_batch():
     """A window of total weight W = 2 against a base batch of 8: the gain
     is the ratio itself, between W / B0 = 0.25 and 1 (a smaller step than
     the base batch's), not W / B0."""
-    grads, weights = tns._synthetic(jax.random.key(3), (0.5,) * 4, 2)
+    grads, weights = helpers.noisy_gradients(jax.random.key(3), (0.5,) * 4, 2)
     tx = oa.chain(
         oa.accumulate(4, noise_scale_decay=0.0),
         optax.sgd(1.0),
@@ -149,7 +151,9 @@ def test_tau_across_checkpoints_flush_and_the_noise_keyword_stays_private():
     """A checkpoint (host arrays) mid-run keeps ``tau``; ``oa.flush``
     closes a partial window with its own weight and adds its factor;
     another follower never sees ``window_noise_scale``."""
-    grads, weights = tns._synthetic(jax.random.key(1), (2.0, 2.0, 2.0), 3)
+    grads, weights = helpers.noisy_gradients(
+        jax.random.key(1), (2.0, 2.0, 2.0), 3
+    )
     seen = []
 
     def record(updates, state, params=None, **extra_args):
@@ -303,14 +307,14 @@ def test_bad_input_is_named():
 def test_devices_scale_by_the_global_window_weight(runner):
     """Under pmap/shard_map the window's weight reaching the factor is its
     total over the devices."""
-    x, y, mask = tmd._data(4, ragged=True, seed=2)
+    x, y, mask = dp._data(4, ragged=True, seed=2)
     tx = oa.chain(
-        oa.accumulate(2, axis_name=tmd.AXIS),
+        oa.accumulate(2, axis_name=dp.AXIS),
         optax.sgd(0.1),
         oa.scale_by_window(10.0, rule="linear"),
     )
-    _, state = tmd.RUNNERS[runner](
-        tx, tmd._params(), (x, y, mask), weighted=True
+    _, state = dp.RUNNERS[runner](
+        tx, helpers.multihost_params(), (x, y, mask), weighted=True
     )
     w = mask.sum((1, 2)).reshape(2, 2).sum(1)
     tau = np.asarray(state[2].tau).reshape(-1)
@@ -323,14 +327,14 @@ def test_devices_scale_by_the_global_window_weight(runner):
 def test_jit_mesh_scales_by_the_global_window_weight():
     """``jax.jit`` on data=8: the window's weight is the global token
     count (the sum of each micro-batch's mask)."""
-    mesh = tm._mesh("data8")
-    data = tm._make_data(4, seed=1)
+    mesh = mh._mesh("data8")
+    data = mh._make_data(4, seed=1)
     tx = oa.chain(
         oa.accumulate(2, axis_name="data", noise_scale_decay=0.5),
         optax.sgd(0.1),
         oa.scale_by_window(10.0, rule="linear"),
     )
-    _, state = tm._run(tx, mesh, data)
+    _, state = mh._run(tx, mesh, data)
     want = data[2].sum() / 10.0
     np.testing.assert_allclose(oa.window_progress(state), want, rtol=1e-6)
 

@@ -5,7 +5,7 @@ runs on each device's shard with its state sharded over the data axes too
 
 On the 8 CPU devices of conftest.py (data=2 x fsdp=4, data=8 and
 dcn=2 x data=2 x fsdp=2), against the single-device big-batch reference of
-tests/test_mesh.py and the compiled HLO's collective census.
+tests/mesh_helpers.py and the compiled HLO's collective census.
 """
 
 import copy
@@ -21,13 +21,14 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
-from tests import test_mesh as tm
+from tests import helpers
+from tests import mesh_helpers as mh
 from tools import sharded_steps
 
 # Meshes of 8 devices of the default backend (conftest: 8 CPU devices).
 pytestmark = pytest.mark.devices(8)
 
-K = tm.K
+K = mh.K
 MESHES = sharded_steps.MESHES
 _mesh = sharded_steps.mesh
 _data_size = sharded_steps.data_size
@@ -70,22 +71,22 @@ def test_shard_update_equals_big_batch_and_default_mode(
     from ``tx.init`` outside any mesh context (the followers' state placed
     on the concrete mesh)."""
     mesh, axis = _mesh(mesh_name)
-    data = tm._make_data(K * tm.WINDOWS)
+    data = mh._make_data(K * mh.WINDOWS)
     tx = _tx(_opt(opt_name), axis)
-    params, state = tm._run(tx, mesh, data, eager_init, fused=fused, axis=axis)
-    want = tm._reference(_opt(opt_name), tm._init_params(), *data)
+    params, state = mh._run(tx, mesh, data, eager_init, fused=fused, axis=axis)
+    want = mh._reference(_opt(opt_name), helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(
-        jax.tree.map(np.asarray, params), want, **tm.TOL
+        jax.tree.map(np.asarray, params), want, **mh.TOL
     )
     default = oa.chain(oa.accumulate(K, axis_name=axis), _opt(opt_name))
-    other, _ = tm._run(default, mesh, data, fused=fused, axis=axis)
+    other, _ = mh._run(default, mesh, data, fused=fused, axis=axis)
     chex.assert_trees_all_close(
         jax.tree.map(np.asarray, params),
         jax.tree.map(np.asarray, other),
-        **tm.TOL,
+        **mh.TOL,
     )
-    assert int(state[0].gradient_step) == tm.WINDOWS
-    tm._same_sharding(params, tm._put_params(mesh, tm._init_params()))
+    assert int(state[0].gradient_step) == mh.WINDOWS
+    mh._same_sharding(params, mh._put_params(mesh, helpers.mesh_mlp_params()))
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
@@ -96,10 +97,10 @@ def test_adam_moments_hold_one_over_fsdp_times_data(mesh_name):
     accumulator stays the params' shard, stacked over the data axes."""
     mesh, axis = _mesh(mesh_name)
     tx = _tx(optax.adam(0.05), axis)
-    _, state = tm._run(tx, mesh, tm._make_data(K), axis=axis)
+    _, state = mh._run(tx, mesh, mh._make_data(K), axis=axis)
     n = _data_size(mesh, axis)
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         shardings = oa.state_shardings(tx, params)
     adam = state[1][0]
     for moments, specs in ((adam.mu, shardings[1][0].mu), (adam.nu, None)):
@@ -117,10 +118,10 @@ def test_adam_moments_hold_one_over_fsdp_times_data(mesh_name):
 
 def _census(mesh, axis, tx):
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
-        batch = tm._put_batch(mesh, *(a[0] for a in tm._make_data(1)))
-        step = jax.jit(tm._step_fn(tx, mesh, axis=axis))
+        batch = mh._put_batch(mesh, *(a[0] for a in mh._make_data(1)))
+        step = jax.jit(mh._step_fn(tx, mesh, axis=axis))
         compiled = step.lower(params, state, *batch).compile()
     return oa.collective_census(compiled, mesh), params
 
@@ -143,7 +144,7 @@ def test_hlo_one_reduce_scatter_and_one_all_gather_per_window(
     top = [o for o in over if not o["branches"]]
     assert sum(o["bytes"] for o in top) <= 16, top
     branch = [o for o in over if o["branches"]]
-    tree = tm._shard_bytes(params)
+    tree = mh._shard_bytes(params)
     by_op = {}
     for o in branch:
         assert o["axes"] == axes, o
@@ -167,8 +168,8 @@ def test_flush_partial_window_with_shard_update():
     the shards give the mean over those 2."""
     mesh, axis = _mesh("data2xfsdp4")
     tx = _tx(optax.adam(0.05), axis)
-    data = tm._make_data(2)
-    params, state = tm._run(tx, mesh, data)
+    data = mh._make_data(2)
+    params, state = mh._run(tx, mesh, data)
 
     def flush(params, state):
         updates, state = oa.flush(tx, state, params)
@@ -176,9 +177,11 @@ def test_flush_partial_window_with_shard_update():
 
     with jax.set_mesh(mesh):
         params, state = jax.jit(flush)(params, state)
-    want = tm._reference(optax.adam(0.05), tm._init_params(), *data, k=2)
+    want = mh._reference(
+        optax.adam(0.05), helpers.mesh_mlp_params(), *data, k=2
+    )
     chex.assert_trees_all_close(
-        jax.tree.map(np.asarray, params), want, **tm.TOL
+        jax.tree.map(np.asarray, params), want, **mh.TOL
     )
     assert int(state[0].gradient_step) == 1
 
@@ -187,7 +190,7 @@ def test_skip_nonfinite_and_loss_scale_with_shard_update():
     """A NaN on one device's micro-batch: dropped everywhere, the loss scale
     halves once, the rest equals the reference (as without shard_update)."""
     mesh, _ = _mesh("data2xfsdp4")
-    data = tm._nan_on_one_device(tm._make_data(K * tm.WINDOWS + 1), 1)
+    data = mh._nan_on_one_device(mh._make_data(K * mh.WINDOWS + 1), 1)
     tx = oa.chain(
         oa.dynamic_loss_scale(2.0**8, axis_name="data"),
         oa.accumulate(
@@ -196,21 +199,21 @@ def test_skip_nonfinite_and_loss_scale_with_shard_update():
         optax.adam(0.05),
     )
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
-        step = tm._scaled_step(tx, mesh)
+        step = mh._scaled_step(tx, mesh)
         for t in range(len(data[0])):
-            batch = tm._put_batch(mesh, *(a[t] for a in data))
+            batch = mh._put_batch(mesh, *(a[t] for a in data))
             params, state = step(params, state, *batch)
-    keep = [t for t in range(K * tm.WINDOWS + 1) if t != 1]
-    want = tm._reference(
-        optax.adam(0.05), tm._init_params(), *(a[keep] for a in data)
+    keep = [t for t in range(K * mh.WINDOWS + 1) if t != 1]
+    want = mh._reference(
+        optax.adam(0.05), helpers.mesh_mlp_params(), *(a[keep] for a in data)
     )
     chex.assert_trees_all_close(
         jax.tree.map(np.asarray, params), want, rtol=1e-4, atol=1e-5
     )
     assert float(oa.loss_scale(state)) == 2.0**7
-    assert int(state[1].gradient_step) == tm.WINDOWS
+    assert int(state[1].gradient_step) == mh.WINDOWS
     assert state[2][0].mu["w1"].sharding.spec == P("fsdp", "data")
 
 
@@ -230,18 +233,18 @@ def test_checkpoint_round_trip_mid_window_with_shard_update(tmp_path):
         ),
         optax.adam(0.05),
     )
-    data = tm._make_data(before + after)
-    step = tm._scaled_step(tx, mesh)
+    data = mh._make_data(before + after)
+    step = mh._scaled_step(tx, mesh)
 
     def feed(params, state, ts):
         for t in ts:
             params, state = step(
-                params, state, *tm._put_batch(mesh, *(a[t] for a in data))
+                params, state, *mh._put_batch(mesh, *(a[t] for a in data))
             )
         return params, state
 
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         shardings = oa.state_shardings(tx, params)
         assert shardings[2][0].mu["w1"].spec == P("fsdp", "data")
         state = jax.device_put(tx.init(params), shardings)
@@ -262,10 +265,12 @@ def test_checkpoint_round_trip_mid_window_with_shard_update(tmp_path):
         resumed, _ = feed(params, restored, range(before, before + after))
         uninterrupted, _ = feed(params, state, range(before, before + after))
     chex.assert_trees_all_close(
-        jax.device_get(resumed), jax.device_get(uninterrupted), **tm.TOL
+        jax.device_get(resumed), jax.device_get(uninterrupted), **mh.TOL
     )
-    want = tm._reference(optax.adam(0.05), tm._init_params(), *data, k=k)
-    chex.assert_trees_all_close(jax.device_get(resumed), want, **tm.TOL)
+    want = mh._reference(
+        optax.adam(0.05), helpers.mesh_mlp_params(), *data, k=k
+    )
+    chex.assert_trees_all_close(jax.device_get(resumed), want, **mh.TOL)
 
 
 def test_shard_update_bad_input_is_named():
@@ -309,16 +314,18 @@ def test_nested_accumulate_after_shard_update_runs_on_the_piece():
     accumulates each device's piece: its accumulator is sharded over data
     and fsdp, and the result equals one window of 2K micro-batches."""
     mesh, axis = _mesh("data2xfsdp4")
-    data = tm._make_data(K * 4)
+    data = mh._make_data(K * 4)
     tx = oa.chain(
         oa.accumulate(K, axis_name=axis, shard_update=True),
         oa.accumulate(2),
         optax.sgd(0.3),
     )
-    params, state = tm._run(tx, mesh, data)
-    want = tm._reference(optax.sgd(0.3), tm._init_params(), *data, k=2 * K)
+    params, state = mh._run(tx, mesh, data)
+    want = mh._reference(
+        optax.sgd(0.3), helpers.mesh_mlp_params(), *data, k=2 * K
+    )
     chex.assert_trees_all_close(
-        jax.tree.map(np.asarray, params), want, **tm.TOL
+        jax.tree.map(np.asarray, params), want, **mh.TOL
     )
     assert state[1].acc["w1"].sharding.spec == P("fsdp", "data")
 
@@ -327,7 +334,7 @@ def test_noise_scale_with_shard_update_equals_default():
     """The gradient noise scale, estimated from the window, is the same
     with the window's mean reduce-scattered."""
     mesh, axis = _mesh("data2xfsdp4")
-    data = tm._make_data(K * 2)
+    data = mh._make_data(K * 2)
     found = []
     for shard_update in (True, False):
         acc = oa.accumulate(
@@ -336,7 +343,7 @@ def test_noise_scale_with_shard_update_equals_default():
             shard_update=shard_update,
             noise_scale_decay=0.5,
         )
-        _, state = tm._run(oa.chain(acc, optax.sgd(0.3)), mesh, data)
+        _, state = mh._run(oa.chain(acc, optax.sgd(0.3)), mesh, data)
         found.append(oa.noise_scale(state))
     chex.assert_trees_all_close(found[0], found[1], rtol=1e-5)
 
@@ -346,16 +353,16 @@ def test_alone_in_optax_chain_emits_gathered_updates():
     stateless optimizer) the window's mean comes back with the params'
     sharding: the params equal the reference and keep their sharding."""
     mesh, axis = _mesh("data2xfsdp4")
-    data = tm._make_data(K * tm.WINDOWS)
+    data = mh._make_data(K * mh.WINDOWS)
     tx = optax.chain(
         oa.accumulate(K, axis_name=axis, shard_update=True), optax.sgd(0.3)
     )
-    params, _ = tm._run(tx, mesh, data, fused=False)
-    want = tm._reference(optax.sgd(0.3), tm._init_params(), *data)
+    params, _ = mh._run(tx, mesh, data, fused=False)
+    want = mh._reference(optax.sgd(0.3), helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(
-        jax.tree.map(np.asarray, params), want, **tm.TOL
+        jax.tree.map(np.asarray, params), want, **mh.TOL
     )
-    tm._same_sharding(params, tm._put_params(mesh, tm._init_params()))
+    mh._same_sharding(params, mh._put_params(mesh, helpers.mesh_mlp_params()))
 
 
 @pytest.mark.parametrize(
@@ -405,7 +412,7 @@ def test_followers_state_is_born_placed_and_updates_gather_back(mesh_name):
     mesh, axis = _mesh(mesh_name)
     tx = _tx(optax.adam(0.05), axis)
     with jax.set_mesh(mesh):
-        params = tm._put_params(mesh, tm._init_params())
+        params = mh._put_params(mesh, helpers.mesh_mlp_params())
         abstract = jax.eval_shape(tx.init, params)
         round_trip = jax.jit(
             lambda p: placement.gather(placement.place(p, axis), axis)
@@ -431,7 +438,7 @@ def test_pytree_round_trip_of_the_gate_keeps_shard_update():
     specs = []
     for a in (acc, jax.tree.map(lambda x: x, acc), copy.deepcopy(acc)):
         with jax.set_mesh(mesh):
-            params = tm._put_params(mesh, tm._init_params())
+            params = mh._put_params(mesh, helpers.mesh_mlp_params())
             state = jax.eval_shape(oa.chain(a, optax.adam(0.05)).init, params)
         specs.append(state[1][0].mu["w1"].sharding.spec)
     assert specs[0] == specs[1] == specs[2] == P("fsdp", "data"), specs
@@ -443,7 +450,7 @@ def test_updates_come_back_at_the_params_sharding_when_fsdp_is_named():
     back fully replicated before), and equal the default mode's."""
     mesh, _ = _mesh("data2xfsdp4")
     axis = ("data", "fsdp")
-    loss = tm._loss(tm._batch_axes(mesh))
+    loss = mh._loss(mh._batch_axes(mesh))
     vg = oa.unreduced_value_and_grad(loss, axis)
     out = []
     for mode in (False, True):
@@ -457,15 +464,15 @@ def test_updates_come_back_at_the_params_sharding_when_fsdp_is_named():
             return tx.update(g, state, params, accum_weight=mask.sum())[0]
 
         with jax.set_mesh(mesh):
-            params = tm._put_params(mesh, tm._init_params())
+            params = mh._put_params(mesh, helpers.mesh_mlp_params())
             state = jax.jit(tx.init)(params)
-            batch = tm._put_batch(mesh, *(a[0] for a in tm._make_data(1)))
+            batch = mh._put_batch(mesh, *(a[0] for a in mh._make_data(1)))
             out.append(jax.jit(f)(params, state, *batch))
     for name, p in params.items():
         got = out[1][name].sharding
         assert got.is_equivalent_to(p.sharding, p.ndim), (name, got)
     chex.assert_trees_all_close(
-        jax.device_get(out[1]), jax.device_get(out[0]), **tm.TOL
+        jax.device_get(out[1]), jax.device_get(out[0]), **mh.TOL
     )
 
 
@@ -478,10 +485,10 @@ def test_follower_needing_whole_leaves_is_refused_by_name(mesh_name):
     ValueError naming shard_update and the follower's code; on data=8 the
     same chain with shard_update=False trains as on one device."""
     mesh, axis = _mesh(mesh_name)
-    data = tm._make_data(K)
+    data = mh._make_data(K)
     tx = _tx(optax.chain(optax.contrib.muon(0.05)), axis)
     with pytest.raises(Exception) as info:  # noqa: PT011 (checked below)
-        tm._run(tx, mesh, data, axis=axis)
+        mh._run(tx, mesh, data, axis=axis)
     assert isinstance(info.value, ValueError), repr(info.value)
     assert re.search(
         r"shard_update=True.*optax\.contrib\._muon.*oa\.whole_leaves",
@@ -492,23 +499,16 @@ def test_follower_needing_whole_leaves_is_refused_by_name(mesh_name):
     default = oa.chain(
         oa.accumulate(K, axis_name=axis), optax.contrib.muon(0.05)
     )
-    params, _ = tm._run(default, mesh, data, axis=axis)
-    want = tm._reference(optax.contrib.muon(0.05), tm._init_params(), *data)
+    params, _ = mh._run(default, mesh, data, axis=axis)
+    want = mh._reference(
+        optax.contrib.muon(0.05), helpers.mesh_mlp_params(), *data
+    )
     chex.assert_trees_all_close(
         jax.tree.map(np.asarray, params), want, rtol=1e-4, atol=1e-5
     )
 
 
 # ---------------------------------- leaves the placement rule does not split
-
-
-def _odd_params():
-    rng = np.random.default_rng(3)
-    return {
-        "w": (rng.normal(size=(tm.D_IN, tm.HIDDEN)) / 3).astype(np.float32),
-        "b": (0.1 * rng.normal(size=3)).astype(np.float32),  # odd size
-        "s": np.float32(1.3),  # a scalar
-    }
 
 
 def _odd_per_example(params, x, y, batch_axes=None):
@@ -541,10 +541,10 @@ def test_unsplit_scalar_and_odd_bias_are_summed_over_the_data_axes(
     fsdp = "fsdp" if "fsdp" in mesh.axis_names else None
     specs = {"w": P(fsdp, None), "b": P(), "s": P()}
     rng = np.random.default_rng(4)
-    steps = K * tm.WINDOWS
-    x = rng.normal(size=(steps, tm.BATCH, tm.D_IN)).astype(np.float32)
-    y = rng.normal(size=(steps, tm.BATCH, 3)).astype(np.float32)
-    mask = (rng.random((steps, tm.BATCH)) < 0.7).astype(np.float32)
+    steps = K * mh.WINDOWS
+    x = rng.normal(size=(steps, mh.BATCH, mh.D_IN)).astype(np.float32)
+    y = rng.normal(size=(steps, mh.BATCH, 3)).astype(np.float32)
+    mask = (rng.random((steps, mh.BATCH)) < 0.7).astype(np.float32)
     mask[:, 0] = 1.0
     tx = _tx(optax.adam(0.05), axis)
 
@@ -558,7 +558,8 @@ def test_unsplit_scalar_and_odd_bias_are_summed_over_the_data_axes(
 
     with jax.set_mesh(mesh):
         params = {
-            k: jax.device_put(v, specs[k]) for k, v in _odd_params().items()
+            k: jax.device_put(v, specs[k])
+            for k, v in helpers.odd_params(mh.D_IN, mh.HIDDEN).items()
         }
         state = jax.jit(tx.init)(params)
         fn = jax.jit(step)
@@ -566,7 +567,7 @@ def test_unsplit_scalar_and_odd_bias_are_summed_over_the_data_axes(
             batch = [jax.device_put(a[t], P(batch_axes)) for a in (x, y, mask)]
             params, state = fn(params, state, *batch)
 
-    want, opt = _odd_params(), optax.adam(0.05)
+    want, opt = helpers.odd_params(mh.D_IN, mh.HIDDEN), optax.adam(0.05)
     opt_state = opt.init(want)
     for t in range(0, steps, K):
         xs, ys, ms = (a[t : t + K] for a in (x, y, mask))
@@ -575,7 +576,7 @@ def test_unsplit_scalar_and_odd_bias_are_summed_over_the_data_axes(
         )(want)
         updates, opt_state = opt.update(g, opt_state, want)
         want = optax.apply_updates(want, updates)
-    chex.assert_trees_all_close(jax.device_get(params), want, **tm.TOL)
+    chex.assert_trees_all_close(jax.device_get(params), want, **mh.TOL)
 
 
 @pytest.mark.parametrize("alone", [False, True])
@@ -585,8 +586,8 @@ def test_flush_with_fsdp_named_gathers_to_the_params_sharding(alone):
     own sharding (not fully replicated) and equal the default mode's."""
     mesh, _ = _mesh("data2xfsdp4")
     axis = ("data", "fsdp")
-    vg = oa.unreduced_value_and_grad(tm._loss(tm._batch_axes(mesh)), axis)
-    data = tm._make_data(2)
+    vg = oa.unreduced_value_and_grad(mh._loss(mh._batch_axes(mesh)), axis)
+    data = mh._make_data(2)
     out = []
     for mode in (False, True):
         tx = oa.accumulate(K, axis_name=axis, shard_update=mode)
@@ -595,7 +596,7 @@ def test_flush_with_fsdp_named_gathers_to_the_params_sharding(alone):
 
         def f(params, state, data=data, tx=tx):
             for t in range(2):
-                batch = tm._put_batch(mesh, *(a[t] for a in data))
+                batch = mh._put_batch(mesh, *(a[t] for a in data))
                 _, g = vg(params, *batch)
                 _, state = tx.update(
                     g, state, params, accum_weight=batch[2].sum()
@@ -603,13 +604,13 @@ def test_flush_with_fsdp_named_gathers_to_the_params_sharding(alone):
             return oa.flush(tx, state, params)[0]
 
         with jax.set_mesh(mesh):
-            params = tm._put_params(mesh, tm._init_params())
+            params = mh._put_params(mesh, helpers.mesh_mlp_params())
             out.append(jax.jit(f)(params, jax.jit(tx.init)(params)))
     for name, p in params.items():
         got = out[1][name].sharding
         assert got.is_equivalent_to(p.sharding, p.ndim), (name, got)
     chex.assert_trees_all_close(
-        jax.device_get(out[1]), jax.device_get(out[0]), **tm.TOL
+        jax.device_get(out[1]), jax.device_get(out[0]), **mh.TOL
     )
 
 
@@ -641,7 +642,7 @@ def test_followers_get_the_params_split_like_their_state(gated):
     if gated:
         follower = oa.chain(oa.accumulate(1), follower)
     tx = oa.chain(oa.accumulate(K, axis_name=axis, shard_update=True), follower)
-    tm._run(tx, mesh, tm._make_data(K), axis=axis)
+    mh._run(tx, mesh, mh._make_data(K), axis=axis)
     placed = P("fsdp", "data")
     assert seen and all(spec == placed for _, spec in seen), seen
     assert {kind for kind, _ in seen} == {"init", "params", "state"}

@@ -191,8 +191,9 @@ MUTANTS = {
         "gating.py",
         "            return flags.zeros_of(jax.eval_shape(opened)[0]), "
         "self.state",
-        "            return jax.tree.map(lambda s: jnp.zeros(s.shape), "
-        "jax.eval_shape(opened)[0]), self.state",
+        # zeros in the test's gradient dtype, not the followers' float32
+        "            return jax.tree.map(lambda s: jnp.zeros(s.shape, "
+        "jnp.bfloat16), jax.eval_shape(opened)[0]), self.state",
         _CHAIN + ["-k", "followers_output_dtype"],
     ),
     "closed_gate_zeros_grads_dtype": (  # a nested gate that stays closed

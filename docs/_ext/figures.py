@@ -12,7 +12,7 @@ documentation pages and in README.md comes from it:
 * README.md's benchmark summary is :func:`readme_summary`, written between
   :data:`README_BEGIN` and :data:`README_END` by ``benchmarks/run_all.py``.
 
-``tests/test_figures.py`` fails when a page quotes a figure that is not
+``tests/repo/test_figures.py`` fails when a page quotes a figure that is not
 taken from the record.
 """
 

@@ -1,7 +1,7 @@
 """The list of ``oa.overlap_compiler_options`` per platform on
 docs/scaling.md (``docs/overlap_options_table.md``), generated from the
 library's table of options: ``python docs/_ext/overlap_options.py``
-writes it; ``tests/test_scaling_figures.py`` checks it is current."""
+writes it; ``tests/repo/test_scaling_figures.py`` checks it is current."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 // mode menu: "System Settings Light Dark"), the copy of the title and the
 // table of contents made for printing ("Contents", then every section) and
 // the "on this page" sidebar; leave them out of the excerpt, which then
-// quotes the article alone (tests/docs_site_check.py checks this).
+// quotes the article alone (tests/repo/docs_site_check.py checks this).
 (function () {
   const HIDDEN =
     ".bd-header-article, .d-print-none, .prev-next-area, footer, .onlyprint, .bd-sidebar-secondary";

@@ -13,7 +13,7 @@ output in ``docs/gallery/outputs/``. It also draws the index's thumbnails
 (``docs/gallery/thumbs/``, with matplotlib from the ``examples`` extra):
 each example's plot scaled down, or a card with its title drawn large
 enough to read in the index's grid.
-``tests/test_gallery.py`` fails when a page differs from what this script
+``tests/repo/test_gallery.py`` fails when a page differs from what this script
 writes or a thumbnail is missing.
 """
 
@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 EXAMPLES = os.path.join(ROOT, "examples")
 OUTPUTS = os.path.join(HERE, "outputs")
 THUMBS = os.path.join(HERE, "thumbs")
-WIDTH = 88  # the site's code width (tests/docs_site_check.py)
+WIDTH = 88  # the site's code width (tests/repo/docs_site_check.py)
 
 # (example, arguments it is recorded with): the order of the gallery.
 GALLERY = (

@@ -10,9 +10,10 @@ by its token count. Process 0 saves the final params to ``OUT`` (``np.save``
 of :func:`flatten`).
 
 Importing this module changes no jax configuration and starts no backend:
-the test imports it for :func:`make_data`, :func:`init_params`,
+the test imports it for :func:`make_data`,
 :func:`local_loss` and the constants, to compute the single-process
-reference.
+reference. The params are ``tests/helpers.py``'s ``multihost_params``: the
+repository root is on ``PYTHONPATH`` (``tests/workers/__init__.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _distributed import flatten, join  # noqa: E402
+
+from tests import helpers  # noqa: E402
 
 LOCAL_DEVICES = 2
 K = 3  # micro-batches per window
@@ -54,14 +57,6 @@ def make_data(
         counts = np.full(shape[:2], BATCH)
     mask = (np.arange(BATCH) < counts[..., None]).astype(np.float32)
     return x, y, mask
-
-
-def init_params():
-    rng = np.random.default_rng(1)
-    return {
-        "w": (0.3 * rng.normal(size=(D_IN, D_OUT))).astype(np.float32),
-        "b": np.zeros(D_OUT, np.float32),
-    }
 
 
 def per_token_loss(params, x, y):
@@ -103,7 +98,7 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
         )
 
     pstep = jax.pmap(step, axis_name="d")
-    params = jax.tree.map(jnp.asarray, init_params())
+    params = helpers.multihost_params(jnp.float32, D_IN, D_OUT)
     state = tx.init(params)
 
     def local_copies(tree):

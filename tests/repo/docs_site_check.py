@@ -1,8 +1,8 @@
 """Checks the built docs site as a reader sees it.
 
 ``make docs`` runs this file on the HTML build
-(``python tests/docs_site_check.py docs/_build/html``) and fails when a
-page has a problem; ``tests/test_docs_site.py`` tests the checks. A page
+(``python tests/repo/docs_site_check.py docs/_build/html``) and fails when a
+page has a problem; ``tests/repo/test_docs_site.py`` tests the checks. A page
 fails when
 
 * a line of a code block is longer than 88 characters (the project's
@@ -90,14 +90,14 @@ REPO_PATH = re.compile(
     r"(?:[\w.-]+/)*(?:[\w.-]*[\w/])?|README\.md|CHANGELOG\.md|Makefile"
     r"|pyproject\.toml|LICENSE)"
 )
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 # A formula written as inline code rather than math.
 FORMULA_CODE = re.compile(
     r"\bsum_\w|\w\^\d|\bSigma\b|\|G\||\btr\s?\(|\bE\[|[²Σ]"
     r"|\bsqrt\(W|\bW / B0\b"
 )
 # A phone's content column (358 px at 390 px) holds about this many
-# characters of display math (tests/docs_site_check.py's tex_width).
+# characters of display math (tests/repo/docs_site_check.py's tex_width).
 DISPLAY_MATH_WIDTH = 30
 # ... and about this many characters of a table, counted as _table_chars
 # counts them (prose at about 7.7 px a character, code at 8.4, 3 characters
@@ -708,7 +708,7 @@ def _source_listing_problems(root: pathlib.Path) -> list[str]:
     return problems
 
 
-BUILT = pathlib.Path(__file__).resolve().parent.parent / "docs/_build/html"
+BUILT = pathlib.Path(__file__).resolve().parents[2] / "docs/_build/html"
 
 
 if __name__ == "__main__":

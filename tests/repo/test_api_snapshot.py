@@ -2,13 +2,13 @@
 ``optaxaccum.batchnorm.__all__``, ``optaxaccum.flax.__all__`` and
 ``optaxaccum.flax.nnx.__all__`` with its
 signature (for a class: its constructor and the public methods it defines),
-checked against ``tests/api_snapshot.txt``.
+checked against ``tests/repo/api_snapshot.txt``.
 
 A change of the surface fails here until the snapshot is regenerated, in the
 same commit as its line in CHANGELOG.md's Unreleased section::
 
-    python tests/test_api_snapshot.py --update
-    # or: OPTAXACCUM_UPDATE_SNAPSHOT=1 python -m pytest tests/test_api_snapshot.py
+    python tests/repo/test_api_snapshot.py --update
+    # or: OPTAXACCUM_UPDATE_SNAPSHOT=1 python -m pytest tests/repo/test_api_snapshot.py
 """
 
 import difflib
@@ -36,8 +36,8 @@ pytestmark = pytest.mark.installed
 ARRAY_SPELLED = f"{jax.Array.__module__}.{jax.Array.__qualname__}"
 HOW_TO_UPDATE = (
     "The public API changed. If that is intended, regenerate the snapshot "
-    "with `python tests/test_api_snapshot.py --update` and record the change "
-    "under Unreleased in CHANGELOG.md, both in the same commit."
+    "with `python tests/repo/test_api_snapshot.py --update` and record the "
+    "change under Unreleased in CHANGELOG.md, both in the same commit."
 )
 
 
@@ -115,7 +115,7 @@ def test_public_api_matches_the_snapshot():
                 difflib.unified_diff(
                     expected.splitlines(keepends=True),
                     actual.splitlines(keepends=True),
-                    "tests/api_snapshot.txt",
+                    "tests/repo/api_snapshot.txt",
                     "the code",
                 )
             )
@@ -137,4 +137,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--update"]:
         _update()
     else:
-        sys.exit("usage: python tests/test_api_snapshot.py --update")
+        sys.exit("usage: python tests/repo/test_api_snapshot.py --update")

@@ -16,7 +16,9 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 BENCH = os.path.join(ROOT, "benchmarks")
 EXT = os.path.join(ROOT, "docs", "_ext")
 DOCS = os.path.join(ROOT, "docs")

@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 TIMEOUT_S = 180
 
 

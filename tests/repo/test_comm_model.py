@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
 
-BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 K = 4
 WIDTHS = (16, 32, 16)
 BATCH = 64

@@ -1,4 +1,4 @@
-"""The checks of the built docs site (``tests/docs_site_check.py``), on
+"""The checks of the built docs site (``tests/repo/docs_site_check.py``), on
 small pages written here, and on the built site when there is one (``make
 docs`` runs the same checks on its build)."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.docs_site_check import (
+from tests.repo.docs_site_check import (
     BUILT,
     CODE_WIDTH,
     MAX_TABLE_COLUMNS,
@@ -740,12 +740,12 @@ def test_the_pages_say_what_a_too_short_batchnorm_window_raises():
     pytest.importorskip("flax")
     import jax
 
-    from tests.test_flax import _bn_trainstate_steps
+    from tests.flax_helpers import bn_trainstate_steps
 
     raised = {}
     for jit in (False, True):
         with pytest.raises(Exception, match="accum_steps") as info:
-            _bn_trainstate_steps(4, 6, 5, jit)
+            bn_trainstate_steps(4, 6, 5, jit)
         raised[jit] = info.value
     assert type(raised[False]) is ValueError
     assert isinstance(raised[True], jax.errors.JaxRuntimeError)

@@ -14,9 +14,10 @@ the same with ``shard_update=True``. Process 0 saves the final params (``np.save
 :func:`flatten`) to ``OUT``.
 
 Importing this module changes no jax configuration and starts no backend:
-the test imports it for :func:`make_data`, :func:`init_params`,
+the test imports it for :func:`make_data`,
 :func:`per_example` and the constants, to compute the single-process
-reference.
+reference. The params are ``tests/helpers.py``'s ``mesh_mlp_params``: the
+repository root is on ``PYTHONPATH`` (``tests/workers/__init__.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _distributed import flatten, join  # noqa: E402
+
+from tests import helpers  # noqa: E402
 
 LOCAL_DEVICES = 4
 K = 3  # micro-batches per window
@@ -50,15 +53,6 @@ def make_data(steps: int, seed: int = 0):
     counts = rng.integers(2, BATCH + 1, size=steps)
     mask = (np.arange(BATCH) < counts[:, None]).astype(np.float32)
     return x, y, mask
-
-
-def init_params():
-    rng = np.random.default_rng(1)
-    return {
-        "w1": (rng.normal(size=(D_IN, HIDDEN)) / 3).astype(np.float32),
-        "b1": (0.1 * rng.normal(size=HIDDEN)).astype(np.float32),
-        "w2": (rng.normal(size=(HIDDEN, D_OUT)) / 4).astype(np.float32),
-    }
 
 
 def per_example(params, x, y):
@@ -155,7 +149,8 @@ def main(
     batch = P(("data", "fsdp"))
     with jax.set_mesh(mesh):
         params = {
-            k: global_array(v, P(*SPECS[k])) for k, v in init_params().items()
+            k: global_array(v, P(*SPECS[k]))
+            for k, v in helpers.mesh_mlp_params(D_IN, HIDDEN, D_OUT).items()
         }
         state = jax.jit(tx.init)(params)
         for t in range(WINDOWS * K):

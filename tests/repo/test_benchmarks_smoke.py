@@ -25,7 +25,7 @@ import optaxaccum as oa
 # them; the installed legs leave them out (Makefile, INSTALLED_MARKS).
 bench_smoke = pytest.mark.bench_smoke
 
-BENCH_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+BENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _load(name):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "mutation.py"
 # Needs the source tree (tools/ and the package's sources), as the
 # benchmarks' own runs do: left out of the installed legs.

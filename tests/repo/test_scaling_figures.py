@@ -14,7 +14,7 @@ import pathlib
 import re
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "scaling.md"
 RECORD = ROOT / "benchmarks" / "GATHER_ONCE_PEEL.md"
 MB = r"(\d+\.\d\d)\s+MB"

@@ -11,7 +11,7 @@ import runpy
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 GALLERY = ROOT / "docs" / "gallery"
 
 

@@ -31,7 +31,7 @@ from packaging.specifiers import SpecifierSet
 
 import optaxaccum as oa
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PYPROJECT = ROOT / "pyproject.toml"
 FLOORS = ROOT / ".ci" / "floors.txt"
 # Which leg runs the suite against the installed wheel: "floors" (make
