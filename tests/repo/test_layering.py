@@ -406,7 +406,7 @@ def test_the_combinator_defines_no_composition_rule():
     assert not defined & old, defined & old
 
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _repo_imports(folder: str) -> dict[str, set[str]]:
