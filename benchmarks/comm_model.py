@@ -53,7 +53,7 @@ the number of leaves or buckets) are not counted.
 Run: ``python benchmarks/comm_model.py`` prints the projected table and
 writes ``docs/comm_model_table.md`` (``make bench`` does both). The model's
 bytes are checked against the HLO census of compiled steps on 8 CPU devices
-by ``tests/test_comm_model.py``.
+by ``tests/repo/test_comm_model.py``.
 """
 
 from __future__ import annotations
