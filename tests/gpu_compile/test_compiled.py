@@ -369,8 +369,7 @@ def test_train_step_needs_no_tree_beyond_the_optimizer_alone(
         target = _newest_gpu()
     if target == "tpu" and api == "apply_if_finite":
         request.applymarker(pytest.mark.xfail(reason=_AIF_TPU, strict=True))
-    model, _, _ = steps.MODELS[_train_model(target)]()
-    tree = 4 * sum(steps.dense_weight_counts(model))
+    tree = 4 * sum(steps.weight_counts(_train_model(target)))
     extra = _train_temp(api, target, setting) - _train_temp(
         "adamw", target, setting
     )

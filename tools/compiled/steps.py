@@ -10,6 +10,8 @@ weights).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -357,15 +359,32 @@ TRAIN_BASELINE = {
 
 
 def train_step(api: str, model: str):
-    """``(fn, args, weight_counts)`` of a train step of ``model`` through
-    ``api``, with the first two arguments (params and state) donated by the
-    caller."""
-    m, loss, batch = MODELS[model]()
-    counts = dense_weight_counts(m)
-    fn, args = {**TRAIN, **TRAIN_OFF_FLOOR, **TRAIN_BASELINE}[api](
-        m, loss, batch
+    """``(fn, args, weight_counts, weight_shapes)`` of a train step of
+    ``model`` through ``api``, with the first two arguments (params and
+    state) donated by the caller. ``args`` are shapes: the model is built
+    under ``jax.eval_shape``, so a 400 MB model costs no memory or init."""
+    make = {**TRAIN, **TRAIN_OFF_FLOOR, **TRAIN_BASELINE}[api]
+    built = {}
+
+    def build():  # traced: the model and the state are never materialized
+        m, loss, batch = MODELS[model]()
+        built["counts"] = dense_weight_counts(m)
+        built["shapes"] = dense_weight_shapes(m)
+        built["fn"], args = make(m, loss, batch)
+        return args
+
+    args = jax.eval_shape(build)
+    return built["fn"], args, built["counts"], built["shapes"]
+
+
+@functools.cache
+def weight_counts(model: str) -> tuple[int, ...]:
+    """:func:`dense_weight_counts` of ``MODELS[model]``, built abstractly."""
+    counts = []
+    jax.eval_shape(
+        lambda: counts.extend(dense_weight_counts(MODELS[model]()[0]))
     )
-    return fn, args, counts, dense_weight_shapes(m)
+    return tuple(counts)
 
 
 # The memory premises of the suite (tests/test_chain.py,
