@@ -380,11 +380,9 @@ def train_step(api: str, model: str):
 @functools.cache
 def weight_counts(model: str) -> tuple[int, ...]:
     """:func:`dense_weight_counts` of ``MODELS[model]``, built abstractly."""
-    counts = []
-    jax.eval_shape(
-        lambda: counts.extend(dense_weight_counts(MODELS[model]()[0]))
+    return tuple(
+        dense_weight_counts(nnx.eval_shape(lambda: MODELS[model]()[0]))
     )
-    return tuple(counts)
 
 
 # The memory premises of the suite (tests/test_chain.py,
