@@ -23,10 +23,15 @@ from typing import Any
 import _devices
 import jax
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.mesh_mlp import init_mlp  # noqa: E402
+from tools.tables import markdown_table  # noqa: E402
+
 __all__ = [
     "Timed",
     "windows_alike_then_timed",
     "floor_add",
+    "init_mlp",
     "format_bytes",
     "machine_info",
     "markdown_table",
@@ -272,21 +277,6 @@ def format_bytes(n: float) -> str:
     return f"{n / 1024**2:.1f} MiB"
 
 
-def markdown_table(
-    headers: Sequence[str], rows: Sequence[Sequence[Any]]
-) -> str:
-    """A GitHub-markdown table, aligned so that it also reads in a terminal."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-
-    def line(row):
-        cells = (c.ljust(w) for c, w in zip(row, widths, strict=True))
-        return "| " + " | ".join(cells) + " |"
-
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
-
-
 def target(what: str, value: Any, met: bool, suffix: str = "x") -> dict:
     """One target of a benchmark: what it asks, the measured value, met?"""
     shown = f"{value:.2f}{suffix}" if isinstance(value, float) else str(value)
@@ -340,21 +330,6 @@ def today() -> str:
     """The current date and time (UTC), ISO format, to the minute."""
     now = datetime.datetime.now(datetime.UTC)
     return now.strftime("%Y-%m-%d %H:%M UTC")
-
-
-def init_mlp(widths: Sequence[int], seed: int = 0) -> list[dict[str, Any]]:
-    """Float32 MLP params: a ``{"w", "b"}`` dict per layer, ``w`` scaled by
-    ``1/sqrt(fan_in)``."""
-    import jax.numpy as jnp
-
-    keys = jax.random.split(jax.random.key(seed), len(widths) - 1)
-    return [
-        {
-            "w": jax.random.normal(k, (a, b), jnp.float32) / a**0.5,
-            "b": jnp.zeros((b,), jnp.float32),
-        }
-        for k, a, b in zip(keys, widths[:-1], widths[1:], strict=True)
-    ]
 
 
 def all_reduce_summary(compiled: Any, mesh: Any) -> dict:

@@ -51,13 +51,13 @@ _devices.ask_as_a_script(__name__)  # before JAX starts
 
 import _common  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optaxaccum as oa  # noqa: E402
+from tools.mesh_mlp import make_loss  # noqa: E402
 
 K = 4
 LEARNING_RATE = 1e-3
@@ -70,32 +70,6 @@ NAIVE = "naive jit"
 BOTH = 'unreduced over ("data", "fsdp")'
 SHARD = "shard_update=True"
 AXES = {NAIVE: None, OURS: "data", BOTH: ("data", "fsdp"), SHARD: "data"}
-
-# ------------------------------------------------------------- the model
-
-
-def gather(w, batch_axes):
-    """All-gathers an FSDP-sharded leaf; a reduced one with
-    ``oa.fsdp_gather``: it stays reduced over the batch axes, so that its
-    gradient stays unreduced over them, and is reduce-scattered back."""
-    if jax.typeof(w).sharding.spec.reduced:
-        return oa.fsdp_gather(w, batch_axes)
-    return jax.reshard(w, P(*(None,) * w.ndim))
-
-
-def make_loss(batch_axes):
-    def loss(params, x, y):
-        h = x
-        for i, layer in enumerate(params):
-            h = h @ gather(layer["w"], batch_axes)
-            b = jnp.broadcast_to(gather(layer["b"], batch_axes), h.shape)
-            h = h + jax.reshard(b, jax.typeof(h).sharding.spec)
-            if i < len(params) - 1:
-                h = jax.nn.relu(h)
-        return jnp.mean((h - y) ** 2)
-
-    return loss
-
 
 # ------------------------------------------------------------ measuring
 

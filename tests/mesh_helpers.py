@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import optaxaccum as oa
 from optaxaccum._src import collectives
 from tests import helpers
+from tools import sharded_steps
 
 K = 3  # micro-batches per window
 WINDOWS = 2
@@ -138,6 +139,12 @@ def _reference(opt, params, x, y, mask, k=K):
 # ---------------------------------------------------------------- drivers
 
 
+def _shard_update_tx(opt, axis, k=K, **kwargs):
+    """``oa.accumulate(k, axis_name=axis, shard_update=True)`` then
+    ``opt`` (:func:`tools.sharded_steps.shard_update_tx`)."""
+    return sharded_steps.shard_update_tx(opt, axis, k, **kwargs)
+
+
 def _put_params(mesh, params):
     return jax.tree.map(
         lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
@@ -202,14 +209,15 @@ def _same_sharding(tree, params):
         )
 
 
-def _compiled_census(mesh, tx, ours):
+def _compiled_census(mesh, tx, ours=True, axis="data"):
+    """The collective census of ``tx``'s compiled step on the sharded MLP,
+    the lowered program's text and the params."""
     with jax.set_mesh(mesh):
         params = _put_params(mesh, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
         batch = _put_batch(mesh, *(a[0] for a in _make_data(1)))
-        lowered = jax.jit(_step_fn(tx, mesh, ours=ours)).lower(
-            params, state, *batch
-        )
+        step = _step_fn(tx, mesh, ours=ours, axis=axis)
+        lowered = jax.jit(step).lower(params, state, *batch)
         ops = collectives.collective_census(lowered.compile().as_text(), mesh)
     return ops, lowered.as_text(), params
 

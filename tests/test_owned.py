@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 import optaxaccum as oa
 from tests import helpers
 from tests import mesh_helpers as mh
-from tests import test_shard_update as ts
 from tools import sharded_steps
 
 pytestmark = pytest.mark.devices(8)
@@ -34,6 +33,9 @@ MUON_TOL = dict(rtol=1e-4, atol=1e-5)
 _muon = sharded_steps.muon
 
 
+_tx = mh._shard_update_tx
+
+
 @pytest.mark.parametrize("mesh_name", [*MESHES, *mh.ONE_DEVICE])
 def test_muon_equals_single_device_muon_on_the_window(mesh_name):
     """Several windows of token-weighted micro-batches: the params equal
@@ -43,9 +45,9 @@ def test_muon_equals_single_device_muon_on_the_window(mesh_name):
     if mesh_name in mh.ONE_DEVICE:
         mesh, axis = mh._mesh(mesh_name), "data"
     else:
-        mesh, axis = ts._mesh(mesh_name)
+        mesh, axis = sharded_steps.mesh(mesh_name)
     data = mh._make_data(mh.K * 3)
-    params, state = mh._run(ts._tx(_muon(), axis), mesh, data, axis=axis)
+    params, state = mh._run(_tx(_muon(), axis), mesh, data, axis=axis)
     want = mh._reference(_muon(), helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(
         jax.tree.map(np.asarray, params), want, **MUON_TOL
@@ -76,8 +78,8 @@ def test_per_device_state_and_newton_schulz_flops_are_one_over_data(
     each device's part of muon's state and the step's FLOPs (compiled cost
     analysis, per device) are within 1.25x of 1/data of single-device
     muon's; the updates equal single-device muon's."""
-    mesh, axis = ts._mesh(mesh_name)
-    n = ts._data_size(mesh, axis)
+    mesh, axis = sharded_steps.mesh(mesh_name)
+    n = sharded_steps.data_size(mesh, axis)
     params = _transformer_params(stacked)
     opt = _stacked_muon() if stacked else _muon()
     ours = oa.whole_leaves(opt, layer_axis=0) if stacked else opt
@@ -106,7 +108,7 @@ def test_ownership_is_deterministic_and_balanced():
     1.25x of 1/data of the Newton–Schulz cost."""
     from optaxaccum._src import owned
 
-    mesh, axis = ts._mesh("data8")
+    mesh, axis = sharded_steps.mesh("data8")
     params = _transformer_params()
     with jax.set_mesh(mesh):
         p = jax.device_put(params, NamedSharding(mesh, P()))
@@ -129,9 +131,9 @@ def test_hlo_collectives_once_per_window_none_per_micro_batch(mesh_name):
     data axes (nothing per micro-batch); inside it, over the data axes,
     the gradient's reduce-scatter, one all-to-all to the owners and
     all-gathers back, bounded by the tree's bytes each."""
-    mesh, axis = ts._mesh(mesh_name)
-    axes = frozenset(ts.oa_axes(axis))
-    ops, params = ts._census(mesh, axis, ts._tx(_muon(), axis))
+    mesh, axis = sharded_steps.mesh(mesh_name)
+    axes = frozenset(sharded_steps.oa_axes(axis))
+    ops, _, params = mh._compiled_census(mesh, _tx(_muon(), axis), axis=axis)
     over = [o for o in ops if o["axes"] & axes]
     top = [o for o in over if not o["branches"]]
     assert sum(o["bytes"] for o in top) <= 16, top
@@ -140,7 +142,7 @@ def test_hlo_collectives_once_per_window_none_per_micro_batch(mesh_name):
         if o["branches"]:
             by_op[o["op"]] = by_op.get(o["op"], 0) + o["bytes"]
     tree = mh._shard_bytes(params)
-    n = ts._data_size(mesh, axis)
+    n = sharded_steps.data_size(mesh, axis)
     assert by_op.pop("reduce-scatter") * n == tree, by_op
     # To the owners: each device's data-slice of the window gradient and
     # of the params of each owned leaf, a row per owner (padded to the
@@ -175,7 +177,7 @@ def test_stacked_leaf_returns_the_params_shard_over_data(spec, capfd):
     cross the data axes as the params' shard (1024 B per device), not the
     whole leaf (4096 B), and XLA reports no involuntary rematerialization;
     the updates equal single-device muon's."""
-    mesh, axis = ts._mesh("data2xfsdp4")
+    mesh, axis = sharded_steps.mesh("data2xfsdp4")
     rng = np.random.default_rng(0)
     params = {"w": rng.normal(size=(4, 16, 16)).astype(np.float32)}
     opt = _stacked_muon()
@@ -203,7 +205,7 @@ def test_stacked_leaf_whose_layers_data_does_not_divide_is_owned_whole():
     purpose); the updates equal single-device muon's."""
     from optaxaccum._src import owned
 
-    mesh, axis = ts._mesh("data2xfsdp4")
+    mesh, axis = sharded_steps.mesh("data2xfsdp4")
     rng = np.random.default_rng(2)
     params = {
         f"w{n}": rng.normal(size=(n, 16, 16)).astype(np.float32) for n in (3, 4)
@@ -245,7 +247,7 @@ def test_init_with_params_on_no_mesh_is_the_followers_own_state():
     (host arrays, eagerly or under jax.jit with no jax.set_mesh): the
     follower's part is muon's own init, not an error."""
     params = helpers.mesh_mlp_params()
-    tx = ts._tx(_muon(), "data")
+    tx = _tx(_muon(), "data")
     want = _muon().init(params)
     for init in (tx.init, jax.jit(tx.init)):
         try:
@@ -276,9 +278,9 @@ def test_whole_leaves_marks_any_transformation():
             lambda p: optax.EmptyState(), update
         )
 
-    mesh, axis = ts._mesh("data8")
+    mesh, axis = sharded_steps.mesh("data8")
     data = mh._make_data(mh.K * 2)
-    tx = ts._tx(oa.whole_leaves(orthogonalise()), axis)
+    tx = _tx(oa.whole_leaves(orthogonalise()), axis)
     params, _ = mh._run(tx, mesh, data, axis=axis)
     want = mh._reference(orthogonalise(), helpers.mesh_mlp_params(), *data)
     chex.assert_trees_all_close(
@@ -305,8 +307,8 @@ def test_state_shardings_and_orbax_round_trip_mid_window(tmp_path):
     with them continues to the uninterrupted run and the reference."""
     import orbax.checkpoint as ocp
 
-    mesh, axis = ts._mesh("data2xfsdp4")
-    tx = ts._tx(_muon(), axis)
+    mesh, axis = sharded_steps.mesh("data2xfsdp4")
+    tx = _tx(_muon(), axis)
     data = mh._make_data(mh.K * 2)
     before = mh.K + 1
     with jax.set_mesh(mesh):
@@ -344,8 +346,8 @@ def test_reshard_state_mid_window_onto_another_data_size():
     uninterrupted one on data=8 and single-device muon."""
     data = mh._make_data(mh.K * 3)
     before = mh.K + 2
-    old, axis = ts._mesh("data8")
-    tx = ts._tx(_muon(), axis)
+    old, axis = sharded_steps.mesh("data8")
+    tx = _tx(_muon(), axis)
     with jax.set_mesh(old):
         params = mh._put_params(old, helpers.mesh_mlp_params())
         state = jax.jit(tx.init)(params)
@@ -353,7 +355,7 @@ def test_reshard_state_mid_window_onto_another_data_size():
     rest = range(before, len(data[0]))
     uninterrupted, _ = _feed(tx, old, params, state, data, rest)
     saved, host_params = jax.device_get((state, params))
-    new, _ = ts._mesh("data2xfsdp4")
+    new, _ = sharded_steps.mesh("data2xfsdp4")
     with jax.set_mesh(new):
         params = mh._put_params(new, host_params)
         moved = oa.reshard_state(tx, saved, params)
@@ -377,14 +379,14 @@ def test_reshard_state_when_the_largest_matrix_is_the_last_path():
         k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()
     }
     grads = [jax.tree.map(lambda p, i=i: p * (i + 1.5), params) for i in (0, 1)]
-    tx = ts._tx(_muon(), "data", k=1)
+    tx = _tx(_muon(), "data", k=1)
 
     def step(mesh, g, state, p):
         with jax.set_mesh(mesh), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # gradients not unreduced
             return jax.jit(tx.update)(g, state, p)
 
-    old, _ = ts._mesh("data8")
+    old, _ = sharded_steps.mesh("data8")
     with jax.set_mesh(old):
         p = jax.device_put(params, NamedSharding(old, P()))
         state = jax.jit(tx.init)(p)
@@ -392,7 +394,7 @@ def test_reshard_state_when_the_largest_matrix_is_the_last_path():
     # The owners' index lists muon's momentum of a, b, z in path order.
     sizes = state[1].owners["float32"][:, 2].tolist()
     assert sizes == [16 * 16, 16 * 24, 32 * 48], state[1].owners
-    new, _ = ts._mesh("data2xfsdp4")
+    new, _ = sharded_steps.mesh("data2xfsdp4")
     with jax.set_mesh(new):
         p = jax.device_put(params, NamedSharding(new, P()))
         moved = oa.reshard_state(tx, jax.device_get(state), p)
@@ -419,12 +421,12 @@ def test_reshard_state_names_a_stacked_leaf_split_on_one_mesh_only(
         "head": rng.normal(size=(16, 32)).astype(np.float32),
         "layers": rng.normal(size=(4, 16, 16)).astype(np.float32),
     }
-    tx = ts._tx(oa.whole_leaves(_stacked_muon(), layer_axis=0), "data", k=1)
-    old, _ = ts._mesh(meshes[saved_on])
+    tx = _tx(oa.whole_leaves(_stacked_muon(), layer_axis=0), "data", k=1)
+    old, _ = sharded_steps.mesh(meshes[saved_on])
     with jax.set_mesh(old):
         p = jax.device_put(params, NamedSharding(old, P()))
         saved = jax.device_get(jax.jit(tx.init)(p))
-    new, _ = ts._mesh(meshes[resumed_on])
+    new, _ = sharded_steps.mesh(meshes[resumed_on])
     with jax.set_mesh(new):
         p = jax.device_put(params, NamedSharding(new, P()))
         with pytest.raises(ValueError) as raised:
@@ -447,10 +449,10 @@ def test_comm_model_owned_mode_equals_the_census_when_balanced():
     """Eight equal matrices on data=8 (one per owner): the reduce-scatter,
     the all-to-all and the all-gather over the data axes of the compiled
     step equal the communication model's ``owned`` rows
-    (benchmarks/comm_model.py)."""
-    from tests.repo.test_comm_model import cm
+    (tools/comm_model.py)."""
+    from tools import comm_model as cm
 
-    mesh, axis = ts._mesh("data8")
+    mesh, axis = sharded_steps.mesh("data8")
     rng = np.random.default_rng(0)
     params = {
         f"w{i}": rng.normal(size=(16, 16)).astype(np.float32) for i in range(8)
@@ -472,8 +474,8 @@ def test_comm_model_owned_mode_equals_the_census_when_balanced():
 def test_flush_partial_window_runs_muon_by_ownership():
     """oa.flush after 2 of K micro-batches on data=2 x fsdp=4: muon by
     ownership steps on the mean over those 2, as single-device muon."""
-    mesh, axis = ts._mesh("data2xfsdp4")
-    tx = ts._tx(_muon(), axis)
+    mesh, axis = sharded_steps.mesh("data2xfsdp4")
+    tx = _tx(_muon(), axis)
     data = mh._make_data(2)
     params, state = mh._run(tx, mesh, data, axis=axis)
 

@@ -35,8 +35,7 @@ _data_size = sharded_steps.data_size
 oa_axes = sharded_steps.oa_axes
 
 
-def _tx(opt, axis, k=K, **kwargs):
-    return sharded_steps.shard_update_tx(opt, axis, k, **kwargs)
+_tx = mh._shard_update_tx
 
 
 def _opt(name):
@@ -117,13 +116,8 @@ def test_adam_moments_hold_one_over_fsdp_times_data(mesh_name):
 
 
 def _census(mesh, axis, tx):
-    with jax.set_mesh(mesh):
-        params = mh._put_params(mesh, helpers.mesh_mlp_params())
-        state = jax.jit(tx.init)(params)
-        batch = mh._put_batch(mesh, *(a[0] for a in mh._make_data(1)))
-        step = jax.jit(mh._step_fn(tx, mesh, axis=axis))
-        compiled = step.lower(params, state, *batch).compile()
-    return oa.collective_census(compiled, mesh), params
+    ops, _, params = mh._compiled_census(mesh, tx, axis=axis)
+    return ops, params
 
 
 @pytest.mark.parametrize("opt_name", ["adam", "clip_adamw"])

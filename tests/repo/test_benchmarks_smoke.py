@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import optaxaccum as oa
+from tools.tables import markdown_table
 
 # The benchmarks' own runs (minutes on 2 cores): the development leg runs
 # them; the installed legs leave them out (Makefile, INSTALLED_MARKS).
@@ -187,8 +188,7 @@ def test_run_all_write_report(tmp_path):
 
 
 def test_markdown_table_aligns_columns():
-    common = _load("_common")
-    table = common.markdown_table(["a", "bb"], [["xyz", 1]])
+    table = markdown_table(["a", "bb"], [["xyz", 1]])
     assert table.splitlines() == [
         "| a   | bb |",
         "|-----|----|",

@@ -1,4 +1,4 @@
-"""The communication model (``benchmarks/comm_model.py``) against
+"""The communication model (``tools/comm_model.py``) against
 the HLO census of compiled steps on the 8 CPU devices of conftest.py.
 
 For the modes the library controls (``deferred``, ``shard_update``), every
@@ -12,9 +12,6 @@ so the model is the lower bound a backend reaches and never flatters
 deferring.
 """
 
-import importlib.util
-import pathlib
-import sys
 from collections import Counter
 
 import jax
@@ -25,8 +22,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxaccum as oa
+from tools import comm_model as cm
+from tools.mesh_mlp import init_mlp, make_loss
 
-BENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 K = 4
 WIDTHS = (16, 32, 16)
 BATCH = 64
@@ -36,21 +34,6 @@ MESHES = {
     "dcn2xdata2xfsdp2": dict(dcn=2, data=2, fsdp=2),
     "data8": dict(data=8),
 }
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(
-        name, BENCH_DIR / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-cm = _load("comm_model")
-bench_mesh = _load("bench_mesh")
-_common = _load("_common")
 
 
 def _census(sizes, mode):
@@ -67,7 +50,7 @@ def _census(sizes, mode):
         names if mode == "fsdp_all" else ("fsdp" if "fsdp" in names else None)
     )
     data = tuple(n for n in names if n in ("dcn", "data"))
-    loss = bench_mesh.make_loss(names)
+    loss = make_loss(names)
     if mode in ("deferred", "shard_update"):
         axis = data if len(data) > 1 else data[0]
         acc = oa.accumulate(
@@ -88,7 +71,7 @@ def _census(sizes, mode):
             lambda a: jax.device_put(
                 a, NamedSharding(mesh, P(shard, *(None,) * (a.ndim - 1)))
             ),
-            _common.init_mlp(WIDTHS),
+            init_mlp(WIDTHS),
         )
         state = jax.jit(tx.init)(params)
         rows = NamedSharding(mesh, P(names))
@@ -106,7 +89,7 @@ def _census(sizes, mode):
 
 def _model(sizes, mode):
     n_params = sum(
-        int(np.prod(a.shape)) for a in jax.tree.leaves(_common.init_mlp(WIDTHS))
+        int(np.prod(a.shape)) for a in jax.tree.leaves(init_mlp(WIDTHS))
     )
     total = Counter()
     for c in cm.collectives(n_params, cm.Mesh(**sizes), K, mode):
@@ -205,7 +188,7 @@ def _held_census(sizes, mode):
         interleave=True,
         gather_once=oa.GatherOnce(names, over=over),
     )
-    loss = bench_mesh.make_loss(names)
+    loss = make_loss(names)
     if data:
         grad_fn = oa.unreduced_value_and_grad(loss, data, value_and_grad=micro)
     else:
@@ -225,7 +208,7 @@ def _held_census(sizes, mode):
             lambda a: jax.device_put(
                 a, NamedSharding(mesh, P(shard, *(None,) * (a.ndim - 1)))
             ),
-            _common.init_mlp(WIDTHS),
+            init_mlp(WIDTHS),
         )
         rows = NamedSharding(mesh, P(names))
         x = jax.device_put(np.ones((BATCH, WIDTHS[0]), np.float32), rows)

@@ -225,19 +225,14 @@ def test_signatures_name_the_public_types(doc_links):
 
 
 def test_comm_model_tables_are_current():
-    """docs/comm_model_table.md is what benchmarks/comm_model.py writes: the
+    """docs/comm_model_table.md is what tools/comm_model.py writes: the
     tables split by quantity, each narrow enough for the page."""
     root = BUILT.parent.parent.parent
     page = root / "docs" / "comm_model_table.md"
     if not page.exists():
         pytest.skip("docs/comm_model_table.md is not in this checkout")
-    import sys
+    from tools import comm_model
 
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        import comm_model
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
     assert page.read_text() == comm_model.markdown()
     widths = {line.count("|") - 1 for line in page.read_text().splitlines()}
     assert max(widths) <= MAX_TABLE_COLUMNS

@@ -449,11 +449,6 @@ def test_the_benchmarks_import_no_test_module():
     assert not bad, bad
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the communication model's checks import benchmarks/comm_model.py"
-    " (it imports benchmarks/_common.py) with benchmarks/ on sys.path",
-)
 def test_the_tests_import_no_benchmark_module():
     """A test imports no module of ``benchmarks/`` and puts no folder of it
     on ``sys.path`` (running a benchmark script in a process of its own is
