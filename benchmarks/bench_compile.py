@@ -10,9 +10,12 @@ for each of
 * ``optax agc+adam``: ``optax.chain(optax.adaptive_grad_clip(0.01), adam)``,
   ungated: the reference of the goals;
 * ``MultiSteps``: ``optax.MultiSteps`` of that chain, ``every_k_schedule=4``;
-* ``README fused``: ``oa.chain(oa.dynamic_loss_scale(), oa.agc(0.01),
-  oa.accumulate(4), adam)`` stepped with ``oa.apply_gradients``;
+* ``README fused``: the README's chain, ``oa.chain(oa.accumulate(4),
+  oa.dynamic_loss_scale(), oa.agc(0.01), adam)`` (the loss scale checked
+  once per window), stepped with ``oa.apply_gradients``;
 * ``README plain``: the same chain, ``tx.update`` + ``optax.apply_updates``;
+* ``scale per micro-batch fused``: ``oa.chain(oa.dynamic_loss_scale(),
+  oa.agc(0.01), oa.accumulate(4), adam)`` (each micro-batch checked), fused;
 * ``accumulate fused``: ``oa.chain(oa.accumulate(4), adam)``, fused.
 
 Each compile runs in a fresh subprocess (so that one compile's memory and
@@ -60,6 +63,7 @@ CONFIGS = (
     "MultiSteps",
     "README fused",
     "README plain",
+    "scale per micro-batch fused",
     "accumulate fused",
 )
 # Mixed small shapes, cycled: kernels, biases, scalars, 3-D and 4-D leaves.
@@ -94,6 +98,9 @@ def make_tx(config: str):
     adam = optax.adam(LEARNING_RATE)
     agc_adam = optax.chain(optax.adaptive_grad_clip(CLIP), adam)
     readme = oa.chain(
+        oa.accumulate(K), oa.dynamic_loss_scale(), oa.agc(CLIP), adam
+    )
+    per_micro_batch = oa.chain(
         oa.dynamic_loss_scale(), oa.agc(CLIP), oa.accumulate(K), adam
     )
     return {
@@ -102,6 +109,7 @@ def make_tx(config: str):
         "MultiSteps": (optax.MultiSteps(agc_adam, K), "plain"),
         "README fused": (readme, "fused"),
         "README plain": (readme, "plain"),
+        "scale per micro-batch fused": (per_micro_batch, "fused"),
         "accumulate fused": (oa.chain(oa.accumulate(K), adam), "fused"),
     }[config]
 

@@ -172,9 +172,9 @@ def _flatten_readme(n: int):
 
     inner = optax.flatten(optax.adam(bench_compile.LEARNING_RATE))
     tx = oa.chain(
+        oa.accumulate(K),
         oa.dynamic_loss_scale(),
         oa.agc(bench_compile.CLIP),
-        oa.accumulate(K),
         inner,
     )
     shapes = jax.eval_shape(lambda: bench_compile.make_tree(n))

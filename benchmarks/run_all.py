@@ -15,8 +15,8 @@ Each benchmark module has ``main(tiny: bool = False) -> dict`` returning
 * anything else (raw seconds, bytes), kept out of the report.
 
 B1 (``bench_step``), B1-nnx (``bench_nnx``), B2 (``bench_microbatch``), B5
-(``bench_compile``), B5-limits (``compile_limits``) and B6 (``comm_model``)
-always run; the
+(``bench_compile``), B5-eager (``bench_eager``), B5-limits
+(``compile_limits``) and B6 (``comm_model``) always run; the
 multi-device benchmarks (B3 ``bench_multidevice``, B4 ``bench_mesh``) run
 when their modules are there.
 
@@ -52,6 +52,7 @@ BENCHMARKS = (
     "bench_nnx",
     "bench_microbatch",
     "bench_compile",
+    "bench_eager",
     "compile_limits",
     "comm_model",
 )

@@ -318,9 +318,36 @@ TABLES["B5"] = dict(
         ("MultiSteps", "MultiSteps"),
         ("README, fused", "README fused"),
         ("README, plain", "README plain"),
+        ("scale per micro-batch", "scale per micro-batch fused"),
         ("accumulate", "accumulate fused"),
     ],
     rows=[("100", "100"), ("1,000", "1000"), ("3,000", "3000")],
+)
+TABLES["B5-eager"] = dict(
+    source="B5-eager",
+    columns=[
+        ("un-jitted call", ""),
+        ("ms per call", "ms/call"),
+        ("vs the optax chain", "vs optax agc+adam update"),
+    ],
+    rows=[
+        (
+            "`optax.chain(adaptive_grad_clip, adam)`, `update`",
+            "optax agc+adam update",
+        ),
+        ("`optax.MultiSteps` of it, non-closing", "MultiSteps non-closing"),
+        ("README chain, fused, non-closing", "README fused non-closing"),
+        ("README chain, fused, closing", "README fused closing"),
+        ("README chain, `tx.update`, non-closing", "README plain non-closing"),
+        (
+            "`oa.chain(oa.accumulate(4), adam)`, fused, non-closing",
+            "accumulate fused non-closing",
+        ),
+        (
+            "`oa.chain(oa.accumulate(4), adam)`, fused, closing",
+            "accumulate fused closing",
+        ),
+    ],
 )
 _B4_ROWS = [
     ("`data=2 x fsdp=4`", "naive", "data=2 x fsdp=4 / naive jit"),

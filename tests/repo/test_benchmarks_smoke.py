@@ -214,7 +214,7 @@ def test_bench_compile_main_quick():
             (run,) = res["runs"][f"{config} N={n}"]
             assert "error" not in run, run
             assert run["total_cpu_s"] > 0 and run["peak_rss_kib"] > 0
-            gated = config.startswith(("README", "accumulate"))
+            gated = config.startswith(("README", "accumulate", "scale per"))
             assert run["conditionals"] == gated, (config, run["conditionals"])
     assert set(res["seconds"]) == {
         "tree add (floor)",
@@ -259,6 +259,23 @@ def test_run_all_keeps_hand_recorded_sections(tmp_path):
     assert "Bx: a made-up benchmark" in second
     again = json.loads(pathlib.Path(json_path).read_text())
     assert again["hand"] == record["hand"]
+
+
+@bench_smoke
+def test_bench_eager_quick():
+    """B5-eager on a toy tree: every configuration is timed (the script
+    checks that each call it times closes the window or not, as named) and
+    reported against the optax chain's update."""
+    bench = _load("bench_eager")
+    res = bench.main(tiny=True)
+    _check_result_format(res)
+    assert [row[0] for row in res["rows"]] == list(res["seconds"])
+    assert res["rows"][0] == [
+        bench.REFERENCE,
+        f"{1e3 * res['seconds'][bench.REFERENCE]:.2f}",
+        "1.00x",
+    ]
+    assert len(res["targets"]) == 3
 
 
 @bench_smoke
