@@ -386,12 +386,17 @@ def _fused_step(
     result = gating.decision_of(
         tx.gate_update(grads, opt_state, params, ctx, **extra_args)
     )
-    return _apply(result, params, with_updates)
+    if not with_updates:
+        return _apply(result, params, None)
+    args = (grads, opt_state, params, extra_args)
+    return _apply(result, params, (gating.emitted_shapes(tx), args))
 
 
-def _apply(res: Any, params, with_updates: bool):
+def _apply(res: Any, params, with_updates: Any):
     """The step of a gate's decision ``res``: ``params`` with its updates
-    applied where it opens, untouched where it stays closed."""
+    applied where it opens, untouched where it stays closed; the updates
+    too where ``with_updates`` is ``(shapes, args)``: the emitted shapes
+    of ``tx`` (:func:`gating.emitted_shapes`) and the call's arguments."""
 
     selected = []  # whether the emission decided once more (a traced flag)
 
@@ -406,8 +411,9 @@ def _apply(res: Any, params, with_updates: bool):
     def closed():
         if not with_updates:  # nothing to shape: opened is not traced
             return params, res.state, None
-        shapes = jax.eval_shape(opened)[2]
-        return params, res.state, flags.zeros_of(shapes)
+        shapes, args = with_updates
+        like = shapes.find(args, lambda: jax.eval_shape(opened)[2])
+        return params, res.state, flags.zeros_of(like)
 
     def order(out, in_loop):
         # The optimizer's moments after the new params only where the step
