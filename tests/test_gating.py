@@ -185,6 +185,28 @@ def test_the_emitted_shapes_are_kept_by_the_types_of_the_arguments():
     assert gating.EmittedShapes.key((small, bytearray(b"x"))) is None
 
 
+def test_emitted_shapes_keep_no_function_nor_what_it_closes_over():
+    """A linesearch's ``value_fn`` (a function leaf) is not kept: under
+    jit it would hold the step's tracers, eagerly its data."""
+    tx = oa.chain(oa.accumulate(2), optax.lbfgs())
+    params = jnp.zeros(3)
+    state = tx.init(params)
+
+    def step(p, s, batch):
+        def loss(q):
+            return jnp.sum((q - batch) ** 2)
+
+        value, grad = jax.value_and_grad(loss)(p)
+        u, s = tx.update(grad, s, p, value=value, grad=grad, value_fn=loss)
+        return optax.apply_updates(p, u), s
+
+    step(params, state, jnp.ones(3))
+    assert not gating.emitted_shapes(tx)._kept
+    assert gating.EmittedShapes.key((params, {"value_fn": len})) is None
+    with jax.check_tracer_leaks():
+        jax.jit(step)(params, state, jnp.ones(3))
+
+
 def test_emitted_shapes_keep_at_most_their_size_and_copies_start_empty():
     shapes = gating.EmittedShapes(size=2)
     for i in range(3):
@@ -194,6 +216,15 @@ def test_emitted_shapes_keep_at_most_their_size_and_copies_start_empty():
     assert shapes.get(None) is None
     clone = copy.deepcopy(shapes)
     assert clone.size == 2 and clone.get(2) is None
+
+
+@pytest.mark.parametrize("clone", [copy.copy, copy.deepcopy])
+def test_a_copy_of_a_gate_keeps_its_shapes_in_one_place(clone):
+    """Its ``update`` fills the shapes its fused step reads."""
+    tx = clone(oa.chain(oa.accumulate(2), optax.sgd(1.0)))
+    params = jnp.zeros(2)
+    tx.update(jnp.ones(2), tx.init(params), params)
+    assert len(gating.emitted_shapes(tx)._kept) == 1
 
 
 def test_pass_window_on_gives_the_window_to_an_emission_without_one():

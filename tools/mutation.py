@@ -195,9 +195,21 @@ MUTANTS = {
     ),
     "emitted_shapes_by_tree_only": (  # shapes of another call reused
         "gating.py",
-        'jax.typeof(x) if hasattr(x, "dtype") else (type(x), x)',
-        '(type(x),) if hasattr(x, "dtype") else (type(x), x)',
+        "types.append(jax.typeof(x))",
+        "types.append(type(x))",
         ["tests/test_gating.py", "-k", "kept_by_the_types"],
+    ),
+    "emitted_shapes_keep_functions": (  # a value_fn's tracers kept alive
+        "gating.py",
+        "                else:\n                    return None",
+        "                else:\n                    types.append((type(x), x))",
+        ["tests/test_gating.py", "-k", "no_function"],
+    ),
+    "emitted_shapes_copy_split": (  # a copy's update fills another cache
+        "gating.py",
+        "as_update(me[0]._shapes, args)",
+        "as_update(update_fn.__dict__.setdefault('_s', EmittedShapes()), args)",
+        ["tests/test_gating.py", "-k", "one_place"],
     ),
     "opened_false_zeros_grads_dtype": (  # zeros of an all-weight-0 window
         "gating.py",

@@ -392,11 +392,13 @@ def _fused_step(
     return _apply(result, params, (gating.emitted_shapes(tx), args))
 
 
-def _apply(res: Any, params, with_updates: Any):
+def _apply(res: Any, params, updates_like: tuple | None):
     """The step of a gate's decision ``res``: ``params`` with its updates
     applied where it opens, untouched where it stays closed; the updates
-    too where ``with_updates`` is ``(shapes, args)``: the emitted shapes
-    of ``tx`` (:func:`gating.emitted_shapes`) and the call's arguments."""
+    too where ``updates_like`` is ``(shapes, args)``: the emitted shapes
+    of the gate (:func:`gating.emitted_shapes`) and the call's arguments,
+    which shape the zeros of a call that stays closed."""
+    with_updates = updates_like is not None
 
     selected = []  # whether the emission decided once more (a traced flag)
 
@@ -409,9 +411,9 @@ def _apply(res: Any, params, with_updates: Any):
         return new_params, state, updates
 
     def closed():
-        if not with_updates:  # nothing to shape: opened is not traced
+        if updates_like is None:  # nothing to shape: opened is not traced
             return params, res.state, None
-        shapes, args = with_updates
+        shapes, args = updates_like
         like = shapes.find(args, lambda: jax.eval_shape(opened)[2])
         return params, res.state, flags.zeros_of(like)
 

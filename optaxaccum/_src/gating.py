@@ -103,6 +103,10 @@ class Emission(NamedTuple):
         )
 
 
+# The leaves besides arrays that a key of EmittedShapes holds by value.
+_PLAIN_LEAVES = (bool, int, float, complex, str)
+
+
 class EmittedShapes:
     """The shapes of the updates a gate's plain ``update`` emits, by the
     types of the call's arguments: a call that stays closed builds its
@@ -120,21 +124,27 @@ class EmittedShapes:
     @staticmethod
     def key(args: Any) -> Any:
         """What the emitted shapes depend on: the tree of ``args``, the
-        type of each array leaf (shape, dtype, weak type, sharding) and
-        every other leaf's value, the mesh in context and x64; ``None``
-        where a leaf or a node cannot be hashed (nothing is kept)."""
+        type of each array leaf (shape, dtype, weak type, sharding,
+        device-varying axes), the value of each Python number or string,
+        the mesh in context and x64. ``None`` (nothing is kept) where
+        another leaf is there (a function, e.g. a linesearch's
+        ``value_fn``: a key would keep it, and what it closes over, alive)
+        or a node cannot be hashed."""
         leaves, treedef = jax.tree.flatten(args)
         types = []
         try:
             for x in leaves:
-                types.append(
-                    jax.typeof(x) if hasattr(x, "dtype") else (type(x), x)
-                )
+                if hasattr(x, "dtype"):
+                    types.append(jax.typeof(x))
+                elif type(x) in _PLAIN_LEAVES:
+                    types.append((type(x), x))
+                else:
+                    return None
             key = (
                 treedef,
                 tuple(types),
                 jax.sharding.get_abstract_mesh(),
-                jax.config.jax_enable_x64,
+                jax.dtypes.canonicalize_dtype(jnp.float64),  # x64 on?
             )
             hash(key)
         except (TypeError, ValueError):
@@ -340,7 +350,7 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         # chains can tell a near-miss keyword (``acum_weight``) from others.
         names = keywords.declared_extra_args(gate_update, skip=4)
 
-        shapes = EmittedShapes()
+        me: list = []  # the transformation (its update reads its shapes)
 
         def update_fn(updates, state, params=None, **extra_args):
             if extra_args:  # near-misses (none to find without keywords)
@@ -348,7 +358,7 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
             ctx = base.GateContext()
             res = gate_update(updates, state, params, ctx, **extra_args)
             args = (updates, state, params, extra_args)
-            return Decision.of(res).as_update(shapes, args)
+            return Decision.of(res).as_update(me[0]._shapes, args)
 
         self = super().__new__(
             cls, init, keywords.with_signature(update_fn, names)
@@ -356,7 +366,8 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         self.gate_update = gate_update
         self.gate_flush = gate_flush
         self._followers = None
-        self._shapes = shapes
+        self._shapes = EmittedShapes()
+        me.append(self)
         # Where only the update is kept (``optax.chain`` keeps its
         # elements' update functions), oa.flush finds the gate from it.
         update_fn.__dict__["_oa_gate"] = self
