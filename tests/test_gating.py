@@ -5,6 +5,7 @@ through the library on a plain, mesh-less step.
 """
 
 import collections
+import copy
 import os
 import sys
 import warnings
@@ -116,6 +117,114 @@ def test_as_update_gives_zeros_where_closed_or_not_opened(
         updates, state = as_update()
         chex.assert_trees_all_equal(updates, jnp.full(2, want))
         assert int(state) == (1 if may_open else 0)
+
+
+def _counted(calls):
+    """A plain follower that counts the calls of its update (traced or
+    run)."""
+
+    def update_fn(updates, state, params=None):
+        del params
+        calls.append(1)
+        return updates, state
+
+    return optax.GradientTransformation(
+        lambda params: optax.EmptyState(), update_fn
+    )
+
+
+def _plain_update(tx, grads, state, params):
+    return tx.update(grads, state, params)
+
+
+def _fused_update(tx, grads, state, params):
+    _, state, updates = oa.apply_gradients(
+        tx, grads, state, params, return_updates=True
+    )
+    return updates, state
+
+
+@pytest.mark.parametrize("update", [_plain_update, _fused_update])
+def test_an_eager_update_that_stays_closed_does_not_trace_the_followers(
+    update,
+):
+    """Un-jitted, an update that stays closed (``tx.update``, or the fused
+    step returning its updates) builds its zeros from the shapes an earlier
+    call of the same types found: the followers' code runs once to find
+    them, then only where the window closes."""
+    calls = []
+    tx = oa.chain(oa.accumulate(4), _counted(calls))
+    params = {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}
+    grads = jax.tree.map(jnp.ones_like, params)
+    state = tx.init(params)
+    for _ in range(3):
+        updates, state = update(tx, grads, state, params)
+        chex.assert_trees_all_equal(
+            updates, jax.tree.map(jnp.zeros_like, grads)
+        )
+    assert len(calls) == 1  # the first call's trace of the emission
+    updates, state = update(tx, grads, state, params)  # closes the window
+    assert len(calls) == 2
+    chex.assert_trees_all_close(updates, grads)
+
+
+def test_the_emitted_shapes_are_kept_by_the_types_of_the_arguments():
+    """One transformation updating trees of two shapes (and dtypes) gives
+    each its own zeros."""
+    tx = oa.chain(oa.accumulate(2), optax.sgd(1.0))
+    small = {"w": jnp.zeros(2)}
+    big = {"w": jnp.zeros((3, 4), jnp.bfloat16)}
+    states = {"small": tx.init(small), "big": tx.init(big)}
+    for name, params in (("small", small), ("big", big), ("small", small)):
+        grads = jax.tree.map(jnp.ones_like, params)
+        updates, _ = tx.update(grads, states[name], params)
+        chex.assert_trees_all_equal_shapes_and_dtypes(updates, params)
+    assert gating.EmittedShapes.key((small, 3)) != gating.EmittedShapes.key(
+        (small, 4)
+    )  # another value of a leaf that is not an array
+    assert gating.EmittedShapes.key((small, bytearray(b"x"))) is None
+
+
+def test_emitted_shapes_keep_no_function_nor_what_it_closes_over():
+    """A linesearch's ``value_fn`` (a function leaf) is not kept: under
+    jit it would hold the step's tracers, eagerly its data."""
+    tx = oa.chain(oa.accumulate(2), optax.lbfgs())
+    params = jnp.zeros(3)
+    state = tx.init(params)
+
+    def step(p, s, batch):
+        def loss(q):
+            return jnp.sum((q - batch) ** 2)
+
+        value, grad = jax.value_and_grad(loss)(p)
+        u, s = tx.update(grad, s, p, value=value, grad=grad, value_fn=loss)
+        return optax.apply_updates(p, u), s
+
+    step(params, state, jnp.ones(3))
+    assert not gating.emitted_shapes(tx)._kept
+    assert gating.EmittedShapes.key((params, {"value_fn": len})) is None
+    with jax.check_tracer_leaks():
+        jax.jit(step)(params, state, jnp.ones(3))
+
+
+def test_emitted_shapes_keep_at_most_their_size_and_copies_start_empty():
+    shapes = gating.EmittedShapes(size=2)
+    for i in range(3):
+        shapes.put(i, f"shapes {i}")
+    assert shapes.get(0) is None and shapes.get(2) == "shapes 2"
+    shapes.put(None, "not kept")
+    assert shapes.get(None) is None
+    clone = copy.deepcopy(shapes)
+    assert clone.size == 2 and clone.get(2) is None
+
+
+@pytest.mark.parametrize("clone", [copy.copy, copy.deepcopy])
+def test_a_copy_of_a_gate_keeps_its_shapes_in_one_place(clone):
+    """Its ``update`` fills the shapes its fused step reads."""
+    tx = clone(oa.chain(oa.accumulate(2), optax.sgd(1.0)))
+    params = jnp.zeros(2)
+    tx.update(jnp.ones(2), tx.init(params), params)
+    assert len(gating.emitted_shapes(tx)._kept) == 1
 
 
 def test_pass_window_on_gives_the_window_to_an_emission_without_one():

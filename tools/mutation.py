@@ -75,10 +75,10 @@ MUTANTS = {
     ),
     "closed_params_plus_zeros": (  # issue 10 (b)
         "chain.py",
-        "return params, res.state, flags.zeros_of(shapes)",
+        "return params, res.state, flags.zeros_of(like)",
         "return (jax.tree.map(lambda p: p + jnp.zeros_like(p), params), "
-        "res.state, flags.zeros_of(shapes))",
-        CORE_TESTS,
+        "res.state, flags.zeros_of(like))",
+        ["tests/test_nnx_optimizer.py"],
     ),
     "zero_weight_not_masked": (
         "accumulate.py",
@@ -187,13 +187,36 @@ MUTANTS = {
         "        for i in nums[:1]:",
         ["tests/test_mesh.py", "-k", "tuple_argnums"],
     ),
+    "emitted_shapes_not_kept": (  # an eager closed update traces again
+        "gating.py",
+        "            like = trace()\n            self.put(key, like)",
+        "            like = trace()",
+        ["tests/test_gating.py", "-k", "stays_closed"],
+    ),
+    "emitted_shapes_by_tree_only": (  # shapes of another call reused
+        "gating.py",
+        "types.append(jax.typeof(x))",
+        "types.append(type(x))",
+        ["tests/test_gating.py", "-k", "kept_by_the_types"],
+    ),
+    "emitted_shapes_keep_functions": (  # a value_fn's tracers kept alive
+        "gating.py",
+        "                else:\n                    return None",
+        "                else:\n                    types.append((type(x), x))",
+        ["tests/test_gating.py", "-k", "no_function"],
+    ),
+    "emitted_shapes_copy_split": (  # a copy's update fills another cache
+        "gating.py",
+        "as_update(me[0]._shapes, args)",
+        "as_update(update_fn.__dict__.setdefault('_s', EmittedShapes()), args)",
+        ["tests/test_gating.py", "-k", "one_place"],
+    ),
     "opened_false_zeros_grads_dtype": (  # zeros of an all-weight-0 window
         "gating.py",
-        "            return flags.zeros_of(jax.eval_shape(opened)[0]), "
-        "self.state",
+        "            return flags.zeros_of(like), self.state",
         # zeros in the test's gradient dtype, not the followers' float32
         "            return jax.tree.map(lambda s: jnp.zeros(s.shape, "
-        "jnp.bfloat16), jax.eval_shape(opened)[0]), self.state",
+        "jnp.bfloat16), like), self.state",
         _CHAIN + ["-k", "followers_output_dtype"],
     ),
     "closed_gate_zeros_grads_dtype": (  # a nested gate that stays closed

@@ -386,12 +386,19 @@ def _fused_step(
     result = gating.decision_of(
         tx.gate_update(grads, opt_state, params, ctx, **extra_args)
     )
-    return _apply(result, params, with_updates)
+    if not with_updates:
+        return _apply(result, params, None)
+    args = (grads, opt_state, params, extra_args)
+    return _apply(result, params, (gating.emitted_shapes(tx), args))
 
 
-def _apply(res: Any, params, with_updates: bool):
+def _apply(res: Any, params, updates_like: tuple | None):
     """The step of a gate's decision ``res``: ``params`` with its updates
-    applied where it opens, untouched where it stays closed."""
+    applied where it opens, untouched where it stays closed; the updates
+    too where ``updates_like`` is ``(shapes, args)``: the emitted shapes
+    of the gate (:func:`gating.emitted_shapes`) and the call's arguments,
+    which shape the zeros of a call that stays closed."""
+    with_updates = updates_like is not None
 
     selected = []  # whether the emission decided once more (a traced flag)
 
@@ -404,10 +411,11 @@ def _apply(res: Any, params, with_updates: bool):
         return new_params, state, updates
 
     def closed():
-        if not with_updates:  # nothing to shape: opened is not traced
+        if updates_like is None:  # nothing to shape: opened is not traced
             return params, res.state, None
-        shapes = jax.eval_shape(opened)[2]
-        return params, res.state, flags.zeros_of(shapes)
+        shapes, args = updates_like
+        like = shapes.find(args, lambda: jax.eval_shape(opened)[2])
+        return params, res.state, flags.zeros_of(like)
 
     def order(out, in_loop):
         # The optimizer's moments after the new params only where the step

@@ -103,6 +103,75 @@ class Emission(NamedTuple):
         )
 
 
+# The leaves besides arrays that a key of EmittedShapes holds by value.
+_PLAIN_LEAVES = (bool, int, float, complex, str)
+
+
+class EmittedShapes:
+    """The shapes of the updates a gate's plain ``update`` emits, by the
+    types of the call's arguments: a call that stays closed builds its
+    zeros from them instead of tracing the work it skips (an un-jitted
+    micro-step would trace the optimizer on every call). At most
+    ``size`` entries; the oldest goes first."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._kept: dict[Any, Any] = {}
+
+    def __reduce__(self):  # a copy or a pickle starts empty
+        return (EmittedShapes, (self.size,))
+
+    @staticmethod
+    def key(args: Any) -> Any:
+        """What the emitted shapes depend on: the tree of ``args``, the
+        type of each array leaf (shape, dtype, weak type, sharding,
+        device-varying axes), the value of each Python number or string,
+        the mesh in context and x64. ``None`` (nothing is kept) where
+        another leaf is there (a function, e.g. a linesearch's
+        ``value_fn``: a key would keep it, and what it closes over, alive)
+        or a node cannot be hashed."""
+        leaves, treedef = jax.tree.flatten(args)
+        types = []
+        try:
+            for x in leaves:
+                if hasattr(x, "dtype"):
+                    types.append(jax.typeof(x))
+                elif type(x) in _PLAIN_LEAVES:
+                    types.append((type(x), x))
+                else:
+                    return None
+            key = (
+                treedef,
+                tuple(types),
+                jax.sharding.get_abstract_mesh(),
+                jax.dtypes.canonicalize_dtype(jnp.float64),  # x64 on?
+            )
+            hash(key)
+        except (TypeError, ValueError):
+            return None
+        return key
+
+    def find(self, args: Any, trace: Callable[[], Any]) -> Any:
+        """The shapes kept for a call with ``args``; else ``trace()``'s,
+        kept."""
+        key = self.key(args)
+        like = self.get(key)
+        if like is None:
+            like = trace()
+            self.put(key, like)
+        return like
+
+    def get(self, key: Any) -> Any:
+        return None if key is None else self._kept.get(key)
+
+    def put(self, key: Any, shapes: Any) -> None:
+        if key is None:
+            return
+        if len(self._kept) >= self.size:
+            self._kept.pop(next(iter(self._kept)))
+        self._kept[key] = shapes
+
+
 class Decision(NamedTuple):
     """What a gate decided on one call: a :class:`~optaxaccum.GateResult`
     with the window bookkeeping. Its ``emit`` gives an :class:`Emission`
@@ -148,17 +217,26 @@ class Decision(NamedTuple):
             return self._replace(emit=lambda: fn(Emission.of(emit())))
         return self._replace(emit=fn(Emission.of(emit)))
 
-    def as_update(self) -> tuple[optax.Updates, Any]:
+    def as_update(
+        self, shapes: EmittedShapes | None = None, args: Any = None
+    ) -> tuple[optax.Updates, Any]:
         """The plain ``(updates, state)`` of ``update``: zeros with the
         structure, shapes and dtypes of the emitted updates where the gate
-        stays closed (or opens but does not let the followers run)."""
+        stays closed (or opens but does not let the followers run). Those
+        are ``shapes``' entry for the call's arguments ``args`` where it
+        has one; else the emission is traced (``jax.eval_shape``) to find
+        them, and kept."""
 
         def opened():
             out = self.emission()
             return flags.mask(out.opened, out.updates), out.state
 
         def closed():
-            return flags.zeros_of(jax.eval_shape(opened)[0]), self.state
+            def trace():
+                return jax.eval_shape(opened)[0]
+
+            like = trace() if shapes is None else shapes.find(args, trace)
+            return flags.zeros_of(like), self.state
 
         def order(out, in_loop):
             state = flags.ordered_after(out[1], out[0], moments=False)
@@ -259,6 +337,7 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
     gate_update: GateUpdateFn
     gate_flush: GateFlushFn | None
     _followers: Followers | None  # where the chain runs the followers
+    _shapes: EmittedShapes  # of the updates its calls emitted
 
     def __new__(
         cls,
@@ -271,12 +350,15 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         # chains can tell a near-miss keyword (``acum_weight``) from others.
         names = keywords.declared_extra_args(gate_update, skip=4)
 
+        me: list = []  # the transformation (its update reads its shapes)
+
         def update_fn(updates, state, params=None, **extra_args):
             if extra_args:  # near-misses (none to find without keywords)
                 keywords.check_extra_args(extra_args, names)
             ctx = base.GateContext()
             res = gate_update(updates, state, params, ctx, **extra_args)
-            return Decision.of(res).as_update()
+            args = (updates, state, params, extra_args)
+            return Decision.of(res).as_update(me[0]._shapes, args)
 
         self = super().__new__(
             cls, init, keywords.with_signature(update_fn, names)
@@ -284,6 +366,8 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         self.gate_update = gate_update
         self.gate_flush = gate_flush
         self._followers = None
+        self._shapes = EmittedShapes()
+        me.append(self)
         # Where only the update is kept (``optax.chain`` keeps its
         # elements' update functions), oa.flush finds the gate from it.
         update_fn.__dict__["_oa_gate"] = self
@@ -326,6 +410,12 @@ def with_followers(
     copies and pickles)."""
     tx._followers = hook
     return tx
+
+
+def emitted_shapes(tx: GatedTransformation) -> EmittedShapes:
+    """The shapes of the updates ``tx``'s calls emitted, by their
+    arguments' types."""
+    return tx._shapes
 
 
 def followers_of(tx: Any) -> Followers | None:
