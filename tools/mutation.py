@@ -207,8 +207,8 @@ MUTANTS = {
     ),
     "emitted_shapes_copy_split": (  # a copy's update fills another cache
         "gating.py",
-        "as_update(me[0]._shapes, args)",
-        "as_update(update_fn.__dict__.setdefault('_s', EmittedShapes()), args)",
+        'shapes = update_fn.__dict__["_oa_gate"]._shapes',
+        "shapes = update_fn.__dict__.setdefault('_s', EmittedShapes())",
         ["tests/test_gating.py", "-k", "one_place"],
     ),
     "opened_false_zeros_grads_dtype": (  # zeros of an all-weight-0 window

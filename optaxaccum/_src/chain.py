@@ -398,7 +398,6 @@ def _apply(res: Any, params, updates_like: tuple | None):
     too where ``updates_like`` is ``(shapes, args)``: the emitted shapes
     of the gate (:func:`gating.emitted_shapes`) and the call's arguments,
     which shape the zeros of a call that stays closed."""
-    with_updates = updates_like is not None
 
     selected = []  # whether the emission decided once more (a traced flag)
 
@@ -407,7 +406,7 @@ def _apply(res: Any, params, updates_like: tuple | None):
         selected.append(flag is not True)
         new_params = optax.apply_updates(params, updates)
         new_params = flags.select(flag, new_params, params)
-        updates = flags.mask(flag, updates) if with_updates else None
+        updates = None if updates_like is None else flags.mask(flag, updates)
         return new_params, state, updates
 
     def closed():

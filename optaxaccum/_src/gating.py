@@ -350,15 +350,16 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         # chains can tell a near-miss keyword (``acum_weight``) from others.
         names = keywords.declared_extra_args(gate_update, skip=4)
 
-        me: list = []  # the transformation (its update reads its shapes)
-
         def update_fn(updates, state, params=None, **extra_args):
             if extra_args:  # near-misses (none to find without keywords)
                 keywords.check_extra_args(extra_args, names)
             ctx = base.GateContext()
             res = gate_update(updates, state, params, ctx, **extra_args)
             args = (updates, state, params, extra_args)
-            return Decision.of(res).as_update(me[0]._shapes, args)
+            # Read through the transformation, not a closure: a copy keeps
+            # one cache for its update and its fused step.
+            shapes = update_fn.__dict__["_oa_gate"]._shapes
+            return Decision.of(res).as_update(shapes, args)
 
         self = super().__new__(
             cls, init, keywords.with_signature(update_fn, names)
@@ -367,7 +368,6 @@ class GatedTransformation(optax.GradientTransformationExtraArgs):
         self.gate_flush = gate_flush
         self._followers = None
         self._shapes = EmittedShapes()
-        me.append(self)
         # Where only the update is kept (``optax.chain`` keeps its
         # elements' update functions), oa.flush finds the gate from it.
         update_fn.__dict__["_oa_gate"] = self
